@@ -1,0 +1,184 @@
+"""Rollout worker: sample G completions per prompt, score them, stream RolloutGroups to the buffer.
+
+Loop: adopt the newest weights -> wait for admission (core/admission.py) -> generate a batch of
+groups (weights may change between decode steps) -> score -> send (the buffer client keeps every
+group until acknowledged) -> emit metrics. Actor 0 also runs the held-out evaluation every
+``run.eval_every`` policy versions.
+
+Run as a process: ``python -m actor.worker --run-dir RUN_DIR --index I``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import time
+
+import numpy as np
+import torch
+
+from actor.engine import TorchEngine
+from actor.tasks import EOS, PAD, make_task
+from buffer.client import ActorClient
+from core import config as C
+from core import messages as M
+from core.admission import Admission
+from core.metrics import MetricsSink
+from core.proc import die_with_parent, setup_logging, stop_event
+from learner.model import load_pretrained
+from weightsync.base import make_subscriber
+
+
+class RolloutWorker:
+    def __init__(self, cfg: C.Config, run_dir: str, index: int, stop=None):
+        self.cfg, self.run_dir, self.index = cfg, run_dir, index
+        self.actor_id = f"actor{index}"
+        self.stop = stop
+        self.task = make_task(cfg.task)
+        a = cfg.actor
+        self.engine = TorchEngine(load_pretrained(cfg.model.path), temperature=a.temperature, top_k=a.top_k,
+                                  top_p=a.top_p, max_new_tokens=a.max_new_tokens, eos_id=EOS, pad_id=PAD,
+                                  dtype=a.dtype, seed=cfg.run.seed * 1000 + index)
+        self.params = self.engine.params()
+        self.weights = make_subscriber(cfg, run_dir)
+        self.version = -1
+        self._adopt()
+        spool = os.path.join(run_dir, "actors", self.actor_id)
+        self.client = ActorClient(cfg, self.actor_id, spool_dir=spool)
+        share = cfg.learner.groups_per_step // a.num_actors
+        self.admission = Admission.resumed(share, cfg.buffer.max_staleness, max(self.version, 0),
+                                           self.client.outstanding)
+        self.rng = random.Random(hash((cfg.run.seed, index, self.version)) & 0xFFFFFFFF)
+        self.metrics = MetricsSink(cfg.net.host, cfg.net.metrics_port, "actor", self.actor_id)
+        self.last_eval = -1
+        self.eval_set = self.task.eval_set(cfg.run.eval_prompts) if index == 0 and cfg.run.eval_every else []
+
+    # ---- weights ---------------------------------------------------------------------------
+
+    def _adopt(self) -> int:
+        """Apply the newest complete weights if any; the version every next token is tagged with."""
+        applied = self.weights.apply(self.params)
+        if applied is not None:
+            self.version = applied
+        return self.version
+
+    def _wait_for_weights(self, timeout_s: float = 120.0) -> None:
+        t0 = time.time()
+        while self._adopt() < 0:
+            if self._stopped() or time.time() - t0 > timeout_s:
+                raise TimeoutError("no weights published by the learner")
+            time.sleep(0.05)
+
+    # ---- loop --------------------------------------------------------------------------------
+
+    def _stopped(self) -> bool:
+        return self.stop is not None and self.stop.is_set()
+
+    def _return_quota(self) -> None:
+        for ack in self.client.poll(0):
+            if ack.status in ("rejected", "dropped"):
+                self.admission.give_back()
+
+    def _wait_for_admission(self) -> tuple[int, float]:
+        t0 = time.time()
+        while True:
+            self._return_quota()
+            n = min(self.cfg.actor.groups_per_batch, self.admission.allowed(self._adopt()))
+            if n > 0 or self._stopped():
+                return n, time.time() - t0
+            time.sleep(0.005)
+
+    def run(self) -> None:
+        self._wait_for_weights()
+        while not self._stopped():
+            self._maybe_eval()
+            n, waited = self._wait_for_admission()
+            if n == 0:
+                break
+            self.admission.start(n)
+            t0 = time.time()
+            groups = self.generate_groups(n)
+            gen_s = time.time() - t0
+            for g in groups:
+                self.client.send(g)
+            self._emit(groups, gen_s, waited)
+        self.client.flush(timeout_s=5.0)
+
+    def generate_groups(self, n: int) -> list[M.RolloutGroup]:
+        G = self.cfg.actor.group_size
+        start_version = self.version
+        problems = [self.task.sample(self.rng, "train") for _ in range(n)]
+        prompts = [self.task.encode_prompt(p) for p in problems]
+        samples = self.engine.generate([p for p in prompts for _ in range(G)], before_step=self._adopt)
+        groups = []
+        for i, (p, prompt) in enumerate(zip(problems, prompts)):
+            comps = [
+                M.make_completion(s.tokens, s.logprobs, s.versions, s.finish_reason, self.task.reward(p, s.tokens))
+                for s in samples[i * G:(i + 1) * G]
+            ]
+            groups.append(M.RolloutGroup(
+                actor_id=self.actor_id, seq=self.client.next_seq(), group_id=f"{self.actor_id}-{p.key}",
+                task=self.task.name, tier="default", prompt_tokens=np.asarray(prompt, dtype=M.TOKEN_DTYPE).tobytes(),
+                completions=comps, start_version=start_version, created_at=time.time(),
+            ))
+        return groups
+
+    def _emit(self, groups, gen_s: float, waited: float) -> None:
+        rewards = [c.reward for g in groups for c in g.completions]
+        lengths = [c.num_tokens for g in groups for c in g.completions]
+        ws = self.weights.metrics()
+        self.metrics.emit(self.version, {
+            "actor/tokens_per_s": sum(lengths) / max(gen_s, 1e-9),
+            "actor/groups_per_s": len(groups) / max(gen_s + waited, 1e-9),
+            "actor/admission_wait_s": waited,
+            "actor/buffer_wait_s": float(self.client.admission_wait_s),
+            "actor/version": float(self.version),
+            "reward/mean": float(np.mean(rewards)),
+            "length/mean": float(np.mean(lengths)),
+            "length/p90": float(np.percentile(lengths, 90)),
+            "length/max": float(max(lengths)),
+            **{k: float(v) for k, v in ws.items()},
+        })
+
+    def _maybe_eval(self) -> None:
+        every = self.cfg.run.eval_every
+        if not self.eval_set or (self.last_eval >= 0 and self.version < self.last_eval + every):
+            return
+        self.last_eval = self.version
+        reward, length = evaluate(self.engine, self.task, self.eval_set)
+        self.metrics.emit(self.version, {"eval/reward": reward, "eval/length": length,
+                                         "eval/version": float(self.version)})
+
+
+def evaluate(engine: TorchEngine, task, problems) -> tuple[float, float]:
+    """Mean reward and length on a fixed held-out set, sampled exactly as training samples."""
+    samples = engine.generate([task.encode_prompt(p) for p in problems])
+    rewards = [task.reward(p, s.tokens) for p, s in zip(problems, samples)]
+    return float(np.mean(rewards)), float(np.mean([len(s.tokens) for s in samples]))
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--run-dir", required=True)
+    ap.add_argument("--index", type=int, default=0)
+    args = ap.parse_args(argv)
+    die_with_parent()
+    log = setup_logging(f"actor{args.index}")
+    stop = stop_event()
+    with open(os.path.join(args.run_dir, "config.json"), "rb") as f:
+        cfg = C.from_json(f.read())
+    torch.set_num_threads(cfg.actor.threads)
+    worker = RolloutWorker(cfg, args.run_dir, args.index, stop)
+    log.info("actor %d started at version %d", args.index, worker.version)
+    try:
+        worker.run()
+    finally:
+        worker.client.close()
+        worker.weights.close()
+        worker.metrics.close()
+        log.info("actor %d stopped", args.index)
+
+
+if __name__ == "__main__":
+    main()

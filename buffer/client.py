@@ -1,0 +1,427 @@
+"""Clients of the buffer server: one for actors, one for the learner.
+
+Both use a DEALER with a fixed identity (the server's ROUTER hands a reconnecting session over to
+it) and ``ZMQ_IMMEDIATE`` (while the buffer is down nothing piles up in ZeroMQ's queue: sends
+fail fast and are retried here, under our control).
+
+:class:`ActorClient` keeps every group until it is acked ``ok``/``duplicate``: at most ``window``
+are in flight; one unacked for ``resend_s`` is resent (the buffer dedups by ``(actor_id, seq)``);
+``busy`` makes it back off and resend. With ``spool_dir`` the unacked groups live on disk too
+(one file each, written atomically, deleted on ack) and are resent by the next incarnation of the
+actor; the seq counter is reserved there in blocks, so a seq is never reused for another group.
+Without a spool the buffer's ``Hello`` answer says where numbering resumes.
+
+:class:`LearnerClient` holds one outstanding ``SampleRequest`` (re-sent every ``resend_s`` in case
+the buffer restarted) and never returns a group key twice: after a buffer restart a group whose
+``Consumed`` was lost in flight may be served again, it is filtered out here and its
+``Consumed`` re-sent. The spool and this memory survive process death, not power loss.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import time
+import uuid
+from typing import Callable
+
+import msgspec
+import zmq
+
+from core import net
+from core.messages import (BUFFER_TO_ACTOR, BUFFER_TO_LEARNER, Ack, Consumed, Hello, RolloutGroup,
+                           SampleBatch, SampleRequest, Shutdown, decoder, encode)
+
+log = logging.getLogger("driftrl.buffer.client")
+
+WINDOW = 8
+RESEND_S = 2.0
+BUSY_BACKOFF_S = (0.02, 1.0)  # first and largest wait before resending a group the buffer refused
+HELLO_TIMEOUT_S = 60.0
+RETRY_UNSENT_S = 0.02  # a send refused while disconnected is retried this often
+SEQ_BLOCK = 64  # seqs reserved per write of the spool counter
+RECENT_KEYS = 1 << 16
+
+
+def _dealer(ctx: zmq.Context, cfg, port: int, role: str, name: str) -> zmq.Socket:
+    s = net.socket(ctx, zmq.DEALER, linger_ms=0)
+    s.identity = f"{role}:{name}:{uuid.uuid4().hex[:12]}".encode()
+    s.setsockopt(zmq.IMMEDIATE, 1)
+    net.connect(s, cfg.net.host, port, net.curve_from_config(cfg.net))
+    return s
+
+
+def _try_send(sock: zmq.Socket, payload: bytes) -> bool:
+    try:
+        sock.send(payload, zmq.NOBLOCK, copy=len(payload) < 65536)
+        return True
+    except zmq.Again:  # not connected (IMMEDIATE) or queue full: caller retries
+        return False
+
+
+class _Pending:
+    __slots__ = ("seq", "payload", "sent_at", "retry_at", "busy")
+
+    def __init__(self, seq: int, payload: bytes):
+        self.seq, self.payload = seq, payload
+        self.busy = 0  # consecutive "busy" answers
+        self.sent_at: float | None = None
+        self.retry_at = 0.0
+
+
+class _Spool:
+    """Unacked groups of one actor on disk, plus the reserved seq bound."""
+
+    def __init__(self, directory: str, actor_id: str):
+        self.dir, self.actor_id = directory, actor_id
+        os.makedirs(directory, exist_ok=True)
+        for name in os.listdir(directory):
+            if name.endswith(".tmp"):
+                os.unlink(os.path.join(directory, name))
+        self.counter_path = os.path.join(directory, "next_seq")
+        self.reserved: int | None = None
+        if os.path.exists(self.counter_path):
+            with open(self.counter_path) as f:
+                self.reserved = int(f.read().strip())
+
+    def load(self) -> list[tuple[int, bytes]]:
+        dec, out = decoder(RolloutGroup), []
+        for name in sorted(os.listdir(self.dir)):
+            if not name.endswith(".grp"):
+                continue
+            with open(os.path.join(self.dir, name), "rb") as f:
+                payload = f.read()
+            g = dec.decode(payload)  # written by us, atomically: a failure here is a real bug
+            if g.actor_id != self.actor_id:
+                raise ValueError(f"spool {self.dir} holds groups of {g.actor_id!r}, not {self.actor_id!r}")
+            out.append((g.seq, payload))
+        return out
+
+    def put(self, seq: int, payload: bytes) -> None:
+        self._atomic_write(self._path(seq), payload)
+
+    def delete(self, seq: int) -> None:
+        try:
+            os.unlink(self._path(seq))
+        except FileNotFoundError:
+            pass
+
+    def reserve(self, next_seq: int) -> None:
+        if self.reserved is None or next_seq > self.reserved:
+            self.reserved = next_seq + SEQ_BLOCK - 1
+            self._atomic_write(self.counter_path, str(self.reserved).encode())
+
+    def _path(self, seq: int) -> str:
+        return os.path.join(self.dir, f"{seq:012d}.grp")
+
+    @staticmethod
+    def _atomic_write(path: str, data: bytes) -> None:
+        tmp = path + ".tmp"
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+
+
+class ActorClient:
+    def __init__(self, cfg, actor_id: str, ctx: zmq.Context | None = None, spool_dir: str | None = None,
+                 window: int = WINDOW, resend_s: float = RESEND_S,
+                 on_ack: Callable[[Ack], None] | None = None):
+        self.actor_id, self.window, self.resend_s, self.on_ack = actor_id, window, resend_s, on_ack
+        self.admission_wait_s = 0.0
+        self.bad_frames = 0
+        self._pending: dict[int, _Pending] = {}  # insertion order == seq order
+        self._notices: list[Ack] = []
+        self._busy = False
+        self._server_next: int | None = None  # from the Hello answer
+        self._hello = encode(Hello("actor", actor_id))
+        self._hello_at: float | None = None
+        self._dec = decoder(BUFFER_TO_ACTOR)
+        self._own_ctx = ctx is None
+        self._ctx = zmq.Context() if ctx is None else ctx
+        self._sock = _dealer(self._ctx, cfg, cfg.net.buffer_actor_port, "actor", actor_id)
+        self._spool = _Spool(spool_dir, actor_id) if spool_dir else None
+        self._next = 0
+        if self._spool is not None:
+            for seq, payload in self._spool.load():
+                self._pending[seq] = _Pending(seq, payload)
+            self._next = max([self._spool.reserved or 0] + [s + 1 for s in self._pending])
+        self._pump()
+
+    # ---- public ------------------------------------------------------------------------------
+
+    @property
+    def outstanding(self) -> int:
+        return len(self._pending)
+
+    def next_seq(self) -> int:
+        """A seq never used before by this actor id (persisted in the spool before returning)."""
+        if self._spool is None or self._spool.reserved is None:
+            self._await_hello()  # nothing local to trust: the buffer knows the high-water mark
+        seq = self._next
+        self._next += 1
+        if self._spool is not None:
+            self._spool.reserve(self._next)
+        return seq
+
+    def send(self, group: RolloutGroup) -> None:
+        """Queue ``group`` until acked; blocks while the window is full or the buffer is busy."""
+        if group.actor_id != self.actor_id:
+            raise ValueError(f"group of actor {group.actor_id!r} sent through the client of {self.actor_id!r}")
+        if group.seq in self._pending:
+            raise ValueError(f"seq {group.seq} is already in flight for {self.actor_id!r}")
+        self._receive(0)
+        t0 = time.monotonic()
+        self._wait_until(lambda: len(self._pending) < self.window and not self._busy, None)
+        self.admission_wait_s += time.monotonic() - t0
+        payload = encode(group)
+        if self._spool is not None:
+            self._spool.put(group.seq, payload)
+        self._pending[group.seq] = _Pending(group.seq, payload)
+        self._pump()
+
+    def poll(self, timeout_ms: int = 0) -> list[Ack]:
+        """Process acks; return those the actor must act on (``rejected``/``dropped``)."""
+        self._receive(timeout_ms)
+        self._pump()
+        out, self._notices = self._notices, []
+        return out
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until every group sent so far is acked; False on timeout."""
+        return self._wait_until(lambda: not self._pending, time.monotonic() + timeout_s)
+
+    def close(self) -> None:
+        if not self._sock.closed:
+            self._sock.close(linger=0)
+        if self._own_ctx and not self._ctx.closed:
+            self._ctx.term()
+
+    # ---- internals ---------------------------------------------------------------------------
+
+    def _await_hello(self) -> None:
+        t0 = time.monotonic()
+        if not self._wait_until(lambda: self._server_next is not None, t0 + HELLO_TIMEOUT_S):
+            log.warning("%s: no answer from the buffer in %.0fs; numbering from %d",
+                        self.actor_id, HELLO_TIMEOUT_S, self._next)
+        self.admission_wait_s += time.monotonic() - t0
+
+    def _wait_until(self, done: Callable[[], bool], deadline: float | None) -> bool:
+        while not done():
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                return False
+            wait = self._next_due(now) - now
+            if deadline is not None:
+                wait = min(wait, deadline - now)
+            self._receive(max(1, int(wait * 1000)))
+            self._pump()
+        return True
+
+    def _next_due(self, now: float) -> float:
+        due = now + self.resend_s
+        if self._server_next is None:
+            due = min(due, (self._hello_at or now) + (self.resend_s if self._hello_at else RETRY_UNSENT_S))
+        for p in list(self._pending.values())[: self.window]:
+            due = min(due, p.retry_at if p.sent_at is not None else now + RETRY_UNSENT_S)
+        return due
+
+    def _pump(self) -> None:
+        """(Re)send whatever is due: the Hello, then the first ``window`` unacked groups."""
+        now = time.monotonic()
+        if self._server_next is None and (self._hello_at is None or now - self._hello_at >= self.resend_s):
+            if _try_send(self._sock, self._hello):
+                self._hello_at = now
+        for i, p in enumerate(self._pending.values()):
+            if i >= self.window:
+                break
+            if p.sent_at is None or now >= p.retry_at:
+                if not _try_send(self._sock, p.payload):
+                    return
+                p.sent_at, p.retry_at = now, now + self.resend_s
+
+    def _receive(self, timeout_ms: int) -> None:
+        if timeout_ms and not self._sock.poll(timeout_ms):
+            return
+        while True:
+            try:
+                frame = self._sock.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                msg = self._dec.decode(frame.buffer)
+            except msgspec.DecodeError:
+                self.bad_frames += 1
+                continue
+            if isinstance(msg, Ack) and msg.actor_id == self.actor_id:
+                self._on_ack(msg)
+
+    def _on_ack(self, ack: Ack) -> None:
+        st = ack.status
+        if st == "hello":
+            if self._server_next is None and self._next < ack.seq and self._next > 0:
+                log.warning("%s: local seq %d is behind the buffer's %d", self.actor_id, self._next, ack.seq)
+            self._server_next = ack.seq
+            self._next = max(self._next, ack.seq)
+            return
+        p = self._pending.get(ack.seq)
+        if st in ("ok", "duplicate"):
+            self._busy = False
+            if p is not None:
+                self._finish(p)
+        elif st == "busy":
+            if p is not None:
+                self._busy = True
+                p.busy += 1  # exponential backoff per group, so one busy spell costs one wait
+                p.retry_at = time.monotonic() + min(BUSY_BACKOFF_S[0] * 2 ** (p.busy - 1), BUSY_BACKOFF_S[1])
+        elif st == "rejected":
+            if ack.seq < 0:  # our Hello: wrong schema, nothing this actor sends can be accepted
+                raise RuntimeError(f"buffer refused actor {self.actor_id!r}: {ack.reason}")
+            if p is None:  # the answer to a resend of a group already settled
+                return
+            self._finish(p)
+            self._notices.append(ack)
+        elif st == "dropped":
+            self._notices.append(ack)
+        if self.on_ack is not None:
+            self.on_ack(ack)
+
+    def _finish(self, p: _Pending) -> None:
+        del self._pending[p.seq]
+        if self._spool is not None:
+            self._spool.delete(p.seq)
+
+
+class _RecentKeys:
+    """A bounded set: the last ``maxlen`` keys added."""
+
+    def __init__(self, maxlen: int = RECENT_KEYS):
+        self._q: collections.deque = collections.deque()
+        self._s: set = set()
+        self.maxlen = maxlen
+
+    def add(self, key) -> None:
+        if key in self._s:
+            return
+        self._q.append(key)
+        self._s.add(key)
+        if len(self._q) > self.maxlen:
+            self._s.discard(self._q.popleft())
+
+    def __contains__(self, key) -> bool:
+        return key in self._s
+
+
+class LearnerClient:
+    def __init__(self, cfg, ctx: zmq.Context | None = None, learner_id: str = "learner",
+                 resend_s: float = RESEND_S):
+        self.learner_id, self.resend_s = learner_id, resend_s
+        self.shutdown_reason: str | None = None
+        self.filtered = 0  # groups served twice across a buffer restart, kept from the caller
+        self._dec = decoder(BUFFER_TO_LEARNER)
+        self._own_ctx = ctx is None
+        self._ctx = zmq.Context() if ctx is None else ctx
+        self._sock = _dealer(self._ctx, cfg, cfg.net.buffer_learner_port, "learner", learner_id)
+        self._unsent: collections.deque = collections.deque([encode(Hello("learner", learner_id))])
+        self._req_id = 0
+        self._version = 0  # learner version of the latest sample() call
+        self._request: SampleRequest | None = None
+        self._sent_at: float | None = None
+        self._ready: collections.deque = collections.deque()
+        self._delivered = _RecentKeys()
+        self._consumed = _RecentKeys()
+        self._flush_unsent()
+
+    def sample(self, num_groups: int, learner_version: int,
+               timeout_s: float | None = None) -> SampleBatch | None:
+        """The next batch of up to ``num_groups`` fresh groups, or None after ``timeout_s``.
+
+        Fewer than asked only when the buffer is full and cannot reach ``num_groups``, or when
+        groups already returned earlier were removed (see the module docstring).
+        """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self._version = learner_version
+        while True:
+            batch = self._pop_ready()
+            if batch is not None:
+                return batch
+            req = self._request
+            if req is None or (req.num_groups, req.learner_version) != (num_groups, learner_version):
+                self._req_id += 1
+                self._request = SampleRequest(self._req_id, num_groups, learner_version)
+                self._sent_at = None
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                return None
+            self._pump(now)
+            wait = RETRY_UNSENT_S if self._sent_at is None else self._sent_at + self.resend_s - now
+            if deadline is not None:
+                wait = min(wait, deadline - now)
+            self._receive(max(1, int(wait * 1000)))
+
+    def consumed(self, keys: list[tuple[str, int]], learner_version: int) -> None:
+        """Report groups trained on (after the optimiser step); only then do they leave the buffer."""
+        keys = [(str(a), int(s)) for a, s in keys]
+        for k in keys:
+            self._consumed.add(k)
+        self._unsent.append(encode(Consumed(keys, learner_version)))
+        self._flush_unsent()
+
+    def close(self) -> None:
+        if not self._sock.closed:
+            self._flush_unsent()
+            self._sock.close(linger=500)  # let a last Consumed leave
+        if self._own_ctx and not self._ctx.closed:
+            self._ctx.term()
+
+    # ---- internals ---------------------------------------------------------------------------
+
+    def _flush_unsent(self) -> bool:
+        while self._unsent:
+            if not _try_send(self._sock, self._unsent[0]):
+                return False
+            self._unsent.popleft()
+        return True
+
+    def _pump(self, now: float) -> None:
+        if not self._flush_unsent() or self._request is None:
+            return
+        if self._sent_at is None or now - self._sent_at >= self.resend_s:
+            if _try_send(self._sock, encode(self._request)):
+                self._sent_at = now
+
+    def _receive(self, timeout_ms: int) -> None:
+        if timeout_ms and not self._sock.poll(timeout_ms):
+            return
+        while True:
+            try:
+                frame = self._sock.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            msg = self._dec.decode(frame.buffer)  # the buffer is trusted; a failure is a bug
+            if isinstance(msg, SampleBatch):
+                if self._request is not None and msg.request_id == self._request.request_id:
+                    self._request = None
+                self._ready.append(msg)
+            elif isinstance(msg, Shutdown):
+                self.shutdown_reason = msg.reason
+
+    def _pop_ready(self) -> SampleBatch | None:
+        while self._ready:
+            batch = self._ready.popleft()
+            fresh, again = [], []
+            for g in batch.groups:
+                key = g.key
+                if key in self._delivered:
+                    self.filtered += 1
+                    if key in self._consumed:
+                        again.append(key)
+                    continue
+                self._delivered.add(key)
+                fresh.append(g)
+            if again:  # its Consumed was lost with the old buffer process
+                self._unsent.append(encode(Consumed(again, self._version)))
+                self._flush_unsent()
+            if fresh:
+                return batch if len(fresh) == len(batch.groups) else msgspec.structs.replace(batch, groups=fresh)
+        return None

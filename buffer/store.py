@@ -1,0 +1,293 @@
+"""The resident replay groups and their exactly-once bookkeeping. Pure: no sockets, no disk.
+
+A group is identified by its key ``(actor_id, seq)``. Its life::
+
+    offer() --ok--> resident --take()--> leased --consume()--> consumed
+                       |                   |
+                       |                   +--release() (learner restarted)--> resident
+                       +--take() finds it stale--> dropped("stale")
+
+``offer`` answers ``duplicate`` for every key ever accepted (resident, leased, consumed or
+dropped), so a resend can never be inserted twice; ``busy`` when the capacity in groups or bytes
+is reached (nothing is ever evicted silently); ``rejected`` when the group is already too stale
+on arrival. The accounting invariant ``accepted == consumed + sum(dropped) + resident`` holds
+after every call and is reported by :meth:`Store.invariant_ok`.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from buffer import policies
+
+Key = tuple[str, int]
+
+# response-length buckets (tokens of the longest completion) for drop counts: a staleness
+# bound that mostly drops long rollouts biases training toward short answers, visibly so here
+LEN_BUCKETS = (64, 256, 1024, 4096)
+
+
+def length_bucket(n_tokens: int) -> str:
+    for b in LEN_BUCKETS:
+        if n_tokens <= b:
+            return f"<={b}"
+    return f">{LEN_BUCKETS[-1]}"
+
+
+@dataclass(slots=True, eq=False)
+class Entry:
+    key: Key
+    min_version: int
+    nbytes: int  # bytes held in memory (the encoded group): what capacity_bytes limits
+    length: int  # tokens of the longest completion, for the drop-bias buckets
+    raw: Any = None  # encoded RolloutGroup, handed to the learner without re-encoding
+    order: int = 0  # arrival number, set by the store
+    lessee: str | None = None  # learner holding it, if leased
+
+
+def entry_from_group(group, raw=None) -> Entry:
+    length = max((c.num_tokens for c in group.completions), default=0)
+    return Entry(group.key, group.min_version(), len(raw) if raw is not None else group.nbytes(),
+                 length, raw)
+
+
+class SeenKeys:
+    """Every key ever accepted, compactly: per actor the highest seq seen plus the gaps below it.
+
+    Actors number their groups 0, 1, 2, ... so the gap list is normally empty; a rejected group or
+    an actor restart leaves one small interval. Gaps are inclusive ``(lo, hi)`` intervals, sorted.
+    """
+
+    def __init__(self):
+        self._hwm: dict[str, int] = {}
+        self._gaps: dict[str, list[tuple[int, int]]] = {}
+
+    def __contains__(self, key: Key) -> bool:
+        actor, seq = key
+        if seq > self._hwm.get(actor, -1):
+            return False
+        gaps = self._gaps.get(actor)
+        if not gaps:
+            return True
+        i = bisect.bisect_right(gaps, (seq, float("inf"))) - 1
+        return not (i >= 0 and gaps[i][0] <= seq <= gaps[i][1])
+
+    def add(self, key: Key) -> None:
+        actor, seq = key
+        hwm = self._hwm.get(actor, -1)
+        if seq > hwm:
+            if seq > hwm + 1:
+                self._gaps.setdefault(actor, []).append((hwm + 1, seq - 1))
+            self._hwm[actor] = seq
+            return
+        gaps = self._gaps.get(actor)
+        if not gaps:
+            return
+        i = bisect.bisect_right(gaps, (seq, float("inf"))) - 1
+        if i < 0 or not gaps[i][0] <= seq <= gaps[i][1]:
+            return
+        lo, hi = gaps.pop(i)
+        for part in ((seq + 1, hi), (lo, seq - 1)):
+            if part[0] <= part[1]:
+                gaps.insert(i, part)
+
+    def next_seq(self, actor: str) -> int:
+        return self._hwm.get(actor, -1) + 1
+
+    def snapshot(self) -> dict:
+        return {a: [h, [list(g) for g in self._gaps.get(a, [])]] for a, h in self._hwm.items()}
+
+    def merge(self, snap: dict) -> None:
+        """Union with a snapshot: seen here or there. Unseen = intersection of the unseen sets."""
+        for actor, (hwm, gaps) in snap.items():
+            mine_hwm = self._hwm.get(actor, -1)
+            top = max(hwm, mine_hwm)
+            mine = self._gaps.get(actor, []) + ([(mine_hwm + 1, top)] if top > mine_hwm else [])
+            theirs = [tuple(g) for g in gaps] + ([(hwm + 1, top)] if top > hwm else [])
+            self._hwm[actor] = top
+            self._gaps[actor] = _intersect(mine, theirs)
+
+    def __len__(self) -> int:
+        return sum(h + 1 - sum(hi - lo + 1 for lo, hi in self._gaps.get(a, []))
+                   for a, h in self._hwm.items())
+
+
+def _intersect(a: list, b: list) -> list[tuple[int, int]]:
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if lo <= hi:
+            out.append((lo, hi))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+@dataclass
+class Counters:
+    accepted: int = 0
+    consumed: int = 0
+    duplicates: int = 0
+    busy: int = 0
+    recovered: int = 0  # resident groups rebuilt from disk at start (counted in accepted)
+    consumed_unknown: int = 0  # Consumed for keys not resident (a resend after a restart)
+    rejected: Counter = field(default_factory=Counter)  # at arrival, by reason
+    dropped: Counter = field(default_factory=Counter)  # after acceptance, by reason
+    stale_by_len: Counter = field(default_factory=Counter)  # stale rejects + drops, by bucket
+
+
+class Store:
+    def __init__(self, capacity_groups: int, capacity_bytes: int, max_staleness: int = 1,
+                 policy: str = "drop_stale"):
+        self.capacity_groups = capacity_groups
+        self.capacity_bytes = capacity_bytes
+        self.max_staleness = max_staleness
+        self.policy = policy
+        policies.get(policy)  # fail at construction on a bad name
+        self.resident: dict[Key, Entry] = {}  # insertion order == arrival order
+        self.seen = SeenKeys()
+        self.counters = Counters()
+        self.depth_bytes = 0
+        self.leased = 0
+        # set when an offer was refused for capacity, cleared when anything leaves: a learner
+        # waiting for more groups than fit must then be served what there is (no deadlock)
+        self.saturated = False
+        self._order = 0
+
+    # ---- admission -------------------------------------------------------------------------
+
+    def offer(self, entry: Entry, learner_version: int | None = None) -> tuple[str, str]:
+        """Try to accept a group; returns ``(status, reason)``."""
+        c = self.counters
+        if entry.key in self.seen:
+            c.duplicates += 1
+            return "duplicate", ""
+        if entry.nbytes > self.capacity_bytes:
+            c.rejected["too_large"] += 1
+            return "rejected", "too_large"
+        if learner_version is not None and \
+                policies.staleness(entry, learner_version) > self.max_staleness:
+            c.rejected["stale"] += 1
+            c.stale_by_len[length_bucket(entry.length)] += 1
+            return "rejected", "stale"
+        if len(self.resident) >= self.capacity_groups or \
+                self.depth_bytes + entry.nbytes > self.capacity_bytes:
+            c.busy += 1
+            self.saturated = True
+            return "busy", ""
+        self._insert(entry)
+        c.accepted += 1
+        return "ok", ""
+
+    def restore(self, entry: Entry) -> None:
+        """Re-insert a group recovered from disk (it was accepted by an earlier incarnation)."""
+        if entry.key in self.resident:
+            return
+        self._insert(entry)
+        self.counters.accepted += 1
+        self.counters.recovered += 1
+
+    def _insert(self, entry: Entry) -> None:
+        self._order += 1
+        entry.order, entry.lessee = self._order, None
+        self.resident[entry.key] = entry
+        self.seen.add(entry.key)
+        self.depth_bytes += entry.nbytes
+
+    # ---- sampling ----------------------------------------------------------------------------
+
+    def available(self) -> int:
+        return len(self.resident) - self.leased
+
+    def take(self, n: int, learner_version: int, max_staleness: int | None = None,
+             policy: str | None = None, lessee: str = "learner", at_least: int = 1):
+        """Lease up to ``n`` fresh groups to ``lessee``; returns ``(taken, dropped)``.
+
+        Stale groups the policy discards are removed and returned in ``dropped`` even when
+        fewer than ``at_least`` fresh groups exist, in which case nothing is leased.
+        """
+        bound = self.max_staleness if max_staleness is None else max_staleness
+        fn = policies.get(policy or self.policy)
+        avail = [e for e in self.resident.values() if e.lessee is None]
+        take, drops = fn(avail, learner_version, bound, n)
+        for e in drops:
+            self._remove(e)
+            self.counters.dropped["stale"] += 1
+            self.counters.stale_by_len[length_bucket(e.length)] += 1
+        take = take[:n]
+        if len(take) < max(at_least, 1):
+            return [], drops
+        for e in take:
+            e.lessee = lessee
+        self.leased += len(take)
+        return take, drops
+
+    def consume(self, keys: Iterable[Key]) -> list[Entry]:
+        """The learner trained on these: they leave for good. Unknown keys are counted, ignored."""
+        done = []
+        for key in keys:
+            e = self.resident.get(key)
+            if e is None:
+                self.counters.consumed_unknown += 1
+                continue
+            self._remove(e)
+            self.counters.consumed += 1
+            done.append(e)
+        return done
+
+    def drop(self, keys: Iterable[Key], reason: str) -> list[Entry]:
+        out = []
+        for key in keys:
+            e = self.resident.get(key)
+            if e is not None:
+                self._remove(e)
+                self.counters.dropped[reason] += 1
+                out.append(e)
+        return out
+
+    def release(self, lessee: str | None = None) -> int:
+        """Make leased groups available again (all, or those of one learner)."""
+        n = 0
+        for e in self.resident.values():
+            if e.lessee is not None and (lessee is None or e.lessee == lessee):
+                e.lessee = None
+                n += 1
+        self.leased -= n
+        return n
+
+    def _remove(self, e: Entry) -> None:
+        del self.resident[e.key]
+        self.depth_bytes -= e.nbytes
+        if e.lessee is not None:
+            self.leased -= 1
+        self.saturated = False
+
+    # ---- reporting ---------------------------------------------------------------------------
+
+    def invariant_ok(self) -> bool:
+        c = self.counters
+        return c.accepted == c.consumed + sum(c.dropped.values()) + len(self.resident)
+
+    def stats(self) -> dict[str, float]:
+        c = self.counters
+        out = {
+            "buffer/depth": float(len(self.resident)),
+            "buffer/depth_bytes": float(self.depth_bytes),
+            "buffer/leased": float(self.leased),
+            "buffer/accepted": float(c.accepted),
+            "buffer/recovered": float(c.recovered),
+            "buffer/consumed": float(c.consumed),
+            "buffer/dropped_stale": float(c.dropped["stale"] + c.rejected["stale"]),
+            "buffer/duplicates": float(c.duplicates),
+            "buffer/busy": float(c.busy),
+            "buffer/rejected": float(sum(c.rejected.values())),
+            "buffer/invariant_ok": 1.0 if self.invariant_ok() else 0.0,
+        }
+        for b, k in c.stale_by_len.items():
+            out[f"buffer/dropped_stale_len/{b}"] = float(k)
+        return out

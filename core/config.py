@@ -1,0 +1,225 @@
+"""Run configuration: typed msgspec Structs whose defaults are the tiny CPU run.
+
+Resolution order: struct defaults < optional TOML file < dotted overrides
+(``python run.py learner.lr=2e-6 buffer.max_staleness=4``). Unknown keys and bad values raise
+:class:`ConfigError` naming the field path (``$.learner.lr``). Override values are parsed as TOML
+literals (``4``, ``2e-6``, ``true``, ``"x"``, ``[1, 2]``); anything else is taken as a string.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+PosInt = Annotated[int, Meta(ge=1)]
+NonNegInt = Annotated[int, Meta(ge=0)]
+PosFloat = Annotated[float, Meta(gt=0)]
+NonNegFloat = Annotated[float, Meta(ge=0)]
+Dtype = Literal["float32", "bfloat16", "float16"]
+
+
+class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class RunSection(_Section):
+    run_dir: str = ""  # empty: runs/<UTC timestamp>, with runs/latest pointing at it
+    seed: int = 0
+    max_steps: NonNegInt = 1000  # learner optimiser steps; 0 = no step budget
+    max_time_s: NonNegFloat = 480.0  # wall-clock budget of the training phase; 0 = none
+    log_every_s: PosFloat = 2.0
+    eval_every: NonNegInt = 5  # held-out eval every N policy versions (actor 0); 0 = off
+    eval_prompts: PosInt = 256
+    ckpt_every: NonNegInt = 0  # learner steps between checkpoints; 0 = final only
+
+
+class ModelSection(_Section):
+    # empty path: build (once, deterministically, then cached) the tiny base model of `task`
+    path: str = ""
+    cache_dir: str = ".cache/driftrl"
+    hidden_size: PosInt = 128
+    num_layers: PosInt = 4
+    num_heads: PosInt = 4
+    num_kv_heads: PosInt = 2
+    intermediate_size: PosInt = 384
+    pretrain_steps: NonNegInt = 1200
+    pretrain_batch: PosInt = 64
+    pretrain_lr: PosFloat = 3e-3
+    # fraction of pre-training answers that are correct; the rest carry the classic
+    # "forgot the carry" mistake, so the base model knows the task but prefers a wrong habit
+    pretrain_correct_frac: Annotated[float, Meta(ge=0, le=1)] = 0.25
+
+
+class TaskSection(_Section):
+    name: Literal["arith"] = "arith"
+    digits: Annotated[int, Meta(ge=1, le=6)] = 2
+    eval_frac: Annotated[float, Meta(gt=0, lt=1)] = 0.1
+
+
+class ActorSection(_Section):
+    num_actors: PosInt = 1
+    engine: Literal["torch", "sglang"] = "torch"
+    group_size: Annotated[int, Meta(ge=2)] = 8
+    groups_per_batch: PosInt = 8  # prompts decoded together by one engine batch
+    max_new_tokens: PosInt = 8
+    temperature: PosFloat = 1.0
+    top_k: NonNegInt = 0  # 0 = off
+    top_p: Annotated[float, Meta(gt=0, le=1)] = 1.0
+    dtype: Dtype = "float32"
+    threads: PosInt = 1
+
+
+class BufferSection(_Section):
+    max_staleness: NonNegInt = 1
+    policy: Literal["drop_stale", "oldest_first"] = "drop_stale"
+    capacity_groups: PosInt = 1024
+    capacity_bytes: PosInt = 256 * 1024 * 1024
+    max_frame_bytes: PosInt = 64 * 1024 * 1024
+    persist: bool = True
+    fsync: Literal["always", "batch", "never"] = "batch"
+    segment_bytes: PosInt = 16 * 1024 * 1024
+
+
+class LearnerSection(_Section):
+    groups_per_step: PosInt = 16
+    lr: PosFloat = 1e-4
+    weight_decay: NonNegFloat = 0.0
+    betas: tuple[float, float] = (0.9, 0.99)
+    grad_clip: NonNegFloat = 1.0  # 0 = off
+    loss: Literal["ring_zero", "ppo_clip", "tis"] = "ring_zero"
+    eps_high: PosFloat = 2.0  # Ring-Zero/TIS upper truncation of the ratio
+    eps_clip: PosFloat = 0.2  # PPO-clip only
+    norm: Literal["token", "sample"] = "token"
+    kl_beta: NonNegFloat = 0.0
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    # precision policy (DESIGN §4)
+    body_dtype: Dtype = "bfloat16"
+    fp32_attn_softmax: bool = True
+    fp32_head: bool = True
+    logprob_chunk: PosInt = 1024  # tokens per FP32 head chunk
+    threads: PosInt = 1
+    # start-up contract check: actor-vs-learner scoring of one fixed batch
+    contract_max_abs_logp_diff: PosFloat = 0.05
+    contract_max_kl_k3: PosFloat = 0.01
+
+
+class WeightSyncSection(_Section):
+    transport: Literal["shm", "filesystem", "nccl"] = "shm"
+    bucket_mb: PosInt = 64
+
+
+class NetSection(_Section):
+    host: str = "127.0.0.1"
+    buffer_actor_port: NonNegInt = 0  # 0 = pick a free port at launch
+    buffer_learner_port: NonNegInt = 0
+    metrics_port: NonNegInt = 0
+    # ZeroMQ CURVE keys (z85) -- required when `host` is not loopback
+    curve_server_public: str = ""
+    curve_server_secret: str = ""
+    curve_client_public: str = ""
+    curve_client_secret: str = ""
+
+
+class MonitorSection(_Section):
+    live: Literal["auto", "on", "off"] = "auto"  # auto: rich Live on a TTY, plain lines otherwise
+    refresh_s: PosFloat = 1.0
+
+
+class Config(_Section):
+    run: RunSection = msgspec.field(default_factory=RunSection)
+    model: ModelSection = msgspec.field(default_factory=ModelSection)
+    task: TaskSection = msgspec.field(default_factory=TaskSection)
+    actor: ActorSection = msgspec.field(default_factory=ActorSection)
+    buffer: BufferSection = msgspec.field(default_factory=BufferSection)
+    learner: LearnerSection = msgspec.field(default_factory=LearnerSection)
+    weightsync: WeightSyncSection = msgspec.field(default_factory=WeightSyncSection)
+    net: NetSection = msgspec.field(default_factory=NetSection)
+    monitor: MonitorSection = msgspec.field(default_factory=MonitorSection)
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_override(tree: dict, item: str) -> None:
+    """Set ``a.b.c=value`` in a nested dict built from the config; unknown paths raise."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} is not of the form section.key=value")
+    path, _, raw = item.partition("=")
+    keys = path.strip().split(".")
+    node = tree
+    for depth, k in enumerate(keys[:-1]):
+        if not isinstance(node, dict) or k not in node:
+            raise ConfigError(f"unknown config key `$.{'.'.join(keys[: depth + 1])}`")
+        node = node[k]
+    if not isinstance(node, dict) or keys[-1] not in node:
+        raise ConfigError(f"unknown config key `$.{path.strip()}`")
+    node[keys[-1]] = _parse_value(raw.strip())
+
+
+def _merge(base: dict, top: dict, where: str = "$") -> None:
+    for k, v in top.items():
+        if k not in base:
+            raise ConfigError(f"unknown config key `{where}.{k}`")
+        if isinstance(base[k], dict) and isinstance(v, dict):
+            _merge(base[k], v, f"{where}.{k}")
+        else:
+            base[k] = v
+
+
+def from_dict(tree: dict) -> Config:
+    try:
+        cfg = msgspec.convert(tree, Config)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"invalid config: {e}") from None
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Cross-field rules that per-field types cannot state."""
+    if cfg.learner.groups_per_step % cfg.actor.num_actors:
+        raise ConfigError(
+            "`$.learner.groups_per_step` must be a multiple of `$.actor.num_actors` "
+            f"({cfg.learner.groups_per_step} % {cfg.actor.num_actors} != 0): each actor owns an "
+            "equal share of the admission quota"
+        )
+    if cfg.run.max_steps == 0 and cfg.run.max_time_s == 0:
+        raise ConfigError("set `$.run.max_steps` or `$.run.max_time_s`: a run needs a budget")
+    loopback = cfg.net.host in ("127.0.0.1", "localhost", "::1") or cfg.net.host.startswith("127.")
+    if not loopback and not (cfg.net.curve_server_public and cfg.net.curve_server_secret):
+        raise ConfigError(
+            f"`$.net.host` = {cfg.net.host!r} is not loopback: set the CURVE keys "
+            "`$.net.curve_server_public/secret` (see core/net.py: make_curve_keys)"
+        )
+
+
+def load(toml_path: str | None = None, overrides: list[str] | tuple = ()) -> Config:
+    tree = msgspec.to_builtins(Config())
+    if toml_path:
+        try:
+            with open(toml_path, "rb") as f:
+                _merge(tree, tomllib.load(f))
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise ConfigError(f"cannot read config file {toml_path}: {e}") from None
+    for item in overrides:
+        apply_override(tree, item)
+    return from_dict(tree)
+
+
+def to_json(cfg: Config) -> bytes:
+    return msgspec.json.format(msgspec.json.encode(cfg), indent=2)
+
+
+def from_json(data: bytes) -> Config:
+    return from_dict(msgspec.json.decode(data))

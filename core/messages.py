@@ -1,0 +1,243 @@
+"""The one wire schema of driftrl (DESIGN §3).
+
+Every message is a frozen, tagged, ``array_like`` msgspec Struct. Each socket decodes with one
+typed decoder built by :func:`decoder` for exactly the messages it may receive, so a malformed
+frame raises ``msgspec.ValidationError``/``DecodeError`` at the socket and never reaches training.
+
+Fields are append-only: new fields go at the end with a default. ``SCHEMA_VERSION`` is checked in
+the ``Hello`` handshake and carried by every ``RolloutGroup``.
+
+Per-token arrays travel as raw little-endian bytes (``tokens``/``versions`` int32,
+``logprobs`` float32): decoding a list of 8k Python floats costs ~50x more than a bytes copy.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Union
+
+import msgspec
+import numpy as np
+
+SCHEMA_VERSION = 1
+
+TOKEN_DTYPE = np.dtype("<i4")
+LOGPROB_DTYPE = np.dtype("<f4")
+VERSION_DTYPE = np.dtype("<i4")
+
+
+class _Msg(msgspec.Struct, frozen=True, array_like=True, tag=True, omit_defaults=False):
+    pass
+
+
+# ---- handshake / liveness -------------------------------------------------------------------
+
+
+class Hello(_Msg, tag="hello"):
+    role: str
+    id: str
+    schema_version: int = SCHEMA_VERSION
+
+
+class Heartbeat(_Msg, tag="hb"):
+    role: str
+    id: str
+    time: float
+
+
+class Shutdown(_Msg, tag="shutdown"):
+    reason: str = ""
+
+
+# ---- trajectories ---------------------------------------------------------------------------
+
+
+class Completion(msgspec.Struct, frozen=True, array_like=True):
+    # per-token arrays, equal lengths: sampled ids, behaviour log-probs of the distribution
+    # actually sampled from (after temperature), and the policy version that produced each token
+    tokens: bytes
+    logprobs: bytes
+    versions: bytes
+    # "stop" (EOS sampled) or "length" (hit max_new_tokens)
+    finish_reason: str
+    reward: float
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens) // TOKEN_DTYPE.itemsize
+
+    def token_array(self) -> np.ndarray:
+        return np.frombuffer(self.tokens, dtype=TOKEN_DTYPE)
+
+    def logprob_array(self) -> np.ndarray:
+        return np.frombuffer(self.logprobs, dtype=LOGPROB_DTYPE)
+
+    def version_array(self) -> np.ndarray:
+        return np.frombuffer(self.versions, dtype=VERSION_DTYPE)
+
+
+class RolloutGroup(_Msg, tag="group"):
+    # exactly-once identity: (actor_id, seq) is unique per run; seq counts from 0 per actor
+    actor_id: str
+    seq: int
+    # what was asked
+    group_id: str
+    task: str
+    tier: str
+    prompt_tokens: bytes
+    # G completions of the same prompt
+    completions: list[Completion]
+    # policy version when the group was admitted (its first token's version)
+    start_version: int
+    created_at: float
+    schema_version: int = SCHEMA_VERSION
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.actor_id, self.seq)
+
+    def min_version(self) -> int:
+        """Oldest policy version among the group's tokens (DESIGN §2 staleness anchor)."""
+        mins = [int(c.version_array().min()) for c in self.completions if c.num_tokens]
+        return min(mins) if mins else self.start_version
+
+    def nbytes(self) -> int:
+        return len(self.prompt_tokens) + sum(
+            len(c.tokens) + len(c.logprobs) + len(c.versions) for c in self.completions
+        )
+
+
+class Ack(_Msg, tag="ack"):
+    actor_id: str
+    seq: int
+    # "ok": accepted (durable if persistence is on) · "duplicate": already accepted earlier ·
+    # "busy": buffer full, resend later · "rejected": invalid or stale, never resend
+    status: str
+    reason: str = ""
+
+
+class SampleRequest(_Msg, tag="sample_req"):
+    request_id: int
+    num_groups: int
+    learner_version: int
+
+
+class SampleBatch(_Msg, tag="sample_batch"):
+    request_id: int
+    groups: list[RolloutGroup]
+    # buffer state when the batch was cut, for the dashboard
+    depth: int = 0
+
+
+class Consumed(_Msg, tag="consumed"):
+    # learner -> buffer: these groups were trained on (after the optimiser step)
+    keys: list[tuple[str, int]]
+    learner_version: int
+
+
+# ---- weights ----------------------------------------------------------------------------------
+
+
+class PolicyVersion(_Msg, tag="version"):
+    version: int
+    published_at: float
+
+
+class Bucket(msgspec.Struct, frozen=True, array_like=True):
+    # one flat buffer of a single dtype; tensors laid out back to back at these byte offsets
+    dtype: str
+    names: list[str]
+    offsets: list[int]
+    nbytes: int
+
+
+class WeightUpdateHeader(_Msg, tag="weights"):
+    version: int
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    buckets: list[Bucket]
+
+
+# ---- metrics ----------------------------------------------------------------------------------
+
+MetricValue = Union[float, list[float]]
+
+
+class MetricRecords(_Msg, tag="metrics"):
+    role: str
+    id: str
+    step: int
+    time: float
+    values: dict[str, MetricValue]
+
+
+# ---- socket codecs ----------------------------------------------------------------------------
+
+ACTOR_TO_BUFFER = Union[Hello, RolloutGroup, Heartbeat]
+BUFFER_TO_ACTOR = Union[Ack, PolicyVersion, Shutdown]
+LEARNER_TO_BUFFER = Union[Hello, SampleRequest, Consumed, Heartbeat]
+BUFFER_TO_LEARNER = Union[SampleBatch, Shutdown]
+TO_MONITOR = Union[MetricRecords, Heartbeat, Hello]
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decoder(kind) -> msgspec.msgpack.Decoder:
+    """A typed decoder for one socket; ``kind`` is a message class or a Union of them."""
+    return msgspec.msgpack.Decoder(kind)
+
+
+class InvalidMessage(ValueError):
+    """A message decoded cleanly but violates an invariant; ``reason`` is a short counter key."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+def validate_group(g: RolloutGroup) -> None:
+    """Semantic checks a typed decoder cannot express. Raises InvalidMessage."""
+    if g.schema_version != SCHEMA_VERSION:
+        raise InvalidMessage("schema_version", f"got {g.schema_version}, want {SCHEMA_VERSION}")
+    if not g.completions:
+        raise InvalidMessage("empty_group")
+    if g.seq < 0 or g.start_version < 0:
+        raise InvalidMessage("negative_id")
+    if len(g.prompt_tokens) % TOKEN_DTYPE.itemsize:
+        raise InvalidMessage("ragged_bytes", "prompt_tokens")
+    for i, c in enumerate(g.completions):
+        n_tok, r1 = divmod(len(c.tokens), TOKEN_DTYPE.itemsize)
+        n_lp, r2 = divmod(len(c.logprobs), LOGPROB_DTYPE.itemsize)
+        n_ver, r3 = divmod(len(c.versions), VERSION_DTYPE.itemsize)
+        if r1 or r2 or r3:
+            raise InvalidMessage("ragged_bytes", f"completion {i}")
+        if not (n_tok == n_lp == n_ver):
+            raise InvalidMessage("length_mismatch", f"completion {i}: {n_tok}/{n_lp}/{n_ver}")
+        if not math.isfinite(c.reward):
+            raise InvalidMessage("nonfinite_reward", f"completion {i}")
+        if n_tok:
+            lp = c.logprob_array()
+            if not np.isfinite(lp).all():
+                raise InvalidMessage("nonfinite_logprob", f"completion {i}")
+            if (lp > 1e-4).any():
+                raise InvalidMessage("positive_logprob", f"completion {i}")
+            if (c.version_array() < 0).any():
+                raise InvalidMessage("negative_version", f"completion {i}")
+        if c.finish_reason not in ("stop", "length"):
+            raise InvalidMessage("finish_reason", repr(c.finish_reason)[:32])
+
+
+def make_completion(tokens, logprobs, versions, finish_reason: str, reward: float) -> Completion:
+    """Build a Completion from array-likes, converting to the wire dtypes."""
+    return Completion(
+        tokens=np.ascontiguousarray(tokens, dtype=TOKEN_DTYPE).tobytes(),
+        logprobs=np.ascontiguousarray(logprobs, dtype=LOGPROB_DTYPE).tobytes(),
+        versions=np.ascontiguousarray(versions, dtype=VERSION_DTYPE).tobytes(),
+        finish_reason=finish_reason,
+        reward=float(reward),
+    )

@@ -1,0 +1,60 @@
+"""RolloutGroups -> padded tensors aligned for next-token log-probs.
+
+Row ``i`` is ``prompt + completion`` right-padded to ``L``; column ``j`` of every ``[N, L-1]``
+tensor describes the token ``ids[i, j+1]`` predicted from position ``j``. Only completion tokens
+are marked in ``mask``: prompt tokens are context, not actions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from core import messages as M
+
+
+@dataclass
+class Batch:
+    ids: torch.Tensor  # [N, L] int64
+    key_mask: torch.Tensor  # [N, L] bool, False on padding
+    mask: torch.Tensor  # [N, L-1] float, 1 where ids[:, j+1] is a completion token
+    behaviour_logp: torch.Tensor  # [N, L-1] float32
+    rewards: torch.Tensor  # [num_groups, G] float32
+    staleness: torch.Tensor  # [N] int64: learner version - oldest token version of the sample
+    keys: list[tuple[str, int]]
+    num_tokens: int  # completion tokens
+
+    @property
+    def group_size(self) -> int:
+        return self.rewards.shape[1]
+
+
+def collate(groups: list[M.RolloutGroup], learner_version: int, pad_id: int = 0) -> Batch:
+    G = len(groups[0].completions)
+    if any(len(g.completions) != G for g in groups):
+        raise ValueError("all groups in a batch must have the same number of completions")
+    rows, starts, lps, stale = [], [], [], []
+    for g in groups:
+        prompt = np.frombuffer(g.prompt_tokens, dtype=M.TOKEN_DTYPE)
+        for c in g.completions:
+            rows.append(np.concatenate([prompt, c.token_array()]))
+            starts.append(len(prompt))
+            lps.append(c.logprob_array())
+            versions = c.version_array()
+            oldest = int(versions.min()) if len(versions) else g.start_version
+            stale.append(learner_version - oldest)
+    n, width = len(rows), max(map(len, rows))
+    ids = torch.full((n, width), pad_id, dtype=torch.long)
+    key_mask = torch.zeros(n, width, dtype=torch.bool)
+    mask = torch.zeros(n, width - 1)
+    blp = torch.zeros(n, width - 1)
+    for i, (row, s, lp) in enumerate(zip(rows, starts, lps)):
+        ids[i, : len(row)] = torch.from_numpy(row.astype(np.int64))
+        key_mask[i, : len(row)] = True
+        mask[i, s - 1 : len(row) - 1] = 1.0
+        blp[i, s - 1 : len(row) - 1] = torch.from_numpy(lp.copy())
+    rewards = torch.tensor([[c.reward for c in g.completions] for g in groups], dtype=torch.float32)
+    return Batch(ids, key_mask, mask, blp, rewards, torch.tensor(stale, dtype=torch.long),
+                 [g.key for g in groups], int(mask.sum().item()))

@@ -1,0 +1,155 @@
+"""The one place driftrl computes token log-probs (DESIGN §4: the ratio's numerator).
+
+Every loss, the start-up contract check and the metrics use :func:`token_logprobs`, so "the
+learner's log-prob" means one thing. The LM head matmul and the log-softmax run in float32 by
+default (``fp32=True``) whatever the body dtype: in bf16 a logit near 10 is only known to ~0.03,
+and that error lands directly in ``log ρ``. ``fp32=False`` keeps them in ``hidden.dtype`` so the
+widening of the ratio tail can be measured rather than assumed.
+
+Memory: ``[N, V]`` float32 logits for a long sequence and a large vocabulary do not fit, so rows
+are processed ``chunk`` at a time, each chunk under non-reentrant activation checkpointing: the
+forward keeps only the chunk's inputs and recomputes its logits in backward, so backward memory is
+bounded by one chunk too.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+
+@torch.no_grad()
+def truncation_mask(logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+    """Boolean ``[n, V]`` mask of the tokens a top-k / top-p sampler may draw from.
+
+    Order and tie rules are the usual sampler ones (HF ``generate``): logits are already divided
+    by the temperature; top-k keeps every token whose logit ties the k-th largest; top-p then keeps
+    the smallest prefix, by descending probability of the top-k-renormalised distribution, whose
+    mass reaches ``top_p`` (the most likely token is always kept). An actor that samples through
+    this same function draws from exactly the support the learner renormalises over.
+    """
+    keep = torch.ones_like(logits, dtype=torch.bool)
+    vocab = logits.shape[-1]
+    if 0 < top_k < vocab:
+        kth = logits.topk(top_k, dim=-1).values[..., -1:]
+        keep &= logits >= kth
+    if top_p < 1.0:
+        masked = logits.masked_fill(~keep, float("-inf"))
+        sorted_logits, order = masked.sort(dim=-1, descending=True)
+        probs = sorted_logits.to(torch.promote_types(logits.dtype, torch.float32)).softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        keep_sorted = mass_before < top_p
+        keep &= torch.zeros_like(keep).scatter(-1, order, keep_sorted)
+    return keep
+
+
+def _chunk_logprobs(
+    h: Tensor,
+    w: Tensor,
+    targets: Tensor,
+    *,
+    dtype: torch.dtype,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    with_entropy: bool,
+):
+    logits = h.to(dtype) @ w.t()
+    if temperature != 1.0:
+        logits = logits / temperature
+    if top_k > 0 or top_p < 1.0:
+        keep = truncation_mask(logits, top_k, top_p)
+        # The actor sampled the target from *its* support; the learner's weights have moved, so
+        # its own truncated support may no longer contain it. Keeping the target in gives a
+        # finite (small) log-prob -- a large honest log-ratio -- instead of -inf and NaN losses.
+        keep.scatter_(-1, targets[:, None], True)
+        logits = logits.masked_fill(~keep, float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)
+    out_dtype = torch.promote_types(dtype, torch.float32)  # bf16 mode still returns float32
+    logp = (logits.gather(-1, targets[:, None]).squeeze(-1) - lse).to(out_dtype)
+    if not with_entropy:
+        return logp
+    probs = torch.exp(logits - lse[:, None])
+    # masked logits are -inf with probability 0: count them as 0, not 0 * -inf = NaN
+    finite_logits = logits.masked_fill(torch.isinf(logits), 0.0)
+    entropy = (lse - (probs * finite_logits).sum(dim=-1)).to(out_dtype)
+    return logp, entropy
+
+
+def token_logprobs(
+    hidden: Tensor,
+    head_weight: Tensor,
+    targets: Tensor,
+    temperature: float = 1.0,
+    fp32: bool = True,
+    chunk: int = 1024,
+    with_entropy: bool = False,
+    top_k: int = 0,
+    top_p: float = 1.0,
+) -> tuple[Tensor, Tensor | None]:
+    """Log-prob of each target token under ``softmax(hidden @ head_weight.T / temperature)``.
+
+    hidden:      ``[N, H]`` or ``[B, T, H]`` final-normed hidden states, any dtype.
+    head_weight: ``[V, H]`` LM head (possibly tied to the embeddings).
+    targets:     ``[N]`` or ``[B, T]`` token ids; ``hidden[..., i, :]`` predicts ``targets[..., i]``.
+    temperature: divides the logits before the softmax, as the actor did when sampling.
+    fp32:        head matmul and log-softmax in float32 -- float64 if ``hidden`` is float64 --
+                 (True) or in ``hidden.dtype`` (False).
+    chunk:       rows per chunk; bounds forward *and* backward memory to ``chunk x V`` logits.
+    top_k/top_p: when enabled, renormalise over the same truncated support the actor sampled
+                 from (see :func:`truncation_mask`).
+
+    Returns ``(logp, entropy)``, float32 (float64 for float64 input) shaped like ``targets``;
+    ``entropy`` (of the temperature-scaled, truncated distribution) is None unless
+    ``with_entropy``. Differentiable
+    w.r.t. ``hidden`` and ``head_weight``.
+    """
+    if hidden.shape[:-1] != targets.shape:
+        raise ValueError(
+            f"hidden {tuple(hidden.shape)} and targets {tuple(targets.shape)} disagree: "
+            "hidden must be targets.shape + (H,)"
+        )
+    if head_weight.dim() != 2 or head_weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"head_weight must be [V, H={hidden.shape[-1]}], got {tuple(head_weight.shape)}"
+        )
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    if top_k < 0 or not 0.0 < top_p <= 1.0:
+        raise ValueError(f"need top_k >= 0 and 0 < top_p <= 1, got top_k={top_k} top_p={top_p}")
+
+    # "at least float32": a float64 caller (a reference, a test) is not silently narrowed
+    dtype = torch.promote_types(hidden.dtype, torch.float32) if fp32 else hidden.dtype
+    h = hidden.reshape(-1, hidden.shape[-1])
+    t = targets.reshape(-1).long()
+    w = head_weight.to(dtype)  # cast once, not per chunk ([V, H] is small next to [N, V])
+    fn = partial(
+        _chunk_logprobs,
+        dtype=dtype,
+        temperature=float(temperature),
+        top_k=int(top_k),
+        top_p=float(top_p),
+        with_entropy=with_entropy,
+    )
+    needs_graph = torch.is_grad_enabled() and (h.requires_grad or w.requires_grad)
+
+    logps, entropies = [], []
+    for start in range(0, h.shape[0], chunk):
+        args = (h[start : start + chunk], w, t[start : start + chunk])
+        out = checkpoint(fn, *args, use_reentrant=False) if needs_graph else fn(*args)
+        if with_entropy:
+            logps.append(out[0])
+            entropies.append(out[1])
+        else:
+            logps.append(out)
+
+    empty = torch.zeros(0, dtype=torch.promote_types(dtype, torch.float32), device=hidden.device)
+    logp = (torch.cat(logps) if logps else empty).reshape(targets.shape)
+    if not with_entropy:
+        return logp, None
+    return logp, (torch.cat(entropies) if entropies else empty).reshape(targets.shape)

@@ -1,0 +1,37 @@
+"""Symmetric PPO-clip with the ratio taken w.r.t. the actor's behaviour log-probs.
+
+    r      = exp(logp - behaviour_logp)        (with gradient)
+    loss_t = -min(r * A, clip(r, 1 - eps, 1 + eps) * A)
+
+Where the clipped branch is the smaller one (A > 0 and r > 1 + eps, or A < 0 and r < 1 - eps)
+the token's gradient is exactly zero: the baseline against which Ring-Zero keeps every token.
+
+Metrics: ``ratio/clip_frac`` = fraction of response tokens on that active, zero-gradient side.
+Note this differs from learner.ratio_metrics' ``ratio/clip_frac`` (rho > eps_high); the
+trainer should let the ratio_metrics value win when both are logged under PPO.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from learner.losses import LossInputs, clean, finish, masked_mean
+
+
+def ppo_clip_loss(inp: LossInputs, eps_clip: float = 0.2) -> tuple[Tensor, dict[str, float]]:
+    if not 0 < eps_clip < 1:
+        raise ValueError(f"eps_clip must be in (0, 1), got {eps_clip}")
+    c = clean(inp)
+    ratio = torch.exp(c.logp - c.behaviour_logp)
+    per_token, clipped = clipped_surrogate(ratio, c.advantages, eps_clip)
+    stats = {"ratio/clip_frac": masked_mean(clipped.to(ratio.dtype), c.m)}
+    return finish(per_token, c, inp, stats)
+
+
+def clipped_surrogate(ratio: Tensor, adv: Tensor, eps_clip: float) -> tuple[Tensor, Tensor]:
+    """Per-token ``-min(r A, clip(r) A)`` and the bool mask of tokens where the clip is active."""
+    unclipped = ratio * adv
+    clipped = ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip) * adv
+    active = ((adv > 0) & (ratio > 1.0 + eps_clip)) | ((adv < 0) & (ratio < 1.0 - eps_clip))
+    return -torch.minimum(unclipped, clipped), active

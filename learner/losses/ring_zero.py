@@ -1,0 +1,32 @@
+"""Ring-Zero policy loss (DESIGN §4): truncated importance weight, no lower bound, no clipping.
+
+    rho     = exp(logp - behaviour_logp)      from the *detached* learner log-prob
+    rho_hat = min(rho, eps_high)
+    loss_t  = -sg(rho_hat) * A * logp
+
+The weight is a constant in backward, so the gradient on every response token is
+``-rho_hat * A * d logp`` with ``rho_hat > 0``: no token is silently dropped the way PPO-clip drops
+tokens outside its trust region. Truncation at ``eps_high`` bounds the variance that a rare
+learner-favoured token would otherwise inject.
+
+Metrics: ``ratio/clip_frac`` = fraction of response tokens with rho > eps_high (same definition
+as learner.ratio_metrics).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from learner.losses import LossInputs, clean, finish, masked_mean
+
+
+def ring_zero_loss(inp: LossInputs, eps_high: float = 2.0) -> tuple[Tensor, dict[str, float]]:
+    if not eps_high > 0:
+        raise ValueError(f"eps_high must be > 0, got {eps_high}")
+    c = clean(inp)
+    rho = torch.exp(c.logp.detach() - c.behaviour_logp)
+    rho_hat = rho.clamp(max=eps_high)
+    per_token = -rho_hat * c.advantages * c.logp
+    stats = {"ratio/clip_frac": masked_mean((rho > eps_high).to(rho.dtype), c.m)}
+    return finish(per_token, c, inp, stats)

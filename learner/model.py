@@ -1,0 +1,265 @@
+"""A compact Qwen3 decoder that reads and writes HF-format checkpoints, plus the precision policy.
+
+Why our own module instead of ``transformers.Qwen3ForCausalLM``: the actor needs a KV cache whose
+weights can be swapped between decode steps, and the learner needs the attention softmax and the
+LM head precision under its control (DESIGN §4). Parameter names, shapes and numerics follow the
+HF implementation exactly (``tests/test_model.py`` compares against transformers), so checkpoints
+load in both directions and real Qwen3 checkpoints plug in unchanged.
+
+Precision policy (learner): master weights FP32; the body's matmuls run in ``body_dtype`` under
+autocast; the attention softmax runs in FP32 when ``fp32_attn_softmax``; RMSNorm statistics are
+FP32 as in HF; the LM head and log-softmax live in ``learner/logprobs.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ArchConfig:
+    vocab_size: int
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 32
+    max_position_embeddings: int = 128
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+    extra: dict = field(default_factory=dict)  # other HF keys, written back untouched
+
+    def to_hf(self) -> dict:
+        d = asdict(self)
+        extra = d.pop("extra")
+        d.update(
+            architectures=["Qwen3ForCausalLM"],
+            model_type="qwen3",
+            hidden_act="silu",
+            attention_bias=False,
+            attention_dropout=0.0,
+            torch_dtype="float32",
+            use_cache=True,
+            rope_scaling=None,
+            use_sliding_window=False,
+        )
+        return {**extra, **d}
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "ArchConfig":
+        if d.get("model_type") not in ("qwen3", None):
+            raise ValueError(f"unsupported model_type {d.get('model_type')!r}: driftrl's engine speaks qwen3")
+        names = set(cls.__dataclass_fields__) - {"extra"}
+        known = {k: v for k, v in d.items() if k in names}
+        if known.get("head_dim") is None:
+            known["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
+        rope = d.get("rope_parameters") or {}
+        if "rope_theta" not in known and "rope_theta" in rope:
+            known["rope_theta"] = rope["rope_theta"]
+        return cls(**known, extra={k: v for k, v in d.items() if k not in names})
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class KVCache:
+    """Pre-allocated per-layer K/V for a batch decoded in lock-step (left-padded prompts)."""
+
+    def __init__(self, cfg: ArchConfig, batch: int, max_len: int, dtype, device="cpu"):
+        shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        self.length = 0
+        self.max_len = max_len
+
+    def update(self, layer: int, k, v):
+        start, end = self.length, self.length + k.shape[2]
+        if end > self.max_len:
+            raise RuntimeError(f"KV cache overflow: {end} > {self.max_len}")
+        self.k[layer][:, :, start:end] = k
+        self.v[layer][:, :, start:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ArchConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.nh * self.hd, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=False)
+        self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, bias, cache: KVCache | None, fp32_softmax: bool):
+        b, t, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, t, self.nh, self.hd)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(b, t, self.nkv, self.hd)).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.nkv, self.hd).transpose(1, 2)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        if cache is not None:
+            k, v = cache.update(self.layer, k.to(cache.k[0].dtype), v.to(cache.v[0].dtype))
+        rep = self.nh // self.nkv
+        if rep > 1:
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        scores = torch.matmul(q, k.transpose(2, 3).to(q.dtype)) * (self.hd**-0.5)
+        if fp32_softmax:
+            probs = torch.softmax(scores.float() + bias, dim=-1).to(v.dtype)
+        else:
+            with torch.autocast(scores.device.type, enabled=False):
+                probs = torch.softmax(scores + bias.to(scores.dtype), dim=-1).to(v.dtype)
+        out = torch.matmul(probs, v).transpose(1, 2).reshape(b, t, self.nh * self.hd)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ArchConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Layer(nn.Module):
+    def __init__(self, cfg: ArchConfig, i: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, i)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, bias, cache, fp32_softmax):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, bias, cache, fp32_softmax)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Body(nn.Module):
+    def __init__(self, cfg: ArchConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Layer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Qwen3(nn.Module):
+    """``forward`` returns final-normed hidden states; the head is applied by the caller."""
+
+    def __init__(self, cfg: ArchConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Body(cfg)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
+        self.register_buffer("inv_freq", inv, persistent=False)
+        self.fp32_attn_softmax = True
+
+    def head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+
+    def _rope(self, position_ids, dtype):
+        freqs = position_ids[..., None].float() * self.inv_freq  # [B, T, hd/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos()[:, None].to(dtype), emb.sin()[:, None].to(dtype)
+
+    def forward(self, input_ids, position_ids, key_mask, cache: KVCache | None = None):
+        """input_ids/position_ids [B, T]; key_mask [B, S] bool over all keys (cache + new), True = attend."""
+        x = self.model.embed_tokens(input_ids)
+        t, s = input_ids.shape[1], key_mask.shape[1]
+        causal = torch.ones(t, s, dtype=torch.bool, device=x.device).tril(diagonal=s - t)
+        allowed = causal[None, None] & key_mask[:, None, None, :]
+        bias = torch.zeros(allowed.shape, dtype=torch.float32, device=x.device)
+        bias.masked_fill_(~allowed, torch.finfo(torch.float32).min)
+        cos, sin = self._rope(position_ids, torch.float32)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, bias, cache, self.fp32_attn_softmax)
+        if cache is not None:
+            cache.length += t
+        return self.model.norm(x)
+
+    def logits(self, hidden):
+        return F.linear(hidden.float(), self.head_weight().float())
+
+
+def body_autocast(dtype_name: str, device: str = "cpu"):
+    """Run the model body's matmuls in ``dtype_name``; FP32 means no autocast at all."""
+    if dtype_name == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(device, dtype=DTYPES[dtype_name])
+
+
+# ---- HF-format checkpoints --------------------------------------------------------------------
+
+
+def load_pretrained(path: str, dtype: str = "float32") -> Qwen3:
+    from safetensors.torch import load_file
+
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = ArchConfig.from_hf(json.load(f))
+    model = Qwen3(cfg)
+    files = sorted(x for x in os.listdir(path) if x.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}")
+    state = {}
+    for name in files:
+        state.update(load_file(os.path.join(path, name)))
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {path} does not match qwen3: missing={missing} unexpected={unexpected}")
+    return model.to(DTYPES[dtype])
+
+
+def save_pretrained(model: Qwen3, path: str, extra_files: dict[str, bytes] | None = None) -> None:
+    """Write config.json + model.safetensors (+ extra files such as tokenizer.json) into ``path``.
+
+    Plain writes: callers that need atomicity write into a temporary directory and rename it
+    (learner/checkpoint.py).
+    """
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(model.cfg.to_hf(), f, indent=2)
+    for name, data in (extra_files or {}).items():
+        with open(os.path.join(path, name), "wb") as f:
+            f.write(data)

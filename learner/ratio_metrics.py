@@ -1,0 +1,94 @@
+"""Train/inference mismatch metrics (DESIGN §6): the ratio and its tail, measured honestly.
+
+Inputs are the learner's freshly recomputed log-probs (never the actor's cached ones), the actor's
+behaviour log-probs, the response mask and the staleness of each token. Everything is computed in
+float64 numpy on the masked tokens only, and percentiles are ``np.percentile`` with linear
+interpolation, so a dashboard figure can be reproduced from dumped arrays with plain numpy.
+
+Torch-free on purpose: torch tensors are accepted (detached and copied to host), and the buffer
+or monitor can use :func:`percentiles` without importing torch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+RATIO_QS = (("p50", 50.0), ("p90", 90.0), ("p99", 99.0), ("p999", 99.9))
+FIXED_KEYS = (
+    "ratio/mean", *(f"ratio/{name}" for name, _ in RATIO_QS), "ratio/min", "ratio/max",
+    "ratio/ess", "ratio/clip_frac", "mismatch/kl_k3", "mismatch/abs_logp_diff_mean",
+    "mismatch/abs_logp_diff_p99",
+)
+
+
+def percentiles(values, qs) -> list[float]:
+    """``np.percentile`` (linear interpolation) of ``values`` at each q in 0..100; NaNs if empty."""
+    arr = np.asarray(values, dtype=np.float64).ravel()
+    qs = [float(q) for q in qs]
+    if any(not 0.0 <= q <= 100.0 for q in qs):
+        raise ValueError(f"percentiles need q in [0, 100], got {qs}")
+    if arr.size == 0:
+        return [math.nan] * len(qs)
+    return [float(v) for v in np.percentile(arr, qs)]
+
+
+def _host(x) -> np.ndarray:
+    if hasattr(x, "detach"):  # a torch tensor; .double() first since numpy has no bfloat16
+        x = x.detach().double().cpu().numpy()
+    return np.asarray(x, dtype=np.float64)
+
+
+def ratio_metrics(logp, behaviour_logp, mask, staleness=None, eps_high: float = 2.0) -> dict[str, float]:
+    """DESIGN §6 ``ratio/*`` and ``mismatch/*`` metrics over the response tokens.
+
+    logp, behaviour_logp, mask: ``[B, T]`` (torch or numpy); mask > 0 marks response tokens.
+    staleness: per token ``[B, T]`` or per sample ``[B]`` integers, or None to skip
+        ``ratio/p99_by_staleness/<s>`` (one key per staleness value present).
+    eps_high: the truncation threshold; ``ratio/clip_frac`` is the fraction with rho > eps_high.
+
+    With ``log r = logp - behaviour_logp`` and ``rho = exp(log r)`` per token:
+    ``ratio/ess = (sum rho)^2 / (n sum rho^2)`` in (0, 1] (1 = on-policy), and ``mismatch/kl_k3``
+    = mean of ``rho - 1 - log r``, an unbiased, non-negative estimate of KL(behaviour || learner)
+    from the actor's own samples. With no response tokens every fixed key is NaN ("no value").
+    """
+    lp, bl = _host(logp), _host(behaviour_logp)
+    m = _host(mask) > 0
+    if not lp.shape == bl.shape == m.shape:
+        raise ValueError(
+            f"logp {lp.shape}, behaviour_logp {bl.shape} and mask {m.shape} must have one shape"
+        )
+    log_r = (lp - bl)[m]
+    n = log_r.size
+    if n == 0:
+        return dict.fromkeys(FIXED_KEYS, math.nan)
+    with np.errstate(over="ignore"):  # an overflowing ratio is reported as inf, not hidden
+        rho = np.exp(log_r)
+    out = {"ratio/mean": float(rho.mean())}
+    for (name, _), v in zip(RATIO_QS, percentiles(rho, [q for _, q in RATIO_QS])):
+        out[f"ratio/{name}"] = v
+    out["ratio/min"] = float(rho.min())
+    out["ratio/max"] = float(rho.max())
+    out["ratio/ess"] = float(rho.sum() ** 2 / (n * np.square(rho).sum()))
+    out["ratio/clip_frac"] = float((rho > eps_high).mean())
+    out["mismatch/kl_k3"] = float((np.expm1(log_r) - log_r).mean())
+    abs_diff = np.abs(log_r)
+    out["mismatch/abs_logp_diff_mean"] = float(abs_diff.mean())
+    out["mismatch/abs_logp_diff_p99"] = percentiles(abs_diff, [99.0])[0]
+    if staleness is not None:
+        out.update(_p99_by_staleness(rho, staleness, m))
+    return out
+
+
+def _p99_by_staleness(rho: np.ndarray, staleness, m: np.ndarray) -> dict[str, float]:
+    s = _host(staleness)
+    if s.shape == m.shape[:1]:
+        s = np.broadcast_to(s[:, None], m.shape)
+    if s.shape != m.shape:
+        raise ValueError(f"staleness must be [B] or [B, T] = {m.shape}, got {s.shape}")
+    s = s[m].astype(np.int64)
+    return {
+        f"ratio/p99_by_staleness/{v}": percentiles(rho[s == v], [99.0])[0]
+        for v in np.unique(s).tolist()
+    }

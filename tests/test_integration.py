@@ -1,0 +1,95 @@
+"""Actor, buffer and learner as real processes on loopback, driven by the real launcher."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from core import config as C
+from core import launch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1",
+        "model.intermediate_size=64", "model.pretrain_steps=40", "learner.groups_per_step=4",
+        "actor.group_size=4", "actor.groups_per_batch=2", "run.eval_every=2", "run.eval_prompts=32",
+        "monitor.live=off"]
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("models"))
+
+
+def _records(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is dead for our purposes
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
+@pytest.mark.parametrize("staleness", [0, 2])
+def test_run_end_to_end(tmp_path, cache_dir, staleness):
+    cfg = C.load(None, TINY + [f"model.cache_dir={cache_dir}", f"buffer.max_staleness={staleness}",
+                               "run.max_steps=8", "run.max_time_s=120"])
+    result = launch.run(cfg, str(tmp_path / "run"))
+    assert not result.interrupted
+    recs = _records(result.run_dir)
+    learner = [r for r in recs if r["role"] == "learner"]
+    versions = [r["learner/version"] for r in learner]
+    assert versions == sorted(versions) and versions[-1] == 8
+    hist = learner[-1]["staleness/hist"]
+    assert sum(hist) == 8 * 4 * 4  # every trained sample counted once
+    assert len(hist) - 1 <= staleness  # nothing above the bound
+    assert max(r["staleness/max"] for r in learner) <= staleness
+    for key in ("ratio/p50", "ratio/p99", "ratio/max", "mismatch/kl_k3", "learner/loss"):
+        assert all(key in r for r in learner)
+    assert all(r["ratio/p50"] is None or 0.5 < r["ratio/p50"] < 2 for r in learner)
+    actor = [r for r in recs if r["role"] == "actor" and "reward/mean" in r]
+    assert actor and all(0.0 <= r["reward/mean"] <= 1.0 for r in actor)
+    assert any("eval/reward" in r for r in recs)
+    if staleness:
+        assert any(r["staleness/max"] >= 1 for r in learner), "async run never ran ahead"
+    assert os.path.exists(os.path.join(result.run_dir, "final_model", "model.safetensors"))
+    for name in ("buffer", "learner", "actor0"):
+        assert os.path.getsize(os.path.join(result.run_dir, "logs", f"{name}.log")) > 0
+    with open(os.path.join(result.run_dir, "pids.json")) as f:
+        pids = json.load(f)
+    assert not any(_alive(pid) for name, pid in pids.items() if name != "launcher")
+
+
+def test_ctrl_c_leaves_nothing_behind(tmp_path, cache_dir):
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "run.py", *TINY, f"model.cache_dir={cache_dir}", "run.max_steps=100000",
+           "run.max_time_s=300", f"run.run_dir={run_dir}"]
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if (run_dir / "metrics.jsonl").exists() and any(
+                    json.loads(line).get("role") == "learner" for line in open(run_dir / "metrics.jsonl")):
+                break
+            assert p.poll() is None, p.stdout.read().decode()
+            time.sleep(0.2)
+        else:
+            pytest.fail("the learner never reported a step")
+        pids = json.loads((run_dir / "pids.json").read_text())
+        p.send_signal(signal.SIGINT)
+        out, _ = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130, out.decode()[-2000:]
+    assert b"resume" in out
+    assert not any(_alive(pid) for pid in pids.values())

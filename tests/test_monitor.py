@@ -1,0 +1,215 @@
+"""The monitor's state, plain line and rich dashboard, rendered to a recording console."""
+
+import io
+import math
+
+import msgspec
+import pytest
+from rich.console import Console
+
+from core.config import Config
+from core.messages import MetricRecords
+from core.monitor import Monitor, fmt, grade, sparkline
+
+
+def cfg_with(**monitor_and_run) -> Config:
+    tree = msgspec.to_builtins(Config())
+    for dotted, v in monitor_and_run.items():
+        sec, key = dotted.split("__")
+        tree[sec][key] = v
+    return msgspec.convert(tree, Config)
+
+
+def rec(role, id, step, values, t=1000.0):
+    return MetricRecords(role=role, id=id, step=step, time=t + step, values=values)
+
+
+def run_records(steps: int = 14) -> list[MetricRecords]:
+    out = []
+    for s in range(steps + 1):
+        out.append(rec("learner", "0", s, {
+            "learner/step": float(s), "learner/version": float(s),
+            "learner/tokens_per_s": 1200.0, "learner/idle_frac": 0.12,
+            "ratio/p50": 1.0, "ratio/p99": 1.08, "ratio/max": 1.9, "ratio/ess": 0.987,
+            "ratio/clip_frac": 0.002, "mismatch/kl_k3": 1.2e-4,
+            "ratio/p99_by_staleness/0": 1.03, "ratio/p99_by_staleness/1": 1.07,
+            "ratio/p99_by_staleness/2": 1.61,
+            "staleness/hist": [40.0, 24.0, 3.0], "staleness/mean": 0.45, "staleness/max": 2.0,
+            "reward/mean": 0.3 + 0.01 * s, "length/mean": 4.1, "time/elapsed_s": 12.3 + s,
+            "weightsync/publish_s": 0.0123, "weightsync/apply_s": 0.0045,
+        }))
+        for a in ("0", "1"):
+            out.append(rec("actor", a, s, {"actor/tokens_per_s": 475.0 + int(a) * 10,
+                                           "actor/version": float(max(0, s - int(a)))}))
+        if s % 7 == 0:  # evals at 0, 7, 14: 0.12, 0.40, 0.31
+            out.append(rec("actor", "0", s, {"eval/reward": {0: 0.12, 7: 0.40, 14: 0.31}[s]}))
+        out.append(rec("buffer", "0", s, {"buffer/depth": 12.0, "buffer/dropped_stale": 3.0,
+                                          "buffer/dropped_invalid": 0.0, "buffer/duplicates": 1.0}))
+    return out
+
+
+def recording_console(width=100, terminal=False) -> Console:
+    return Console(record=True, width=width, file=io.StringIO(), force_terminal=terminal,
+                   color_system="truecolor" if terminal else None)
+
+
+@pytest.fixture
+def monitor():
+    m = Monitor(cfg_with(run__max_steps=150, run__max_time_s=420.0),
+                console=recording_console(), live=False)
+    m.update(run_records())
+    return m
+
+
+def test_state_tracks_latest_sums_and_eval_first_best(monitor):
+    s = monitor.summary()
+    assert s["learner/step"] == 14.0 and s["learner/version"] == 14.0
+    assert s["actor/tokens_per_s"] == 475.0 + 485.0  # summed over actor ids
+    assert s["eval/reward"] == 0.31
+    assert s["eval/reward_first"] == 0.12 and s["eval/reward_best"] == 0.40
+    assert s["time/elapsed_s"] == 12.3 + 14
+    assert s["monitor/records"] == len(run_records())
+    assert monitor.actor_versions() == {"0": 14, "1": 13}
+
+
+def test_plain_line_contains_values(monitor):
+    line = monitor.format_line()
+    for part in ("[ 26.3s] step 14/150 v14", "eval 0.31 (start 0.12)", "reward 0.44",
+                 "len 4.1", "ratio p50 1.000 p99 1.08 max 1.9", "stale {0: 40, 1: 24, 2: 3}",
+                 "buf 12 (drop stale 3 dup 1)", "act 960 tok/s", "lrn 1200 tok/s idle 0.12"):
+        assert part in line, (part, line)
+
+
+def test_plain_refresh_is_throttled_and_forced(monitor):
+    monitor.refresh_s = 1e6
+    out = monitor.console.file
+    monitor.refresh()
+    monitor.refresh()  # within refresh_s: nothing new
+    assert out.getvalue().count("step 14/150") == 1
+    monitor.refresh(force=True)
+    assert out.getvalue().count("step 14/150") == 2
+
+
+def test_dashboard_render_contains_panel_numbers(monitor):
+    con = monitor.console
+    con.print(monitor.renderable())
+    text = con.export_text()
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 100
+    for title in ("reward", "ratio", "staleness", "throughput", "buffer", "weight sync"):
+        assert title in text
+    assert "step 14/150" in text and "policy v14" in text
+    assert "0.310" in text and "start" in text and "best 0.400" in text  # eval now/first/best
+    assert "1.080" in text and "0.987" in text and "0.20%" in text and "1.2e-04" in text
+    assert "960" in text and "1200" in text and "12.0%" in text  # tok/s and idle
+    assert "12.3 ms" in text and "4.5 ms" in text
+    assert "0:v14" in text and "1:v13" in text
+    # staleness rows: label, count and that staleness's ratio p99, on one line
+    third = [ln.split("│")[-2] for ln in lines if ln.count("│") == 6]  # "│a││b││c│"
+    rows = {cell.split()[0]: cell for cell in third if cell.strip()[:1].isdigit()}
+    assert "40" in rows["0"] and "1.030" in rows["0"]
+    assert "24" in rows["1"] and "1.070" in rows["1"]
+    assert "3" in rows["2"] and "1.610" in rows["2"]
+
+
+def test_dashboard_colours_ratio_tail(monitor):
+    con = recording_console(terminal=True)
+    styles = {}
+    for seg in con.render(monitor.renderable()):
+        if seg.text.strip() in ("1.030", "1.070", "1.610") and seg.style is not None:
+            styles.setdefault(seg.text.strip(), set()).add(seg.style.color.name)
+    # per-staleness ratio p99: 1.03 and 1.07 are under 1.1 (green), 1.61 is past 1.5 (red)
+    assert styles == {"1.030": {"green"}, "1.070": {"green"}, "1.610": {"red"}}
+
+
+def test_grade_thresholds():
+    assert grade("ratio/p99", 1.05) == "green"
+    assert grade("ratio/p99", 1.2) == "yellow"
+    assert grade("ratio/p99", 2.0) == "bold red"
+    assert grade("ratio/p99", math.nan) == "bold red"
+    assert grade("learner/loss", 99.0) == ""
+    assert grade("ratio/p99", None) == ""
+
+
+def test_format_helpers():
+    assert fmt(None) == "–" and fmt([1.0]) == "–"
+    assert fmt(math.nan) == "nan" and fmt(math.inf) == "inf"
+    assert fmt(12345.0, 0) == "12.3k" and fmt(0.00012) == "1.2e-04" and fmt(0.4, 0) == "0"
+    assert sparkline([1.0, 2.0, 3.0]) == "▁▄█"
+    assert sparkline([1.0]) == ""
+
+
+def test_progress_uses_whichever_budget_is_nearer():
+    m = Monitor(cfg_with(run__max_steps=100, run__max_time_s=1000.0),
+                console=recording_console(), live=False)
+    m.update([rec("learner", "0", 50, {"learner/step": 50.0, "time/elapsed_s": 100.0})])
+    assert m.progress() == pytest.approx(0.5)
+    m.update([rec("learner", "0", 51, {"learner/step": 51.0, "time/elapsed_s": 900.0})])
+    assert m.progress() == pytest.approx(0.9)
+
+
+def test_staleness_tail_is_merged():
+    m = Monitor(Config(), console=recording_console(), live=False)
+    hist = [float(10 - s) for s in range(12)]
+    vals = {"staleness/hist": hist, "ratio/p99_by_staleness/9": 2.5,
+            "ratio/p99_by_staleness/x": 9.0}  # a non-integer suffix is ignored
+    m.update([rec("learner", "0", 1, vals)])
+    rows = m.staleness_rows()
+    assert len(rows) == 8
+    assert rows[0] == ("0", 10.0, None)
+    assert rows[-1] == ("≥7", sum(hist[7:]), 2.5)
+
+
+def test_nan_and_missing_values_render():
+    m = Monitor(Config(), console=recording_console(), live=False)
+    m.console.print(m.renderable())  # nothing reported yet
+    m.update([rec("learner", "0", 1, {"ratio/p99": math.nan, "learner/step": 1.0})])
+    m.console.print(m.renderable())
+    assert "nan" in m.console.export_text()
+    assert "step 1/150" in m.format_line()
+
+
+def test_live_mode_choice():
+    not_tty = recording_console(terminal=False)
+    assert Monitor(cfg_with(monitor__live="auto"), console=not_tty).live is False
+    assert Monitor(cfg_with(monitor__live="on"), console=not_tty).live is True
+    tty = recording_console(terminal=True)
+    assert Monitor(cfg_with(monitor__live="auto"), console=tty).live is True
+    assert Monitor(cfg_with(monitor__live="off"), console=tty).live is False
+
+
+def test_live_context_renders_and_stops_on_interrupt():
+    con = recording_console(terminal=True)
+    m = Monitor(cfg_with(monitor__live="on"), console=con)
+    with pytest.raises(KeyboardInterrupt):
+        with m:
+            assert m._live is not None and m._live.is_started
+            m.update(run_records(3))
+            m.refresh(force=True)
+            raise KeyboardInterrupt
+    assert m._live is None  # stopped, terminal restored
+    out = con.file.getvalue()
+    assert "step 3/150" in out and "policy v3" in out
+    assert "\x1b[?25h" in out  # cursor shown again
+
+
+def test_monitor_fed_by_real_collector(tmp_path):
+    import time
+
+    from core.metrics import MetricsCollector, MetricsSink
+
+    col = MetricsCollector(str(tmp_path))
+    sinks = [MetricsSink("127.0.0.1", col.port, role="actor", id=str(i)) for i in range(2)]
+    try:
+        for i, s in enumerate(sinks):
+            s.emit(3, {"actor/tokens_per_s": 100.0 * (i + 1), "actor/version": 3})
+        m = Monitor(Config(), console=recording_console(), live=False)
+        end = time.monotonic() + 10
+        while m.records < 2 and time.monotonic() < end:
+            m.update(col.poll(timeout_ms=100))
+    finally:
+        for s in sinks:
+            s.close()
+        col.close()
+    assert "act 300 tok/s" in m.format_line()
+    assert m.actor_versions() == {"0": 3, "1": 3}

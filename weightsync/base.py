@@ -1,0 +1,212 @@
+"""Weight sync interface: the learner publishes numbered weight versions, actors apply them.
+
+``Publisher`` (learner side) and ``Subscriber`` (actor side) hold the checks every transport
+shares -- increasing versions, a layout fixed at start, in-place copies under ``no_grad``,
+timing and counters -- and delegate the moving of bytes to ``_write`` / ``_apply`` in
+:mod:`weightsync.shm`, :mod:`weightsync.filesystem` and :mod:`weightsync.nccl`.
+:func:`make_publisher` / :func:`make_subscriber` pick one from ``cfg.weightsync.transport``.
+
+An actor calls ``latest_version()`` between decode steps (cheap: a word read from shared memory,
+a cached ``stat``, or a non-blocking socket poll) and ``apply(params)`` when it is newer than what
+it holds, so a weight update lands between two decode steps without stopping generation.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+
+from core.messages import WeightUpdateHeader
+from weightsync import layout
+
+
+@dataclass(frozen=True)
+class PublishStats:
+    version: int
+    bytes: int
+    seconds: float
+
+
+@dataclass
+class SubscriberStats:
+    applies: int = 0
+    last_version: int = -1  # newest version applied; -1 before the first apply
+    apply_s: float = 0.0  # duration of the last apply
+    apply_s_total: float = 0.0
+    bytes: int = 0  # payload bytes of the last apply
+    bytes_total: int = 0
+    # versions published between two applies of this reader that it never applied (versions
+    # before its first apply do not count: a late joiner is not behind)
+    versions_skipped: int = 0
+    torn_retries: int = 0  # copies thrown away because the publisher overwrote the slot meanwhile
+
+
+class Publisher:
+    """Learner side. Subclasses implement ``_write(version, named) -> payload bytes``."""
+
+    transport = "?"
+
+    def __init__(self, header: WeightUpdateHeader):
+        self.header = layout.with_version(header, -1)
+        self.last_stats: PublishStats | None = None
+        self._last_version = -1
+        self._closed = False
+
+    def publish(self, version: int, named: Mapping[str, torch.Tensor]) -> PublishStats:
+        if self._closed:
+            raise RuntimeError(f"{self.transport} publisher is closed")
+        if version < 0 or version <= self._last_version:
+            raise ValueError(
+                f"versions must increase: got {version} after {self._last_version} (DESIGN §2: "
+                "a version is published once, after the optimiser step that made it)"
+            )
+        layout.check_targets(self.header, named, role=f"{self.transport} publisher", same_dtype=True)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            nbytes = self._write(version, named)
+        self._last_version = version
+        self.last_stats = PublishStats(version, nbytes, time.perf_counter() - t0)
+        return self.last_stats
+
+    def _write(self, version: int, named: Mapping[str, torch.Tensor]) -> int:
+        raise NotImplementedError
+
+    def metrics(self) -> dict[str, float]:
+        s = self.last_stats
+        return {
+            "weightsync/publish_s": s.seconds if s else 0.0,
+            "weightsync/bytes": float(s.bytes) if s else 0.0,
+        }
+
+    def close(self) -> None:
+        """Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._close()
+
+    def _close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class Subscriber:
+    """Actor side. Subclasses implement ``latest_version()`` and
+    ``_apply(named, after) -> (version, payload bytes) | None`` (copy the newest complete version
+    newer than ``after`` into ``named``)."""
+
+    transport = "?"
+
+    def __init__(self):
+        self.stats = SubscriberStats()
+        self._closed = False
+
+    def latest_version(self) -> int:
+        raise NotImplementedError
+
+    def apply(self, named: Mapping[str, torch.Tensor]) -> int | None:
+        if self._closed:
+            raise RuntimeError(f"{self.transport} subscriber is closed")
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            got = self._apply(named, self.stats.last_version)
+        if got is None:
+            return None
+        version, nbytes = got
+        s = self.stats
+        if s.last_version >= 0:
+            s.versions_skipped += version - s.last_version - 1
+        s.last_version = version
+        s.applies += 1
+        s.apply_s = time.perf_counter() - t0
+        s.apply_s_total += s.apply_s
+        s.bytes = nbytes
+        s.bytes_total += nbytes
+        return version
+
+    def _apply(self, named: Mapping[str, torch.Tensor], after: int) -> tuple[int, int] | None:
+        raise NotImplementedError
+
+    def metrics(self) -> dict[str, float]:
+        s = self.stats
+        return {
+            "weightsync/apply_s": s.apply_s,
+            "weightsync/bytes": float(s.bytes),
+            "weightsync/versions_skipped": float(s.versions_skipped),
+        }
+
+    def close(self) -> None:
+        """Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._close()
+
+    def _close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def wait_until(ready, timeout_s: float, what: str, poll_s: float = 0.05):
+    """Poll ``ready()`` until it returns something truthy; TimeoutError naming ``what``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = ready()
+        if got:
+            return got
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"waited {timeout_s:.0f}s for {what}")
+        time.sleep(poll_s)
+
+
+def make_publisher(cfg, run_dir: str, template: Mapping[str, torch.Tensor]) -> Publisher:
+    """The learner's publisher for ``cfg.weightsync.transport``; ``template`` fixes the layout."""
+    ws = cfg.weightsync
+    bucket_bytes = ws.bucket_mb << 20
+    if ws.transport == "shm":
+        from weightsync.shm import ShmPublisher
+
+        return ShmPublisher(run_dir, template, bucket_bytes)
+    if ws.transport == "filesystem":
+        from weightsync.filesystem import FsPublisher
+
+        return FsPublisher(run_dir, template, bucket_bytes)
+    if ws.transport == "nccl":
+        from core.net import curve_from_config
+        from weightsync.nccl import NcclPublisher
+
+        return NcclPublisher(
+            run_dir, template, bucket_bytes, world_size=1 + cfg.actor.num_actors,
+            host=cfg.net.host, curve=curve_from_config(cfg.net),
+        )
+    raise ValueError(f"unknown weightsync transport {ws.transport!r}")
+
+
+def make_subscriber(cfg, run_dir: str, timeout_s: float = 60) -> Subscriber:
+    """An actor's subscriber; waits up to ``timeout_s`` for the publisher to exist."""
+    ws = cfg.weightsync
+    if ws.transport == "shm":
+        from weightsync.shm import ShmSubscriber
+
+        return ShmSubscriber(run_dir, timeout_s)
+    if ws.transport == "filesystem":
+        from weightsync.filesystem import FsSubscriber
+
+        return FsSubscriber(run_dir, timeout_s)
+    if ws.transport == "nccl":
+        from core.net import curve_from_config
+        from weightsync.nccl import NcclSubscriber
+
+        return NcclSubscriber(run_dir, timeout_s, curve=curve_from_config(cfg.net))
+    raise ValueError(f"unknown weightsync transport {ws.transport!r}")

@@ -1,0 +1,214 @@
+"""Bucket layout of a weight update: where each named tensor lives in a flat byte buffer.
+
+A :class:`~core.messages.WeightUpdateHeader` lists every tensor (name, dtype, shape) and groups
+them into buckets: each bucket holds tensors of one dtype, back to back, every tensor starting at
+a multiple of :data:`ALIGN` bytes, and the bucket's padded size is at most ``bucket_bytes`` --
+except a single tensor larger than that, which gets a bucket of its own (tensors are never split,
+so every tensor stays a plain view of its bucket). Buckets of one slot are laid out one after
+another, so a whole update is one flat buffer of :func:`total_nbytes` bytes.
+
+The planning half (:func:`plan`, :func:`layout_hash`, :func:`bucket_starts`) is pure Python; the
+tensor half (:func:`header_for`, :func:`views`, :func:`check_targets`) imports torch lazily, so
+this module can be imported where torch is absent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
+
+import msgspec
+
+from core.messages import Bucket, WeightUpdateHeader
+
+if TYPE_CHECKING:
+    import torch
+
+# 256 B: every tensor view satisfies any dtype's alignment and CUDA's coalescing preference
+ALIGN = 256
+
+ITEMSIZE = {
+    "float64": 8,
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+}
+
+
+class LayoutError(ValueError):
+    """Tensors do not match the layout they are published into or applied from."""
+
+
+def _round_up(n: int, k: int = ALIGN) -> int:
+    return (n + k - 1) // k * k
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def tensor_nbytes(dtype: str, shape: Sequence[int]) -> int:
+    return _numel(shape) * ITEMSIZE[dtype]
+
+
+def plan(
+    version: int, specs: Iterable[tuple[str, str, Sequence[int]]], bucket_bytes: int
+) -> WeightUpdateHeader:
+    """Header for tensors given as ``(name, dtype name, shape)``, in the given order.
+
+    Dtypes are grouped in order of first appearance; within a dtype, tensors keep their order.
+    """
+    if bucket_bytes < 1:
+        raise LayoutError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    names: list[str] = []
+    dtypes: list[str] = []
+    shapes: list[list[int]] = []
+    by_dtype: dict[str, list[int]] = {}
+    for name, dtype, shape in specs:
+        if dtype not in ITEMSIZE:
+            raise LayoutError(f"tensor {name!r}: unsupported dtype {dtype!r} (have {sorted(ITEMSIZE)})")
+        shape = [int(d) for d in shape]
+        if any(d < 0 for d in shape):
+            raise LayoutError(f"tensor {name!r}: negative dimension in {shape}")
+        by_dtype.setdefault(dtype, []).append(len(names))
+        names.append(name)
+        dtypes.append(dtype)
+        shapes.append(shape)
+    if not names:
+        raise LayoutError("no tensors to lay out")
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise LayoutError(f"duplicate tensor names: {dup[:5]}")
+
+    buckets: list[Bucket] = []
+    for dtype, idxs in by_dtype.items():
+        cur_names: list[str] = []
+        cur_offsets: list[int] = []
+        end = 0
+        for i in idxs:
+            size = tensor_nbytes(dtype, shapes[i])
+            off = _round_up(end)
+            if cur_names and _round_up(off + size) > bucket_bytes:
+                buckets.append(Bucket(dtype, cur_names, cur_offsets, _round_up(end)))
+                cur_names, cur_offsets, off = [], [], 0
+            cur_names.append(names[i])
+            cur_offsets.append(off)
+            end = off + size
+        buckets.append(Bucket(dtype, cur_names, cur_offsets, _round_up(end)))
+    return WeightUpdateHeader(version, names, dtypes, shapes, buckets)
+
+
+def with_version(header: WeightUpdateHeader, version: int) -> WeightUpdateHeader:
+    return msgspec.structs.replace(header, version=version)
+
+
+def layout_hash(header: WeightUpdateHeader) -> bytes:
+    """32-byte digest of everything but the version: equal hashes mean interchangeable buffers."""
+    body = msgspec.msgpack.encode([header.names, header.dtypes, header.shapes, header.buckets])
+    return hashlib.sha256(body).digest()
+
+
+def bucket_starts(header: WeightUpdateHeader) -> list[int]:
+    """Byte offset of each bucket inside the flat buffer of a whole update."""
+    starts, pos = [], 0
+    for b in header.buckets:
+        starts.append(pos)
+        pos += b.nbytes
+    return starts
+
+
+def total_nbytes(header: WeightUpdateHeader) -> int:
+    return sum(b.nbytes for b in header.buckets)
+
+
+def payload_nbytes(header: WeightUpdateHeader) -> int:
+    """Bytes of tensor data, without alignment padding."""
+    return sum(tensor_nbytes(d, s) for d, s in zip(header.dtypes, header.shapes))
+
+
+# ---- torch half ----------------------------------------------------------------------------
+
+
+def torch_dtype(name: str) -> "torch.dtype":
+    import torch
+
+    if name not in ITEMSIZE:
+        raise LayoutError(f"unsupported dtype {name!r}")
+    return getattr(torch, name)
+
+
+def dtype_name(dtype: "torch.dtype") -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in ITEMSIZE:
+        raise LayoutError(f"unsupported dtype {dtype} (have {sorted(ITEMSIZE)})")
+    return name
+
+
+def header_for(version: int, named: Mapping[str, "torch.Tensor"], bucket_bytes: int) -> WeightUpdateHeader:
+    return plan(version, ((n, dtype_name(t.dtype), tuple(t.shape)) for n, t in named.items()), bucket_bytes)
+
+
+def views(
+    header: WeightUpdateHeader, flat: "torch.Tensor", bucket: int | None = None
+) -> dict[str, "torch.Tensor"]:
+    """Typed, shaped views into ``flat`` (a 1-D uint8 tensor), without copying.
+
+    ``bucket=None``: ``flat`` holds the whole update (buckets back to back); otherwise ``flat``
+    holds only that bucket.
+    """
+    import torch
+
+    if flat.dtype != torch.uint8 or flat.dim() != 1:
+        raise LayoutError(f"flat buffer must be 1-D uint8, got {flat.dtype} {tuple(flat.shape)}")
+    need = header.buckets[bucket].nbytes if bucket is not None else total_nbytes(header)
+    if flat.numel() < need:
+        raise LayoutError(f"flat buffer has {flat.numel()} bytes, layout needs {need}")
+    index = {n: i for i, n in enumerate(header.names)}
+    chosen = [(0, header.buckets[bucket])] if bucket is not None else zip(bucket_starts(header), header.buckets)
+    out: dict[str, torch.Tensor] = {}
+    for start, b in chosen:
+        dt = torch_dtype(b.dtype)
+        for name, off in zip(b.names, b.offsets):
+            shape = header.shapes[index[name]]
+            lo = start + off
+            out[name] = flat[lo : lo + tensor_nbytes(b.dtype, shape)].view(dt).view(shape)
+    return out
+
+
+def check_targets(
+    header: WeightUpdateHeader, named: Mapping[str, "torch.Tensor"], *, role: str, same_dtype: bool = False
+) -> None:
+    """Raise :class:`LayoutError` unless ``named`` has exactly the header's names and shapes.
+
+    Readers may hold other dtypes (copies convert) but never other shapes (``copy_`` would
+    silently broadcast); a publisher passes ``same_dtype=True``: its layout is fixed at start.
+    """
+    if len(named) != len(header.names) or any(n not in named for n in header.names):
+        want = set(header.names)
+        missing = sorted(want - set(named))
+        extra = sorted(set(named) - want)
+        raise LayoutError(
+            f"{role}: tensor names differ from the published layout; "
+            f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+            f"unexpected {extra[:5]}{'...' if len(extra) > 5 else ''}"
+        )
+    for name, shape in zip(header.names, header.shapes):
+        got = list(named[name].shape)
+        if got != shape:
+            raise LayoutError(f"{role}: tensor {name!r} has shape {got}, published layout has {shape}")
+    if same_dtype:
+        for name, dtype in zip(header.names, header.dtypes):
+            got = dtype_name(named[name].dtype)
+            if got != dtype:
+                raise LayoutError(f"{role}: tensor {name!r} has dtype {got}, published layout has {dtype}")

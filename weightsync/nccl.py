@@ -1,0 +1,360 @@
+"""NCCL transport (across GPUs and hosts): a header over ZeroMQ, then bucketed broadcasts.
+
+Rendezvous, once:
+
+1. The publisher (rank 0, the learner) binds a ROUTER on ``net.host`` (CURVE when not loopback,
+   see core.net) and writes ``run_dir/weights/nccl.json`` = ``{"host", "port"}`` atomically
+   (across hosts ``run_dir`` must be on a shared filesystem).
+2. Each subscriber (an actor) waits for that file, connects a DEALER and sends ``Hello``.
+3. When ``world_size - 1`` subscribers have said hello, the publisher answers each with
+   :class:`CollectiveInit` (its rank, the NCCL unique id, the layout), and every rank creates
+   the communicator (``cupy.cuda.nccl.NcclCommunicator(world, uid, rank)``, a collective call).
+
+Per version: the publisher packs the tensors into one flat device buffer per bucket (buckets
+hold one dtype each, layout.plan), sends the ``WeightUpdateHeader`` to every subscriber, and
+broadcasts each bucket from rank 0 as raw bytes (``NCCL_UINT8``: a broadcast is bitwise, so
+bfloat16 needs no NCCL dtype support) on a side stream, then waits for completion -- bounded by
+``collective_timeout_s``, after which the communicator is aborted and a TimeoutError names why.
+
+A subscriber's ``latest_version()`` is a non-blocking socket poll that queues headers.
+``apply()`` runs the broadcasts of *every* queued header in order -- NCCL needs every rank in
+every collective, so a version can be skipped only after it has been received -- and copies the
+newest into the targets. Hence the publisher blocks until each actor reaches its next decode
+step boundary; an actor that stops calling ``latest_version()``/``apply()`` stalls the learner.
+
+Every message is msgspec (core.messages.encode); nothing is pickled. cupy is imported lazily.
+``backend="gloo"`` runs the identical protocol over torch's Gloo process group on CPU tensors:
+that is how the CPU test suite exercises this module without GPUs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket as _socket
+import time
+from collections import deque
+from typing import Mapping, Union
+
+import msgspec
+import torch
+import zmq
+
+from core import net
+from core.messages import SCHEMA_VERSION, Hello, Shutdown, WeightUpdateHeader, decoder, encode
+from weightsync import layout
+from weightsync.base import Publisher, Subscriber, wait_until
+from weightsync.filesystem import atomic_write, weights_dir
+
+
+class CollectiveInit(msgspec.Struct, frozen=True, array_like=True, tag="ws_init"):
+    # publisher -> one subscriber, once: its place in the communicator
+    rank: int
+    world_size: int
+    backend: str  # "nccl" | "gloo"
+    unique_id: bytes  # NCCL unique id (128 B) or b"host:port" of the Gloo store
+    layout: WeightUpdateHeader  # version -1
+
+
+TO_SUBSCRIBER = Union[CollectiveInit, WeightUpdateHeader, Shutdown]
+_to_subscriber = decoder(TO_SUBSCRIBER)
+_hello = decoder(Hello)
+
+
+def endpoint_path(run_dir: str) -> str:
+    return os.path.join(weights_dir(run_dir), "nccl.json")
+
+
+# ---- collectives ----------------------------------------------------------------------------
+
+
+class _NcclComm:
+    """cupy's NCCL communicator driving torch CUDA buffers through their raw pointers."""
+
+    def __init__(self, world: int, uid: bytes, rank: int, device: torch.device):
+        import cupy
+        from cupy.cuda import nccl
+
+        self._nccl = nccl
+        self.device = device
+        # cupy >= 14 takes the id as bytes; older releases as a tuple of 128 signed chars
+        commid = uid if int(cupy.__version__.split(".")[0]) >= 14 else tuple(b - 256 if b > 127 else b for b in uid)
+        with cupy.cuda.Device(device.index):
+            self.comm = nccl.NcclCommunicator(world, commid, rank)
+        self.stream = torch.cuda.Stream(device)
+
+    @staticmethod
+    def new_id() -> bytes:
+        from cupy.cuda import nccl
+
+        uid = nccl.get_unique_id()
+        return bytes(uid) if isinstance(uid, bytes) else bytes(b & 0xFF for b in uid)
+
+    def begin(self) -> None:
+        # packing/unpacking runs on the caller's stream; the broadcasts must come after it
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def bcast(self, buf: torch.Tensor) -> None:
+        self.comm.bcast(buf.data_ptr(), buf.numel(), self._nccl.NCCL_UINT8, 0, self.stream.cuda_stream)
+
+    def end(self, timeout_s: float, what: str) -> None:
+        event = self.stream.record_event()
+        deadline = time.monotonic() + timeout_s
+        while not event.query():
+            if time.monotonic() > deadline:
+                self.comm.abort()
+                raise TimeoutError(f"NCCL broadcast of {what} did not complete in {timeout_s:.0f}s; aborted")
+            time.sleep(1e-4)
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+    def close(self) -> None:
+        self.comm.destroy()
+
+
+class _GlooComm:
+    """The same broadcasts over torch's Gloo process group, on CPU tensors (tests, CPU hosts)."""
+
+    def __init__(self, world: int, uid: bytes, rank: int, timeout_s: float, store=None):
+        import torch.distributed as dist
+
+        host, port = uid.decode().rsplit(":", 1)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.store = store or dist.TCPStore(host, int(port), world, False, timeout=timeout)
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+        self.pg = dist.ProcessGroupGloo(self.store, rank, world, opts)
+        self._opts = dist.BroadcastOptions()
+        self._opts.rootRank = 0
+
+    @staticmethod
+    def new_store(host: str, world: int, timeout_s: float):
+        import torch.distributed as dist
+
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = dist.TCPStore(host, 0, world, True, timeout=timeout, wait_for_workers=False)
+        return store, f"{host}:{store.port}".encode()
+
+    def begin(self) -> None:
+        pass
+
+    def bcast(self, buf: torch.Tensor) -> None:
+        self.pg.broadcast([buf], self._opts).wait()
+
+    def end(self, timeout_s: float, what: str) -> None:
+        pass
+
+    def close(self) -> None:
+        self.pg = None
+
+
+# ---- publisher ------------------------------------------------------------------------------
+
+
+class NcclPublisher(Publisher):
+    """Rank 0. Blocks in the constructor until ``world_size - 1`` subscribers have joined."""
+
+    transport = "nccl"
+
+    def __init__(
+        self, run_dir: str, template: Mapping[str, torch.Tensor], bucket_bytes: int = 64 << 20, *,
+        world_size: int, host: str = "127.0.0.1", curve: net.Curve | None = None,
+        backend: str = "nccl", join_timeout_s: float = 300, collective_timeout_s: float = 300,
+    ):
+        super().__init__(layout.header_for(-1, template, bucket_bytes))
+        if backend not in ("nccl", "gloo"):
+            raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
+        device = next(iter(template.values())).device
+        if backend == "nccl" and device.type != "cuda":
+            raise ValueError(f"the nccl transport needs CUDA tensors; the template is on {device}")
+        self.world_size = world_size
+        self.collective_timeout_s = collective_timeout_s
+        self.bad_frames = 0
+        self._payload = layout.payload_nbytes(self.header)
+        self._bufs = [torch.empty(b.nbytes, dtype=torch.uint8, device=device) for b in self.header.buckets]
+        self._views = [list(layout.views(self.header, buf, i).items()) for i, buf in enumerate(self._bufs)]
+
+        self._ctx = zmq.Context()
+        self._sock = net.socket(self._ctx, zmq.ROUTER, linger_ms=1000)
+        port = net.bind(self._sock, host, 0, curve)
+        advertised = _socket.gethostname() if host in ("0.0.0.0", "::", "*") else host
+        self._endpoint = endpoint_path(run_dir)
+        os.makedirs(os.path.dirname(self._endpoint), exist_ok=True)
+        atomic_write(self._endpoint, json.dumps({"host": advertised, "port": port}).encode())
+        try:
+            self._peers = self._gather_peers(join_timeout_s)
+            self._comm = self._init_comm(backend, advertised, device)
+        except BaseException:
+            self._close_sockets()
+            raise
+
+    def _gather_peers(self, timeout_s: float) -> list[bytes]:
+        peers: list[bytes] = []
+        deadline = time.monotonic() + timeout_s
+        while len(peers) < self.world_size - 1:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._sock.poll(int(left * 1000)):
+                raise TimeoutError(
+                    f"nccl publisher: {len(peers)} of {self.world_size - 1} subscribers joined in {timeout_s:.0f}s"
+                )
+            frames = self._sock.recv_multipart()
+            try:
+                hello = _hello.decode(frames[-1])
+            except msgspec.DecodeError:
+                hello = None
+            if hello is None or hello.schema_version != SCHEMA_VERSION:
+                self.bad_frames += 1  # not one of ours, or another schema: count it, keep waiting
+                continue
+            if frames[0] not in peers:
+                peers.append(frames[0])
+        return peers
+
+    def _init_comm(self, backend: str, host: str, device: torch.device):
+        store = None
+        if backend == "nccl":
+            uid = _NcclComm.new_id()
+        else:
+            store, uid = _GlooComm.new_store(host, self.world_size, self.collective_timeout_s)
+        for rank, peer in enumerate(self._peers, start=1):
+            init = CollectiveInit(rank, self.world_size, backend, uid, self.header)
+            self._sock.send_multipart([peer, encode(init)])
+        if backend == "nccl":
+            return _NcclComm(self.world_size, uid, 0, device)
+        return _GlooComm(self.world_size, uid, 0, self.collective_timeout_s, store=store)
+
+    def _write(self, version: int, named: Mapping[str, torch.Tensor]) -> int:
+        for views in self._views:
+            for name, view in views:
+                view.copy_(named[name])
+        frame = encode(layout.with_version(self.header, version))
+        for peer in self._peers:
+            self._sock.send_multipart([peer, frame])
+        self._comm.begin()
+        for buf in self._bufs:
+            self._comm.bcast(buf)
+        self._comm.end(self.collective_timeout_s, f"version {version}")
+        return self._payload
+
+    def _close_sockets(self) -> None:
+        for peer in getattr(self, "_peers", []):
+            try:
+                self._sock.send_multipart([peer, encode(Shutdown("publisher closed"))], zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        self._sock.close()
+        self._ctx.term()
+        try:
+            os.unlink(self._endpoint)
+        except FileNotFoundError:
+            pass
+
+    def _close(self) -> None:
+        self._comm.close()
+        self._close_sockets()
+
+
+# ---- subscriber -----------------------------------------------------------------------------
+
+
+class NcclSubscriber(Subscriber):
+    """Rank >= 1. ``device``: where the receive buffers live (default: the current CUDA device
+    for NCCL, CPU for Gloo)."""
+
+    transport = "nccl"
+
+    def __init__(
+        self, run_dir: str, timeout_s: float = 60, *, curve: net.Curve | None = None,
+        device: torch.device | str | None = None, actor_id: str = "", collective_timeout_s: float = 300,
+    ):
+        super().__init__()
+        self.collective_timeout_s = collective_timeout_s
+        self.publisher_closed = False
+        path = endpoint_path(run_dir)
+        deadline = time.monotonic() + timeout_s
+        ep = wait_until(
+            lambda: _read_endpoint(path), timeout_s, f"the nccl weight publisher's endpoint {path}; is the learner up?"
+        )
+        self._ctx = zmq.Context()
+        self._sock = net.socket(self._ctx, zmq.DEALER, linger_ms=0)
+        try:
+            net.connect(self._sock, ep["host"], ep["port"], curve)
+            self._sock.send(encode(Hello("weightsync", actor_id or f"{_socket.gethostname()}:{os.getpid()}")))
+            init = self._await_init(max(deadline - time.monotonic(), 1.0))
+            self.rank, self.header = init.rank, init.layout
+            self._hash = layout.layout_hash(self.header)
+            self._payload = layout.payload_nbytes(self.header)
+            if device is None:
+                device = torch.device("cuda", torch.cuda.current_device()) if init.backend == "nccl" else "cpu"
+            device = torch.device(device)
+            self._bufs = [torch.empty(b.nbytes, dtype=torch.uint8, device=device) for b in self.header.buckets]
+            self._views = [list(layout.views(self.header, buf, i).items()) for i, buf in enumerate(self._bufs)]
+            if init.backend == "nccl":
+                self._comm = _NcclComm(init.world_size, init.unique_id, init.rank, device)
+            else:
+                self._comm = _GlooComm(init.world_size, init.unique_id, init.rank, collective_timeout_s)
+        except BaseException:
+            self._sock.close()
+            self._ctx.term()
+            raise
+        self._pending: deque[WeightUpdateHeader] = deque()
+
+    def _await_init(self, timeout_s: float) -> CollectiveInit:
+        if not self._sock.poll(int(timeout_s * 1000)):
+            raise TimeoutError(
+                f"nccl subscriber: the publisher did not assign a rank in {timeout_s:.0f}s "
+                "(it waits until all world_size - 1 actors have joined)"
+            )
+        msg = _to_subscriber.decode(self._sock.recv())
+        if not isinstance(msg, CollectiveInit):
+            raise RuntimeError(f"nccl subscriber: expected CollectiveInit, got {type(msg).__name__}")
+        return msg
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                frame = self._sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            msg = _to_subscriber.decode(frame)  # a malformed frame raises here, not in a copy
+            if isinstance(msg, Shutdown):
+                self.publisher_closed = True
+            elif isinstance(msg, WeightUpdateHeader):
+                if layout.layout_hash(msg) != self._hash:
+                    raise layout.LayoutError(f"nccl subscriber: version {msg.version} changed the layout")
+                self._pending.append(msg)
+
+    def latest_version(self) -> int:
+        self._drain()
+        return self._pending[-1].version if self._pending else self.stats.last_version
+
+    def _apply(self, named: Mapping[str, torch.Tensor], after: int) -> tuple[int, int] | None:
+        self._drain()
+        if not self._pending:
+            return None
+        layout.check_targets(self.header, named, role="nccl subscriber")
+        self._comm.begin()
+        while self._pending:
+            version = self._pending.popleft().version
+            for buf in self._bufs:
+                self._comm.bcast(buf)
+        self._comm.end(self.collective_timeout_s, f"version {version}")
+        for views in self._views:
+            for name, view in views:
+                named[name].copy_(view)
+        if self._bufs[0].is_cuda:
+            torch.cuda.current_stream(self._bufs[0].device).synchronize()  # honest apply_s
+        return version, self._payload
+
+    def _close(self) -> None:
+        self._comm.close()
+        self._sock.close()
+        self._ctx.term()
+
+
+def _read_endpoint(path: str) -> dict | None:
+    try:
+        with open(path, "rb") as f:
+            return json.loads(f.read())
+    except (FileNotFoundError, ValueError):
+        return None
