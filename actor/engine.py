@@ -39,6 +39,8 @@ def sampling_logprobs(logits: torch.Tensor, temperature: float, top_k: int = 0, 
 
 
 class TorchEngine:
+    """Owns ``model`` from here on: it is cast to ``dtype`` and put in eval mode in place."""
+
     def __init__(self, model: Qwen3, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                  max_new_tokens: int = 16, eos_id: int, pad_id: int, dtype: str = "float32", seed: int = 0):
         self.model = model.to(DTYPES[dtype]).eval()

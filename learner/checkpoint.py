@@ -59,9 +59,15 @@ def atomic_dir(final: str, write) -> str:
     try:
         write(tmp)
         _fsync_tree(tmp)
+        old = None
         if os.path.exists(final):
-            shutil.rmtree(final)
+            # keep the previous copy until the new one is in place: a crash in between leaves
+            # the old directory (with its marker) under a name `latest` still finds
+            old = os.path.join(parent, f".old-{os.path.basename(final)}-{os.getpid()}")
+            os.rename(final, old)
         os.rename(tmp, final)
+        if old:
+            shutil.rmtree(old, ignore_errors=True)
         with open(os.path.join(final, MARKER), "w") as f:
             f.write("ok\n")
             f.flush()
@@ -118,6 +124,20 @@ def _prune(ckpt_root: str) -> None:
     done = complete_checkpoints(ckpt_root)
     for old in done[:-KEEP]:
         shutil.rmtree(old, ignore_errors=True)
+    # leftovers of writers that were killed mid-checkpoint (their pid is gone)
+    for name in os.listdir(ckpt_root):
+        if name.startswith((".tmp-", ".old-")) and not _pid_alive(int(name.rsplit("-", 1)[1])):
+            shutil.rmtree(os.path.join(ckpt_root, name), ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def complete_checkpoints(ckpt_root: str) -> list[str]:

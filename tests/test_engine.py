@@ -42,28 +42,34 @@ def _full_logits(model, ids):
         return model.logits(model(t, torch.arange(len(ids))[None], torch.ones_like(t, dtype=torch.bool)))[0]
 
 
-def _ref_logp(logits, temperature, top_k=0):
-    """Independent of the engine's helpers: temperature, then keep the top-k logits, renormalise."""
+def _ref_logp(logits, temperature, top_k=0, top_p=1.0):
+    """Independent of the engine's helpers: temperature, keep the top-k logits, then the smallest
+    most-likely prefix whose mass reaches top_p; renormalise."""
     z = logits.double() / temperature
     if top_k:
         kth = z.topk(top_k, dim=-1).values[..., -1:]
         z = z.masked_fill(z < kth, float("-inf"))
+    if top_p < 1.0:
+        for row in z.view(-1, z.shape[-1]):
+            probs, order = row.softmax(-1).sort(descending=True)
+            drop = order[(probs.cumsum(-1) - probs) >= top_p]
+            row[drop] = float("-inf")
     return torch.log_softmax(z, dim=-1)
 
 
-@pytest.mark.parametrize("temperature,top_k", [(0.7, 0), (0.7, 5), (1.0, 5)])
-def test_behaviour_logprobs_match_full_forward(task, temperature, top_k):
-    engine = _engine(temperature=temperature, top_k=top_k, seed=3)
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 0, 1.0), (0.7, 5, 1.0), (1.0, 5, 1.0), (1.0, 0, 0.8)])
+def test_behaviour_logprobs_match_full_forward(task, temperature, top_k, top_p):
+    engine = _engine(temperature=temperature, top_k=top_k, top_p=top_p, seed=3)
     ref_model = tiny_model()
     prompts = _prompts(task, 6)
     samples = engine.generate(prompts)
     checked = 0
     for prompt, s in zip(prompts, samples):
         assert len(s.tokens) == len(s.logprobs) == len(s.versions) > 0
-        ref = _ref_logp(_full_logits(ref_model, prompt + s.tokens), temperature, top_k)
+        ref = _ref_logp(_full_logits(ref_model, prompt + s.tokens), temperature, top_k, top_p)
         for j, (tok, lp) in enumerate(zip(s.tokens, s.logprobs)):
             want = ref[len(prompt) - 1 + j, tok].item()
-            assert want > float("-inf"), "engine sampled a token outside the top-k support"
+            assert want > float("-inf"), "engine sampled a token outside the top-k / top-p support"
             assert lp == pytest.approx(want, abs=2e-4), (prompt, s.tokens, j)
             checked += 1
     assert checked >= len(prompts)
