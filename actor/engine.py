@@ -52,8 +52,12 @@ class TorchEngine:
         self.gen = torch.Generator().manual_seed(seed)
 
     def params(self) -> dict[str, torch.Tensor]:
-        """Named tensors a weight transport writes into (in place)."""
-        return dict(self.model.state_dict(keep_vars=False))
+        """The model's own Parameters and persistent buffers under their state_dict names: a
+        weight transport copies into them or (shm, same dtype) rebinds their ``.data`` to shared
+        memory, which detached state_dict() tensors would not pass on to the module."""
+        own = dict(self.model.named_parameters(remove_duplicate=False))
+        own |= dict(self.model.named_buffers(remove_duplicate=False))
+        return {k: own[k] for k in self.model.state_dict()}
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], before_step: Callable[[], int] = lambda: 0,

@@ -53,6 +53,8 @@ def summarise(run_dir: str) -> dict:
         "ratio_p99": statistics.fmean(col("ratio/p99")),
         "ratio_p999": statistics.fmean(col("ratio/p999")),
         "ratio_max": max(col("ratio/max")),
+        # staleness 0 isolates engine/learner numerics from policy lag (DESIGN §6 split)
+        "ratio_p99_stale0": statistics.fmean(col("ratio/p99_by_staleness/0")),
         "kl_k3": statistics.fmean(col("mismatch/kl_k3")),
         "abs_logp_diff_p99": statistics.fmean(col("mismatch/abs_logp_diff_p99")),
         "final_eval": next((r["eval/reward"] for r in reversed(recs) if r.get("eval/reward") is not None), None),
@@ -74,7 +76,7 @@ def main(argv=None) -> None:
         if res.interrupted:
             sys.exit(130)
         out[name] = summarise(res.run_dir)
-    keys = ["ratio_p50", "ratio_p99", "ratio_p999", "ratio_max", "kl_k3", "abs_logp_diff_p99", "final_eval"]
+    keys = ["ratio_p50", "ratio_p99", "ratio_p999", "ratio_max", "ratio_p99_stale0", "kl_k3", "abs_logp_diff_p99", "final_eval"]
     print(f"\n{'metric':<20}{'FP32 islands':>16}{'all body dtype':>16}")
     for k in keys:
         a, b = out["islands"][k], out["body"][k]

@@ -132,7 +132,6 @@ class ActorClient:
         self.bad_frames = 0
         self._pending: dict[int, _Pending] = {}  # insertion order == seq order
         self._notices: list[Ack] = []
-        self._busy = False
         self._server_next: int | None = None  # from the Hello answer
         self._hello = encode(Hello("actor", actor_id))
         self._hello_at: float | None = None
@@ -167,12 +166,13 @@ class ActorClient:
     def send(self, group: RolloutGroup) -> None:
         """Queue ``group`` until acked; blocks while the window is full or the buffer is busy."""
         if group.actor_id != self.actor_id:
-            raise ValueError(f"group of actor {group.actor_id!r} sent through the client of {self.actor_id!r}")
+            raise ValueError(f"group of actor {group.actor_id!r} sent through the client of "
+                             f"{self.actor_id!r}")
         if group.seq in self._pending:
             raise ValueError(f"seq {group.seq} is already in flight for {self.actor_id!r}")
         self._receive(0)
         t0 = time.monotonic()
-        self._wait_until(lambda: len(self._pending) < self.window and not self._busy, None)
+        self._wait_until(lambda: len(self._pending) < self.window and not self._busy(), None)
         self.admission_wait_s += time.monotonic() - t0
         payload = encode(group)
         if self._spool is not None:
@@ -198,6 +198,10 @@ class ActorClient:
             self._ctx.term()
 
     # ---- internals ---------------------------------------------------------------------------
+
+    def _busy(self) -> bool:
+        """The buffer refused one of ours for capacity and has not taken it since."""
+        return any(p.busy for p in self._pending.values())
 
     def _await_hello(self) -> None:
         t0 = time.monotonic()
@@ -259,19 +263,15 @@ class ActorClient:
     def _on_ack(self, ack: Ack) -> None:
         st = ack.status
         if st == "hello":
-            if self._server_next is None and self._next < ack.seq and self._next > 0:
-                log.warning("%s: local seq %d is behind the buffer's %d", self.actor_id, self._next, ack.seq)
             self._server_next = ack.seq
             self._next = max(self._next, ack.seq)
             return
         p = self._pending.get(ack.seq)
         if st in ("ok", "duplicate"):
-            self._busy = False
             if p is not None:
                 self._finish(p)
         elif st == "busy":
             if p is not None:
-                self._busy = True
                 p.busy += 1  # exponential backoff per group, so one busy spell costs one wait
                 p.retry_at = time.monotonic() + min(BUSY_BACKOFF_S[0] * 2 ** (p.busy - 1), BUSY_BACKOFF_S[1])
         elif st == "rejected":
@@ -423,5 +423,7 @@ class LearnerClient:
                 self._unsent.append(encode(Consumed(again, self._version)))
                 self._flush_unsent()
             if fresh:
-                return batch if len(fresh) == len(batch.groups) else msgspec.structs.replace(batch, groups=fresh)
+                if len(fresh) < len(batch.groups):
+                    batch = msgspec.structs.replace(batch, groups=fresh)
+                return batch
         return None

@@ -62,6 +62,16 @@ def iter_records(data: bytes):
         yield pos, kind, payload
 
 
+def _write_all(fd: int, header: bytes, payload) -> None:
+    """One writev for header + payload (no concatenation copy), finishing a short write."""
+    n = os.writev(fd, [header, payload])
+    total = len(header) + len(payload)
+    if n < total:  # rare (signal, huge record): write what is left
+        rest = memoryview(header + bytes(payload))[n:]
+        while rest:
+            rest = rest[os.write(fd, rest):]
+
+
 @dataclass
 class Segment:
     num: int
@@ -180,7 +190,7 @@ class SegmentLog:
         return sum(s.size for s in self.segments.values())
 
     def _write(self, kind: int, payload) -> None:
-        os.writev(self._fd, [encode_record(kind, payload), payload])
+        _write_all(self._fd, encode_record(kind, payload), payload)
         self.active.size += HEADER.size + len(payload)
         if self.fsync == "always":
             os.fsync(self._fd)
@@ -267,11 +277,11 @@ class SegmentLog:
         new = Segment(num, path)
         placed = []
         try:
-            for kind, payload in self._compact_records(resident):
-                os.writev(fd, [encode_record(kind, payload), payload])
+            for kind, key, payload in self._compact_records(resident):
+                _write_all(fd, encode_record(kind, payload), payload)
                 new.size += HEADER.size + len(payload)
                 if kind == GROUP:
-                    placed.append((_group_key(payload), HEADER.size + len(payload)))
+                    placed.append((key, HEADER.size + len(payload)))
             if self.fsync != "never":
                 os.fsync(fd)
         finally:
@@ -294,9 +304,9 @@ class SegmentLog:
         log.info("compacted %d segments into %s (%d resident groups)", len(old), path, len(placed))
 
     def _compact_records(self, resident):
-        yield SEEN, msgspec.msgpack.encode(self._snapshot())
-        for _key, raw in resident():
-            yield GROUP, raw
+        yield SEEN, None, msgspec.msgpack.encode(self._snapshot())
+        for key, raw in resident():
+            yield GROUP, key, raw
 
 
 _HEAD = msgspec.msgpack.Decoder(tuple)

@@ -17,7 +17,11 @@ connection); anything the typed decoder or ``validate_group`` refuses is counted
 ``buffer/dropped_invalid/<reason>`` and answered with a ``rejected`` ack when the key can be
 recovered. Nothing a peer sends can stop the loop.
 
-Run: ``python -m buffer.server --config RUN_DIR/config.json --run-dir RUN_DIR``.
+Security: sockets bind through ``core.net.bind`` (loopback unless CURVE keys are configured);
+with CURVE, a ZAP handler admits only ``net.curve_client_public``.
+
+Run: ``python -m buffer.server --config RUN_DIR/config.json --run-dir RUN_DIR``; it writes the
+bound ports to ``RUN_DIR/buffer/ports.json`` and stops cleanly on SIGTERM/SIGINT.
 """
 
 from __future__ import annotations
@@ -84,6 +88,7 @@ class BufferServer:
         self._own_ctx = ctx is None
         self.ctx = zmq.Context() if ctx is None else ctx
         self.actor_sock = self.learner_sock = None
+        self._auth = None
         self.log: SegmentLog | None = None
         try:
             self._bind(cfg.net)
@@ -101,6 +106,8 @@ class BufferServer:
 
     def _bind(self, n) -> None:
         curve = net.curve_from_config(n)
+        if curve is not None and n.curve_client_public:
+            self._start_auth(n.curve_client_public)
         cap = self.max_frame + ZMQ_SLACK_BYTES
         self.actor_sock = net.socket(self.ctx, zmq.ROUTER, max_msg=cap)
         self.learner_sock = net.socket(self.ctx, zmq.ROUTER, max_msg=cap)
@@ -109,6 +116,19 @@ class BufferServer:
             s.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.actor_port = net.bind(self.actor_sock, n.host, n.buffer_actor_port, curve)
         self.learner_port = net.bind(self.learner_sock, n.host, n.buffer_learner_port, curve)
+
+    def _start_auth(self, client_public: str) -> None:
+        """Only the configured client key may complete the CURVE handshake (ZAP). Without this, any
+        key pair that knows the server's public key would be let in."""
+        from zmq.auth.thread import ThreadAuthenticator
+
+        class _Allow:
+            def callback(self, domain, key):
+                return key == client_public.encode()
+
+        self._auth = ThreadAuthenticator(self.ctx)
+        self._auth.start()
+        self._auth.configure_curve_callback("*", credentials_provider=_Allow())
 
     def _recover(self) -> None:
         rep = self.log.replay()
@@ -183,7 +203,7 @@ class BufferServer:
             self._actor_ident[msg.id] = ident
             # tells an actor that lost its local counter where its seq numbering resumes
             self._ack(ident, Ack(msg.id, self.store.seen.next_seq(msg.id), "hello"))
-        elif isinstance(msg, Heartbeat):
+        elif isinstance(msg, Heartbeat) and len(msg.id) <= MAX_ID_CHARS:
             self._actor_ident[msg.id] = ident
 
     def _on_group(self, ident: bytes, g: RolloutGroup, raw) -> None:
@@ -328,6 +348,9 @@ class BufferServer:
             if s is not None:
                 s.close(linger=0)
         self.actor_sock = self.learner_sock = None
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
         if self._own_ctx and not self.ctx.closed:
             self.ctx.term()
 

@@ -110,7 +110,8 @@ class SeenKeys:
             self._hwm[actor] = top
             self._gaps[actor] = _intersect(mine, theirs)
 
-    def __len__(self) -> int:
+    def count(self) -> int:
+        """How many keys are remembered (not ``__len__``: an empty memory must not be falsy)."""
         return sum(h + 1 - sum(hi - lo + 1 for lo, hi in self._gaps.get(a, []))
                    for a, h in self._hwm.items())
 

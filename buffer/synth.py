@@ -15,11 +15,14 @@ from core.messages import RolloutGroup, make_completion
 
 def make_group(actor_id: str, seq: int, *, completions: int = 8, tokens: int = 1024, version: int = 0,
                prompt_tokens: int = 32, rng: np.random.Generator | None = None,
-               group_id: str | None = None) -> RolloutGroup:
+               group_id: str | None = None, ragged: bool = True) -> RolloutGroup:
+    """``completions`` x ``tokens``; with ``ragged`` every other completion stops early."""
     rng = np.random.default_rng(seq) if rng is None else rng
     comps = []
     for i in range(completions):
-        n = tokens if i % 2 == 0 else max(1, tokens - int(rng.integers(0, max(1, tokens // 2))))
+        n = tokens
+        if ragged and i % 2:
+            n = max(1, tokens - int(rng.integers(0, max(1, tokens // 2))))
         versions = np.full(n, version, dtype=np.int32)
         versions[n // 2:] += int(rng.integers(0, 2))  # an in-flight weight update, sometimes
         comps.append(make_completion(

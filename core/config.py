@@ -109,6 +109,9 @@ class LearnerSection(_Section):
 class WeightSyncSection(_Section):
     transport: Literal["shm", "filesystem", "nccl"] = "shm"
     bucket_mb: PosInt = 64
+    # shm: slots in /dev/shm (each one model copy); 0 = num_actors + 3, so a version is never
+    # skipped; fewer trades memory for the occasional skipped version while every actor pins one
+    shm_slots: NonNegInt = 0
 
 
 class NetSection(_Section):

@@ -1,5 +1,6 @@
-"""weightsync: layout, shared memory (incl. a multi-process torn-read hunt), filesystem, and the
-NCCL transport's protocol over Gloo on CPU."""
+"""weightsync: layout, shared memory (zero-copy and copying readers, pins, dead readers, a
+multi-process torn-read hunt, an engine driven through it), filesystem, and the NCCL transport's
+protocol over Gloo on CPU."""
 
 from __future__ import annotations
 
@@ -157,6 +158,7 @@ def test_shm_publish_apply_in_one_process(tmp_path):
     assert sub.latest_version() == 0
     assert sub.apply(target) == 0
     assert all(_same_bits(target[k], params[k]) for k in params)
+    assert sub.stats.mapped == len(params)  # same dtype on CPU: mapped, not copied
     assert sub.apply(target) is None  # nothing newer
 
     # dtype-converting apply: an actor holding float32 copies of bf16/fp16 weights
@@ -164,6 +166,7 @@ def test_shm_publish_apply_in_one_process(tmp_path):
     sub2 = make_subscriber(_cfg("shm"), run_dir, timeout_s=5)
     assert sub2.apply(wide) == 0
     assert torch.equal(wide["emb"], params["emb"].float())
+    assert sub2.stats.mapped == 1  # only "w" is float32 already; the rest was converted
 
     later = _model(seed=1)
     for v in (1, 2, 3):
@@ -190,35 +193,100 @@ def test_shm_publish_apply_in_one_process(tmp_path):
     pub.close()  # idempotent
     assert not os.path.exists(path)
     assert sub.publisher_closed and sub.latest_version() == 3
+    assert _same_bits(target["w"], later["w"])  # mapped weights outlive the unlinked region
     for s in (sub, sub2):
         s.close()
         s.close()
+    # a closed subscriber no longer pins, but the memory stays mapped while tensors use it
+    assert _same_bits(target["w"], later["w"])
 
 
-def test_shm_torn_copy_is_retried(tmp_path, monkeypatch):
-    """The publisher laps the reader mid-copy (two publishes): the copy must be thrown away."""
-    params = _model()
-    pub = shm.ShmPublisher(str(tmp_path), params)
-    sub = shm.ShmSubscriber(str(tmp_path), timeout_s=5)
-    pub.publish(0, params)
-    newer = _model(seed=7)
-    real_fence = shm._fence
-    state = {"armed": True}
+def test_shm_pinned_slots_are_never_overwritten(tmp_path, monkeypatch):
+    """Two slots, one reader: while it holds a slot (mapped, or mid-copy) the writer must skip
+    rather than write into it; a mapped reader's weights stay put until it applies again."""
+    v0, v1, v2 = _model(0), _model(1), _model(2)
+    pub = shm.ShmPublisher(str(tmp_path), v0, max_readers=1, slots=2, wait_s=0.01)
+    mapper = shm.ShmSubscriber(str(tmp_path), timeout_s=5)
+    with pytest.raises(RuntimeError, match="reader entries"):
+        shm.ShmSubscriber(str(tmp_path), timeout_s=5)  # the table holds max_readers
+    pub.publish(0, v0)
+    held = {k: torch.zeros_like(v) for k, v in v0.items()}
+    assert mapper.apply(held) == 0 and pub.readers() == [(os.getpid(), 0)]
+    assert pub.publish(1, v1).version == 1  # slot 1
+    assert pub.publish(2, v2) is None  # slot 0 pinned, slot 1 current: skipped, not overwritten
+    assert pub.skipped == 1 and pub.metrics()["weightsync/publishes_skipped"] == 1
+    assert all(_same_bits(held[k], v0[k]) for k in v0)
+    assert mapper.apply(held) == 1 and all(_same_bits(held[k], v1[k]) for k in v0)
+    assert pub.readers() == [(os.getpid(), 1)]  # the pin moved with the mapping
+    assert pub.publish(3, v2).version == 3  # slot 0 is free again
+    mapper.close()
+    assert pub.readers() == []
 
-    def lapping_fence():
-        real_fence()
-        if state["armed"]:  # the reader's fence just before its copy
-            state["armed"] = False
-            pub.publish(1, params)
-            pub.publish(2, newer)
+    # a copying reader pins its slot for the length of the copy: two publishes land mid-copy
+    copier = shm.ShmSubscriber(str(tmp_path), timeout_s=5, zero_copy=False)
+    real_copy, armed = shm._copy_all, [True]
 
-    target = {k: torch.zeros_like(v) for k, v in params.items()}
-    monkeypatch.setattr(shm, "_fence", lapping_fence)
-    assert sub.apply(target) == 2
-    assert sub.stats.torn_retries == 1
-    assert all(_same_bits(target[k], newer[k]) for k in params)
+    def copy_while_publishing(dst, src):
+        if armed and armed.pop():
+            assert pub.publish(4, v0).version == 4  # into the free slot
+            assert pub.publish(5, v1) is None  # the other one is being copied from
+        real_copy(dst, src)
+
+    monkeypatch.setattr(shm, "_copy_all", copy_while_publishing)
+    got = {k: torch.zeros_like(v) for k, v in v0.items()}
+    assert copier.apply(got) == 3 and copier.stats.mapped == 0
+    assert all(_same_bits(got[k], v2[k]) for k in v0)
+    assert pub.readers() == [(os.getpid(), -1)]  # released after the copy
+    assert copier.apply(got) == 4 and all(_same_bits(got[k], v0[k]) for k in v0)
+    copier.close()
     pub.close()
-    sub.close()
+
+
+def _pinning_reader(run_dir: str, ready: str, linger_s: float) -> None:
+    """Maps the newest weights, says so, then lingers (to be killed) or exits without close()."""
+    torch.set_num_threads(1)
+    sub = shm.ShmSubscriber(run_dir, timeout_s=30)
+    target = {k: torch.zeros_like(v) for k, v in _model().items()}
+    assert sub.apply(target) is not None and sub.stats.mapped == len(target)
+    open(ready, "w").close()
+    time.sleep(linger_s)
+
+
+def test_shm_dead_readers_release_their_pins(tmp_path, procs):
+    run_dir = str(tmp_path / "run")
+    pub = shm.ShmPublisher(run_dir, _model(), max_readers=1, slots=2, wait_s=0.05)
+    pub.publish(0, _model())
+    ctx = mp.get_context("spawn")
+
+    def start(name, linger_s):
+        ready = str(tmp_path / name)
+        p = ctx.Process(target=_pinning_reader, args=(run_dir, ready, linger_s), daemon=True)
+        p.start()
+        procs.append(p)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(ready):
+            assert time.monotonic() < deadline and p.is_alive(), "reader did not start"
+            time.sleep(0.05)
+        return p
+
+    # a reader that exits without close() frees its entry at interpreter exit
+    quitter = start("quitter", 0)
+    quitter.join(30)
+    assert quitter.exitcode == 0 and pub.readers() == []
+
+    victim = start("victim", 60)
+    assert pub.readers() == [(victim.pid, 0)]
+    assert pub.publish(1, _model(1)).version == 1
+    assert pub.publish(2, _model(2)) is None  # slot 0 pinned by the live reader
+    victim.kill()  # SIGKILL: no finalizer runs
+    os.waitid(os.P_PID, victim.pid, os.WEXITED | os.WNOWAIT)  # dead but not reaped: a zombie
+    assert pub.publish(3, _model(3)).version == 3  # the dead reader's pin was reclaimed
+    assert pub.readers() == [] and pub.skipped == 1
+    late = shm.ShmSubscriber(run_dir, timeout_s=5)  # and so was its table entry
+    target = {k: torch.zeros_like(v) for k, v in _model().items()}
+    assert late.apply(target) == 3 and _same_bits(target["w"], _model(3)["w"])
+    late.close()
+    pub.close()
 
 
 def test_shm_subscriber_waits_for_publisher(tmp_path):
@@ -274,6 +342,69 @@ def test_shm_publisher_dropped_without_close_retires_region(tmp_path):
     sub.close()
 
 
+def test_shm_reader_liveness_rules():
+    import subprocess
+
+    me, start, ns = shm._me()
+    assert shm._alive(me, start, ns) and shm._alive(me, 0, ns)  # 0: start time unknown
+    assert not shm._alive(me, start + 1, ns)  # same pid, another process: the pid was reused
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    assert not shm._alive(gone.pid, 0, ns)
+    assert shm._alive(gone.pid, 0, ns + 1)  # another pid namespace: never presumed dead
+
+
+def _qwen3(seed: int):
+    from learner.model import ArchConfig, Qwen3
+
+    torch.manual_seed(seed)
+    return Qwen3(ArchConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=2, num_key_value_heads=1, head_dim=16))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_shm_drives_a_real_engine(tmp_path, dtype):
+    """The actor's path: engine.params() into apply() called between decode steps, inside the
+    engine's inference_mode. fp32 actors map the published weights, bf16 actors copy them; either
+    way generation must equal an engine built from the same weights."""
+    from actor.engine import TorchEngine
+
+    def engine(model):
+        return TorchEngine(model, eos_id=47, pad_id=0, dtype=dtype, max_new_tokens=5)
+
+    learner = _qwen3(seed=1)
+    weights = {k: v.detach() for k, v in learner.state_dict().items()}
+    pub = shm.ShmPublisher(str(tmp_path), weights, max_readers=1)
+    actor = engine(_qwen3(seed=2))  # other initial weights: the update must reach the module
+    params = actor.params()
+    assert all(p is q for p, q in zip(params.values(), actor.model.parameters()))
+    with torch.inference_mode():  # as if (re)attached mid-generation: its views must stay normal
+        sub = shm.ShmSubscriber(str(tmp_path), timeout_s=5)
+    prompts = [[1, 5, 9, 3], [2, 7], [4, 4, 4, 8, 1]]
+
+    def adopt():
+        sub.apply(params)
+        return sub.stats.last_version
+
+    stale = actor.generate(prompts, before_step=adopt, greedy=True)
+    assert {v for s in stale for v in s.versions} == {-1}  # nothing published yet
+    for version, seed in [(0, 1), (1, 3)]:
+        if seed != 1:
+            weights = {k: v.detach() for k, v in _qwen3(seed).state_dict().items()}
+        pub.publish(version, weights)
+        got = actor.generate(prompts, before_step=adopt, greedy=True)
+        ref_model = _qwen3(seed=0)
+        ref_model.load_state_dict(weights)
+        want = engine(ref_model).generate(prompts, greedy=True)
+        assert [s.versions for s in got] == [[version] * len(s.tokens) for s in got]
+        assert [(s.tokens, s.logprobs) for s in got] == [(s.tokens, s.logprobs) for s in want]
+        assert sub.stats.mapped == (len(params) if dtype == "float32" else 0)
+        assert not any(p.is_inference() for p in actor.model.parameters())
+    assert [s.logprobs for s in stale] != [s.logprobs for s in got]  # the weights really changed
+    sub.close()
+    pub.close()
+
+
 # ---- shared memory, several processes ----------------------------------------------------------
 
 N_VERSIONS = 1500
@@ -296,6 +427,11 @@ def _versioned(version: int, out: dict[str, torch.Tensor] | None = None) -> dict
     return out
 
 
+def _holds(target, version: int) -> bool:
+    want = _versioned(version)
+    return all(torch.equal(target[k], want[k].to(target[k].dtype)) for k in want)
+
+
 def _reader_proc(kind: str, run_dir: str, out_path: str, n_versions: int, wide: bool) -> None:
     torch.set_num_threads(1)
     if kind == "shm":
@@ -304,16 +440,16 @@ def _reader_proc(kind: str, run_dir: str, out_path: str, n_versions: int, wide: 
         from weightsync.nccl import NcclSubscriber
 
         sub = NcclSubscriber(run_dir, timeout_s=30, collective_timeout_s=60)
-    # a "wide" reader holds float64, column-major copies: its converting, strided copy is several
-    # times slower than the publisher's, so the publisher laps it often and the torn copies must
-    # be detected and retried (without the sequence check this test fails)
+    # a "wide" reader holds float64, column-major copies: shm copies into it (a converting,
+    # strided copy several times slower than the publisher's, so many publishes land mid-copy);
+    # the other reader's tensors match the published dtypes, so shm maps them
     if wide:
         target = {k: torch.zeros(v.shape[::-1], dtype=torch.float64).permute(*range(v.dim() - 1, -1, -1))
                   for k, v in _versioned(0).items()}
     else:
         target = {k: torch.zeros_like(v) for k, v in _versioned(0).items()}
     open(out_path + ".ready", "w").close()
-    applied, bad = [], []
+    applied, bad, changed, held = [], [], [], []
     deadline = time.monotonic() + 45
     while time.monotonic() < deadline:
         if sub.latest_version() <= sub.stats.last_version:
@@ -323,13 +459,22 @@ def _reader_proc(kind: str, run_dir: str, out_path: str, n_versions: int, wide: 
         if v is None:
             continue
         applied.append(v)
-        want = _versioned(v)
-        if not all(torch.equal(target[k], want[k].to(target[k].dtype)) for k in want):
+        if not _holds(target, v):
             bad.append(v)
+        if sub.stats.mapped and len(applied) % 3 == 1 and v < n_versions - 1:
+            # keep computing with version v while the publisher moves on: the slot it is
+            # mapped from is pinned, so it must not change (a writer blind to pins reuses it
+            # within two publishes)
+            until = min(v + 4, n_versions - 1)
+            while sub.latest_version() < until and time.monotonic() < deadline:
+                time.sleep(0)
+            held.append(sub.latest_version() - v)
+            if not _holds(target, v):
+                changed.append(v)
         if v == n_versions - 1:
             break
     with open(out_path, "w") as f:
-        json.dump({"applied": applied, "bad": bad, "torn_retries": sub.stats.torn_retries,
+        json.dump({"applied": applied, "bad": bad, "changed": changed, "held": held, "mapped": sub.stats.mapped,
                    "versions_skipped": sub.stats.versions_skipped}, f)
     sub.close()
 
@@ -371,7 +516,7 @@ def _check_readers(procs, outs):
 def test_shm_concurrent_readers_never_see_torn_versions(tmp_path, procs):
     run_dir = str(tmp_path / "run")
     torch.set_num_threads(1)
-    pub = shm.ShmPublisher(run_dir, _versioned(0))
+    pub = shm.ShmPublisher(run_dir, _versioned(0), max_readers=2)
     outs = _start_readers(procs, "shm", run_dir, tmp_path)
     deadline = time.monotonic() + 60
     while not all(os.path.exists(o + ".ready") for o in outs):
@@ -381,10 +526,15 @@ def test_shm_concurrent_readers_never_see_torn_versions(tmp_path, procs):
     for v in range(N_VERSIONS):
         pub.publish(v, _versioned(v, out=state))
     results = _check_readers(procs, outs)
+    skipped = pub.skipped
     pub.close()
+    assert skipped == 0  # 2 + max_readers slots: a publish never has to skip
+    mapper, copier = results
+    assert mapper["mapped"] == len(state) and copier["mapped"] == 0  # both modes ran
+    assert mapper["changed"] == [], f"mapped weights changed while pinned: {mapper['changed'][:5]}"
+    assert mapper["held"] and max(mapper["held"]) >= 2, "the publisher never moved on during a hold"
     assert all(len(r["applied"]) >= 2 for r in results)
-    print("applies per reader:", [len(r["applied"]) for r in results],
-          "torn retries:", [r["torn_retries"] for r in results])
+    print("applies per reader:", [len(r["applied"]) for r in results], "publishes during holds:", mapper["held"])
 
 
 # ---- filesystem ---------------------------------------------------------------------------------

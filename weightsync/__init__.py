@@ -1,6 +1,6 @@
 """Parameter server: the learner publishes weight versions, actors apply them between decode steps.
 
-Transports: ``shm`` (one host, seqlocked double buffer), ``filesystem`` (safetensors files, late
+Transports: ``shm`` (one host; pinned slots, zero-copy for same-dtype CPU actors), ``filesystem`` (safetensors files, late
 joiners), ``nccl`` (GPUs across hosts, via cupy). See :mod:`weightsync.base` for the interface.
 Names are imported lazily so that :mod:`weightsync.layout` stays importable without torch.
 """

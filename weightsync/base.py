@@ -1,8 +1,9 @@
 """Weight sync interface: the learner publishes numbered weight versions, actors apply them.
 
 ``Publisher`` (learner side) and ``Subscriber`` (actor side) hold the checks every transport
-shares -- increasing versions, a layout fixed at start, in-place copies under ``no_grad``,
-timing and counters -- and delegate the moving of bytes to ``_write`` / ``_apply`` in
+shares -- increasing versions, a layout fixed at start, updates under ``no_grad`` (in-place
+copies, or for shm by default a zero-copy mapping), timing and counters -- and delegate the
+moving of bytes to ``_write`` / ``_apply`` in
 :mod:`weightsync.shm`, :mod:`weightsync.filesystem` and :mod:`weightsync.nccl`.
 :func:`make_publisher` / :func:`make_subscriber` pick one from ``cfg.weightsync.transport``.
 
@@ -41,11 +42,13 @@ class SubscriberStats:
     # versions published between two applies of this reader that it never applied (versions
     # before its first apply do not count: a late joiner is not behind)
     versions_skipped: int = 0
-    torn_retries: int = 0  # copies thrown away because the publisher overwrote the slot meanwhile
+    mapped: int = 0  # tensors the last apply mapped from shared memory instead of copying (shm)
 
 
 class Publisher:
-    """Learner side. Subclasses implement ``_write(version, named) -> payload bytes``."""
+    """Learner side. Subclasses implement ``_write(version, named) -> payload bytes``, or None
+    when the transport dropped that version (shm with every slot in use): ``publish`` then
+    returns None and ``skipped`` counts it."""
 
     transport = "?"
 
@@ -53,9 +56,10 @@ class Publisher:
         self.header = layout.with_version(header, -1)
         self.last_stats: PublishStats | None = None
         self._last_version = -1
+        self.skipped = 0
         self._closed = False
 
-    def publish(self, version: int, named: Mapping[str, torch.Tensor]) -> PublishStats:
+    def publish(self, version: int, named: Mapping[str, torch.Tensor]) -> PublishStats | None:
         if self._closed:
             raise RuntimeError(f"{self.transport} publisher is closed")
         if version < 0 or version <= self._last_version:
@@ -68,10 +72,13 @@ class Publisher:
         with torch.no_grad():
             nbytes = self._write(version, named)
         self._last_version = version
+        if nbytes is None:
+            self.skipped += 1
+            return None
         self.last_stats = PublishStats(version, nbytes, time.perf_counter() - t0)
         return self.last_stats
 
-    def _write(self, version: int, named: Mapping[str, torch.Tensor]) -> int:
+    def _write(self, version: int, named: Mapping[str, torch.Tensor]) -> int | None:
         raise NotImplementedError
 
     def metrics(self) -> dict[str, float]:
@@ -79,6 +86,7 @@ class Publisher:
         return {
             "weightsync/publish_s": s.seconds if s else 0.0,
             "weightsync/bytes": float(s.bytes) if s else 0.0,
+            "weightsync/publishes_skipped": float(self.skipped),
         }
 
     def close(self) -> None:
@@ -99,8 +107,8 @@ class Publisher:
 
 class Subscriber:
     """Actor side. Subclasses implement ``latest_version()`` and
-    ``_apply(named, after) -> (version, payload bytes) | None`` (copy the newest complete version
-    newer than ``after`` into ``named``)."""
+    ``_apply(named, after) -> (version, payload bytes) | None`` (copy, or map, the newest
+    complete version newer than ``after`` into ``named``)."""
 
     transport = "?"
 
@@ -177,7 +185,9 @@ def make_publisher(cfg, run_dir: str, template: Mapping[str, torch.Tensor]) -> P
     if ws.transport == "shm":
         from weightsync.shm import ShmPublisher
 
-        return ShmPublisher(run_dir, template, bucket_bytes)
+        # one reader entry per actor plus a spare (a restarted actor, a debugging reader)
+        return ShmPublisher(run_dir, template, bucket_bytes, max_readers=cfg.actor.num_actors + 1,
+                            slots=cfg.weightsync.shm_slots or None)
     if ws.transport == "filesystem":
         from weightsync.filesystem import FsPublisher
 

@@ -1,19 +1,58 @@
-"""Shared-memory transport (one host): a sequence-locked double buffer in a ``/dev/shm`` file.
+"""Shared-memory transport (one host): weight slots in a ``/dev/shm`` file; a reader pins the slot
+it uses, so an actor can *map* the published weights instead of copying them.
 
-Region layout (one file, mapped by the learner read-write and by every actor read-only)::
+Region layout (one file; the learner maps it read-write; an actor maps the control area
+read-write, for its reader entry, and the slots read-only)::
 
-    page 0   control words, int64 LE: MAGIC STATE PID HDR_LEN SLOT_BYTES LATEST CUR SEQ0 VER0
-             SEQ1 VER1; the 32-byte layout hash at byte 128
-    page 1.. the msgpack-encoded WeightUpdateHeader (version -1: the layout only)
-    slot 0   one whole update: the header's buckets back to back (layout.views)
-    slot 1   the same
+    control  int64 LE words: MAGIC STATE PID PID_START HDR_LEN SLOT_BYTES N_SLOTS MAX_READERS
+             LATEST CUR; the 32-byte layout hash at byte 128; from word 32: VER[s] for each
+             slot, then one (PID, START, NS, PIN) entry per reader
+    header   the msgpack-encoded WeightUpdateHeader (version -1: the layout only)
+    slots    N_SLOTS whole updates, each the header's buckets back to back (layout.views)
 
-Handover. The publisher writes version ``v`` into the slot ``CUR`` does *not* name: it makes
-that slot's ``SEQ`` odd, copies the tensors, stores ``VER``, makes ``SEQ`` even again, and only
-then points ``CUR`` at it and sets ``LATEST = v``. A reader reads ``CUR``, that slot's ``SEQ``
-(must be even) and ``VER``, copies straight into its own tensors, and re-reads ``SEQ``: if it
-moved, the publisher lapped the reader (two publishes during one copy) and the reader copies
-again, so a returned version is never torn or mixed. The publisher never waits for readers.
+Protocol. CUR, VER and the reader table are read and written only under ``flock`` on the region
+file: a kernel lock, so it orders memory like any lock and dies with its holder. Each critical
+section is a few words; the bulk bytes move outside it.
+
+* publish(v): [lock] pick a slot s that is neither CUR nor any reader's PIN; VER[s] = -1
+  [unlock]; copy the tensors into s; [lock] VER[s] = v, CUR = s, LATEST = v [unlock].
+* apply(): [lock] s = CUR; PIN[me] = s (this drops my previous pin); rebind every target that
+  can map it (a CPU tensor of the published dtype) to its view of s, ``t.data = view``
+  [unlock]. Other targets (dtype-converting, or on a GPU) are then copied out of s, and if
+  nothing was mapped, [lock] PIN[me] = -1 [unlock].
+
+A slot is written only while it is neither CUR nor pinned, and readers pin only CUR, under the
+same lock: a reader never reads a slot being written (no torn versions, nothing to retry), and
+weights mapped into an actor never change under it. The rebinding happens under the lock, so
+even between dropping the old pin and rebinding, no slot an actor references is writable.
+
+Worked example: 2 readers (A maps, B copies), max_readers=2, so 4 slots::
+
+    publish 7  -> slot 0                      CUR=0   pins A=-  B=-
+    A applies: pins 0, maps slot 0                    pins A=0  B=-
+    publish 8  -> slot 1 (0 is CUR)           CUR=1
+    B applies: pins 1, copies, unpins                 pins A=0  B=-
+    publish 9  -> slot 2 (1 is CUR, 0 pinned) CUR=2
+    publish 10 -> slot 1 (2 is CUR, 0 pinned) CUR=1   (A still computes with version 7)
+    A applies: pins 1, maps version 10, drops 0       pins A=1  B=-
+    publish 11 -> slot 0                      CUR=0
+
+Each reader pins at most one slot and CUR is one more, so with 2 + max_readers slots a free slot
+always exists and a publish never waits. With fewer slots (``slots=``, to save memory) a publish
+that finds none waits up to ``wait_s`` for a reader to move on, then skips that version
+(``publish`` returns None, ``Publisher.skipped`` counts it): a slow actor never holds up training.
+
+Dead readers. An entry records its pid, the process start time and pid namespace. An entry
+whose process is gone, a zombie, or another process that reuses the pid is reclaimed when a
+reader registers or when a publisher finds no free slot, so a SIGKILLed actor leaks nothing.
+Entries from another pid namespace (a container sharing /dev/shm) are never reclaimed: their
+pids mean nothing here, and wrongly freeing a pin corrupts weights. There is deliberately no
+heartbeat timeout: a slow but live actor still reads its mapped slot, and taking its pin would
+change weights under it. A subscriber releases its entry on close(), when collected, and at
+interpreter exit; tensors it mapped must not be used after that (their slot may be rewritten).
+Mapped tensors are read-only memory: an in-place write to them faults (SIGSEGV) rather than
+corrupting weights other actors use. A forked child shares its parent's lock; it must open its
+own subscriber.
 
 Why a plain file and not ``multiprocessing.shared_memory``: before Python 3.13 every process
 that *attaches* a SharedMemory registers it with its resource tracker, which unlinks the
@@ -25,11 +64,13 @@ run_dir. ``posix_fallocate`` reserves the memory up front, so a too-small /dev/s
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
+import logging
 import mmap
 import os
 import tempfile
-import threading
 import time
 import warnings
 import weakref
@@ -42,27 +83,23 @@ from core.messages import WeightUpdateHeader, decoder, encode
 from weightsync import layout
 from weightsync.base import Publisher, Subscriber, wait_until
 
+log = logging.getLogger(__name__)
+
 PAGE = 4096
-MAGIC = int.from_bytes(b"DRFTWS01", "little", signed=True)
+MAGIC = int.from_bytes(b"DRFTWS02", "little", signed=True)
 READY, CLOSED = 1, 2
 # control word indices
-W_MAGIC, W_STATE, W_PID, W_HDR_LEN, W_SLOT_BYTES, W_LATEST, W_CUR = range(7)
-W_SEQ = (7, 9)
-W_VER = (8, 10)
-N_WORDS = 16
+W_MAGIC, W_STATE, W_PID, W_PID_START, W_HDR_LEN, W_SLOT_BYTES, W_SLOTS, W_READERS, W_LATEST, W_CUR = range(10)
 HASH_AT = 128
+W_TABLES = 32  # VER[n_slots], then the reader entries
+PID, START, NS, PIN = range(4)  # columns of a reader entry
+ENTRY_WORDS = 4
 
 _header_decoder = decoder(WeightUpdateHeader)
-_barrier = threading.Lock()
 
 
-def _fence() -> None:
-    # x86-64 (TSO) keeps these stores/loads in order without help; elsewhere the lock's
-    # acquire/release pairs (release followed by acquire is ordered) act as a full barrier
-    with _barrier:
-        pass
-    with _barrier:
-        pass
+class _Busy(RuntimeError):
+    """The region lock stayed taken longer than the caller is willing to wait."""
 
 
 def region_path(run_dir: str) -> str:
@@ -72,119 +109,248 @@ def region_path(run_dir: str) -> str:
     return os.path.join(base, f"driftrl-weights-{digest}")
 
 
-def _pid_alive(pid: int) -> bool:
+# ---- process liveness ------------------------------------------------------------------------
+
+_HAVE_PROC = os.path.exists("/proc/self/stat")
+
+
+def _proc_start(pid: int) -> int | None:
+    """Start time (clock ticks after boot) of a running process; None if it is gone or a zombie
+    (a SIGKILLed child stays a zombie until its parent reaps it). 0 where /proc is missing."""
+    if not _HAVE_PROC:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+        return 0
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()  # the name in (...) may hold spaces
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return None
+    return None if fields[0] in (b"Z", b"X") else int(fields[19])
 
 
-def _map(fd: int, size: int, writable: bool) -> mmap.mmap:
+def _pid_ns() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+_MY_NS = _pid_ns()
+
+
+def _alive(pid: int, start: int, ns: int = _MY_NS) -> bool:
+    if ns != _MY_NS:
+        return True  # another pid namespace: cannot tell, so never presume it dead
+    now = _proc_start(pid)
+    return now is not None and (start == 0 or now == start)  # another start: the pid was reused
+
+
+def _me() -> tuple[int, int, int]:
+    """(pid, start, pid namespace) of this process, as a reader entry records them."""
+    return os.getpid(), _proc_start(os.getpid()) or 0, _MY_NS
+
+
+# ---- the region ------------------------------------------------------------------------------
+
+
+def _round_page(n: int) -> int:
+    return (n + PAGE - 1) // PAGE * PAGE
+
+
+def _geometry(n_slots: int, max_readers: int, hdr_len: int, slot_bytes: int) -> tuple[int, int, int, int]:
+    """(control words, header offset, first slot offset, file size)."""
+    words = W_TABLES + n_slots + ENTRY_WORDS * max_readers
+    hdr_at = _round_page(words * 8)
+    first = hdr_at + _round_page(hdr_len)
+    return words, hdr_at, first, first + n_slots * slot_bytes
+
+
+def _map(fd: int, size: int, writable: bool, offset: int = 0) -> mmap.mmap:
     prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
     # MAP_POPULATE pre-faults the pages so the first publish/apply is not a page-fault storm
     flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-    return mmap.mmap(fd, size, flags=flags, prot=prot)
+    return mmap.mmap(fd, size, flags=flags, prot=prot, offset=offset)
+
+
+@contextlib.contextmanager
+def _flock(fd: int, timeout_s: float):
+    deadline = time.monotonic() + timeout_s
+    spins = 0
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise _Busy(f"the weight region lock stayed taken for {timeout_s:.2f}s") from None
+            spins += 1
+            time.sleep(0 if spins < 100 else 1e-4)
+    try:
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+
+
+def _release(fd: int, table: np.ndarray, entry: int | None, pid: int) -> None:
+    """Free this process's reader entry (not a forked child's copy of it) and close the fd."""
+    try:
+        if entry is not None and os.getpid() == pid:
+            with _flock(fd, 1.0):
+                table[entry] = (0, 0, 0, -1)
+    except _Busy:
+        pass  # a stuck lock holder: the entry is reclaimed once this process is gone
+    finally:
+        os.close(fd)
 
 
 class _Region:
-    """A mapped region: control words, header, and typed views of both slots."""
+    """A mapped region: control words, reader table, header, and typed views of every slot."""
 
-    def __init__(self, mm: mmap.mmap, ino: int):
-        self.mm = mm
-        self.ino = ino
-        self.ctl = np.frombuffer(mm, dtype="<i8", count=N_WORDS)
-        if int(self.ctl[W_MAGIC]) != MAGIC:
+    def __init__(self, fd: int, ctl_mm: mmap.mmap, slots_mm: mmap.mmap, slots_at: int):
+        self.fd, self.mms = fd, [ctl_mm, slots_mm]
+        self.ino = os.fstat(fd).st_ino
+        head = np.frombuffer(ctl_mm, dtype="<i8", count=W_TABLES)
+        if int(head[W_MAGIC]) != MAGIC:
             raise RuntimeError("not a driftrl weight region (bad magic or format version)")
-        hdr_len = int(self.ctl[W_HDR_LEN])
-        self.header = _header_decoder.decode(mm[PAGE : PAGE + hdr_len])
-        if layout.layout_hash(self.header) != mm[HASH_AT : HASH_AT + 32]:
+        self.n_slots, self.max_readers = int(head[W_SLOTS]), int(head[W_READERS])
+        hdr_len, slot_bytes = int(head[W_HDR_LEN]), int(head[W_SLOT_BYTES])
+        del head
+        words, hdr_at, _, _ = _geometry(self.n_slots, self.max_readers, hdr_len, slot_bytes)
+        self.ctl = np.frombuffer(ctl_mm, dtype="<i8", count=words)
+        self.vers = self.ctl[W_TABLES : W_TABLES + self.n_slots]
+        self.table = self.ctl[W_TABLES + self.n_slots :].reshape(self.max_readers, ENTRY_WORDS)
+        self.header = _header_decoder.decode(ctl_mm[hdr_at : hdr_at + hdr_len])
+        if layout.layout_hash(self.header) != ctl_mm[HASH_AT : HASH_AT + 32]:
             raise RuntimeError("weight region header does not match its layout hash (corrupt region)")
         self.payload = layout.payload_nbytes(self.header)
-        slot_bytes = int(self.ctl[W_SLOT_BYTES])
-        first = _round_page(PAGE + hdr_len)
         self.names = list(self.header.names)
         self.slot_views: list[list[torch.Tensor]] = []
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # readers map read-only; they never write the views
-            for s in range(2):
-                flat = torch.frombuffer(mm, dtype=torch.uint8, count=slot_bytes, offset=first + s * slot_bytes)
+        # normal tensors even if opened inside inference_mode (a reattach mid-generation):
+        # a parameter rebound to an inference tensor would itself become one
+        with warnings.catch_warnings(), torch.inference_mode(False):
+            warnings.simplefilter("ignore")  # readers map the slots read-only and never write them
+            for s in range(self.n_slots):
+                flat = torch.frombuffer(slots_mm, dtype=torch.uint8, count=slot_bytes, offset=slots_at + s * slot_bytes)
                 views = layout.views(self.header, flat)
                 self.slot_views.append([views[n] for n in self.names])
+        self.entry: int | None = None
+        self._finalizer = weakref.finalize(self, _release, fd, self.table, None, os.getpid())
 
     @classmethod
-    def create(cls, path: str, header: WeightUpdateHeader) -> "_Region":
+    def create(cls, path: str, header: WeightUpdateHeader, n_slots: int, max_readers: int) -> "_Region":
         hdr = encode(header)
         slot_bytes = _round_page(layout.total_nbytes(header))
-        total = _round_page(PAGE + len(hdr)) + 2 * slot_bytes
+        words, hdr_at, first, total = _geometry(n_slots, max_readers, len(hdr), slot_bytes)
         tmp = f"{path}.tmp{os.getpid()}"
         if os.path.exists(tmp):
             os.unlink(tmp)
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        region = None
         try:
             try:
                 os.posix_fallocate(fd, 0, total)
             except OSError as e:
                 raise OSError(
-                    e.errno, f"cannot reserve {total / 2**20:.0f} MiB for weights in "
-                    f"{os.path.dirname(path)} ({e.strerror}); enlarge it (Docker: --shm-size) "
-                    "or use weightsync.transport=filesystem"
+                    e.errno, f"cannot reserve {total / 2**20:.0f} MiB ({n_slots} weight slots) in "
+                    f"{os.path.dirname(path)} ({e.strerror}); enlarge it (Docker: --shm-size), "
+                    "publish with fewer slots, or use weightsync.transport=filesystem"
                 ) from None
             mm = _map(fd, total, writable=True)
-            ino = os.fstat(fd).st_ino
-            mm[PAGE : PAGE + len(hdr)] = hdr
-            mm[HASH_AT : HASH_AT + 32] = layout.layout_hash(header)
-            ctl = np.frombuffer(mm, dtype="<i8", count=N_WORDS)
+            mm[hdr_at : hdr_at + len(hdr)] = hdr
+            ctl = np.frombuffer(mm, dtype="<i8", count=words)
             ctl[:] = 0
-            ctl[W_PID] = os.getpid()
-            ctl[W_HDR_LEN] = len(hdr)
-            ctl[W_SLOT_BYTES] = slot_bytes
-            ctl[W_LATEST] = ctl[W_CUR] = ctl[W_VER[0]] = ctl[W_VER[1]] = -1
-            ctl[W_MAGIC] = MAGIC
-            ctl[W_STATE] = READY
+            mm[HASH_AT : HASH_AT + 32] = layout.layout_hash(header)  # words 16-19
+            ctl[W_PID], ctl[W_PID_START] = _me()[:2]
+            ctl[W_HDR_LEN], ctl[W_SLOT_BYTES] = len(hdr), slot_bytes
+            ctl[W_SLOTS], ctl[W_READERS] = n_slots, max_readers
+            ctl[W_LATEST] = ctl[W_CUR] = -1
+            ctl[W_TABLES : W_TABLES + n_slots] = -1
+            ctl[W_TABLES + n_slots :].reshape(max_readers, ENTRY_WORDS)[:, PIN] = -1
+            ctl[W_MAGIC], ctl[W_STATE] = MAGIC, READY
             del ctl
-            region = cls(mm, ino)
+            region = cls(fd, mm, mm, first)
             os.rename(tmp, path)  # atomic: readers see no region or a complete one
         except BaseException:
+            if region is not None:
+                region.close()  # closes fd too
+            else:
+                os.close(fd)
             os.unlink(tmp)
             raise
-        finally:
-            os.close(fd)
         return region
 
     @classmethod
     def open(cls, path: str) -> "_Region | None":
-        """The ready region at ``path``, or None if there is none (yet)."""
+        """The ready region at ``path`` (with an entry in its reader table), or None if there is
+        none (yet)."""
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(path, os.O_RDWR)
         except FileNotFoundError:
             return None
         try:
-            st = os.fstat(fd)
-            if st.st_size < PAGE:
+            head = np.frombuffer(os.pread(fd, W_TABLES * 8, 0), dtype="<i8")
+            if len(head) < W_TABLES or int(head[W_STATE]) != READY:
+                os.close(fd)
                 return None
-            mm = _map(fd, st.st_size, writable=False)
-        finally:
-            os.close(fd)
-        try:
-            region = cls(mm, st.st_ino)
+            n_slots, max_readers = int(head[W_SLOTS]), int(head[W_READERS])
+            _, _, first, total = _geometry(n_slots, max_readers, int(head[W_HDR_LEN]), int(head[W_SLOT_BYTES]))
+            if int(head[W_MAGIC]) != MAGIC or os.fstat(fd).st_size != total:
+                raise RuntimeError(f"{path} is not a driftrl weight region of this format version "
+                                   "(a learner of another driftrl version?)")
+            region = cls(fd, _map(fd, first, writable=True), _map(fd, total - first, writable=False, offset=first), 0)
         except BaseException:
-            mm.close()
+            os.close(fd)
             raise
-        if int(region.ctl[W_STATE]) != READY:
+        try:
+            region.register()
+        except BaseException:
             region.close()
-            return None
+            raise
         return region
 
+    def locked(self, timeout_s: float):
+        return _flock(self.fd, timeout_s)
+
+    # the three helpers below run under the lock
+
+    def free_slot(self) -> int | None:
+        cur = int(self.ctl[W_CUR])
+        pinned = set(self.table[self.table[:, PID] != 0, PIN].tolist())
+        return next((s for s in range(self.n_slots) if s != cur and s not in pinned), None)
+
+    def reap(self) -> int:
+        """Free the entries of readers whose process is gone; how many."""
+        dead = [i for i, (pid, start, ns, _) in enumerate(self.table.tolist()) if pid and not _alive(pid, start, ns)]
+        for i in dead:
+            self.table[i] = (0, 0, 0, -1)
+        return len(dead)
+
+    def register(self) -> None:
+        with self.locked(5.0):
+            self.reap()
+            free = np.flatnonzero(self.table[:, PID] == 0)
+            if not len(free):
+                pids = self.table[:, PID].tolist()
+                raise RuntimeError(
+                    f"all {self.max_readers} reader entries of the weight region are held by live "
+                    f"processes {pids}; the publisher was made for at most {self.max_readers} readers"
+                )
+            self.entry = int(free[0])
+            self.table[self.entry] = (*_me(), -1)
+        self._finalizer.detach()
+        self._finalizer = weakref.finalize(self, _release, self.fd, self.table, self.entry, os.getpid())
+
     def close(self) -> None:
-        self.slot_views = []
-        self.ctl = None
-        try:
-            self.mm.close()
-        except BufferError:
-            pass  # a view is still referenced somewhere; the mapping goes when it is collected
+        self._finalizer()  # frees the reader entry, closes the fd (and so the flock)
+        # never mm.close(): torch.frombuffer tensors keep the mmap object alive but do not block
+        # close(), which would unmap weights an actor still computes with (SIGSEGV). Dropping
+        # our references unmaps it once the last view is gone.
+        self.slot_views, self.ctl, self.vers, self.table, self.mms = [], None, None, None, []
 
 
 def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
@@ -203,10 +369,6 @@ def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
 _foreach_copy = getattr(torch, "_foreach_copy_", None)
 
 
-def _round_page(n: int) -> int:
-    return (n + PAGE - 1) // PAGE * PAGE
-
-
 def _retire_stale(path: str) -> None:
     """Refuse to share a run_dir with a live publisher; mark a dead one's region CLOSED so its
     readers move to ours."""
@@ -220,9 +382,9 @@ def _retire_stale(path: str) -> None:
         mm = mmap.mmap(fd, PAGE)
     finally:
         os.close(fd)
-    ctl = np.frombuffer(mm, dtype="<i8", count=N_WORDS)
+    ctl = np.frombuffer(mm, dtype="<i8", count=W_TABLES)
     pid = int(ctl[W_PID])
-    live = int(ctl[W_MAGIC]) == MAGIC and int(ctl[W_STATE]) == READY and _pid_alive(pid)
+    live = int(ctl[W_MAGIC]) == MAGIC and int(ctl[W_STATE]) == READY and _alive(pid, int(ctl[W_PID_START]))
     if not live:
         ctl[W_STATE] = CLOSED
     del ctl
@@ -241,39 +403,70 @@ def _retire_own(path: str, ino: int, ctl: np.ndarray) -> None:
 
 
 class ShmPublisher(Publisher):
+    """``max_readers``: subscribers that may be attached at once; ``slots``: weight copies kept
+    in shared memory (default 2 + max_readers: a publish never waits); ``wait_s``: how long a
+    publish waits for a free slot, or for the lock, before it skips the version."""
+
     transport = "shm"
 
-    def __init__(self, run_dir: str, template: Mapping[str, torch.Tensor], bucket_bytes: int = 64 << 20):
+    def __init__(self, run_dir: str, template: Mapping[str, torch.Tensor], bucket_bytes: int = 64 << 20, *,
+                 max_readers: int = 4, slots: int | None = None, wait_s: float = 0.1):
         super().__init__(layout.header_for(-1, template, bucket_bytes))
+        slots = 2 + max_readers if slots is None else slots
+        if max_readers < 1 or slots < 2:
+            raise ValueError(f"need max_readers >= 1 and slots >= 2, got {max_readers} and {slots}")
+        self.wait_s = wait_s
         self.path = region_path(run_dir)
         _retire_stale(self.path)
-        self._region = _Region.create(self.path, self.header)
-        self._cur = -1
+        self._region = _Region.create(self.path, self.header, slots, max_readers)
         # also at interpreter exit or garbage collection: readers learn the publisher is gone
         # and /dev/shm does not keep the region (a SIGKILLed learner's region is reclaimed by
         # the next publisher of this run_dir instead)
         self._retire = weakref.finalize(self, _retire_own, self.path, self._region.ino, self._region.ctl)
 
-    def _write(self, version: int, named: Mapping[str, torch.Tensor]) -> int:
+    def _write(self, version: int, named: Mapping[str, torch.Tensor]) -> int | None:
         r = self._region
-        ctl = r.ctl
-        s = 0 if self._cur < 0 else 1 - self._cur
-        seq = int(ctl[W_SEQ[s]])
-        ctl[W_SEQ[s]] = seq + 1  # odd: slot s is being written
-        _fence()
-        ok = False
         try:
+            s = self._claim()
+            if s is None:
+                log.warning("weight version %d not published: all %d slots are current or pinned by "
+                            "readers %s", version, r.n_slots, self.readers())
+                return None
             _copy_all(r.slot_views[s], [named[n] for n in r.names])
-            ok = True
-        finally:
-            _fence()
-            ctl[W_VER[s]] = version if ok else -1  # a failed write never passes as a version
-            ctl[W_SEQ[s]] = seq + 2
-        _fence()
-        ctl[W_CUR] = s
-        ctl[W_LATEST] = version
-        self._cur = s
+            with r.locked(self.wait_s):
+                r.vers[s] = version
+                r.ctl[W_CUR] = s
+                r.ctl[W_LATEST] = version
+        except _Busy:
+            log.warning("weight version %d not published: the region lock stayed taken for %.2fs "
+                        "(a stopped reader?)", version, self.wait_s)
+            return None
         return r.payload
+
+    def _claim(self) -> int | None:
+        """A slot no reader can reach, marked as being written; None after ``wait_s`` without."""
+        r = self._region
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            with r.locked(max(0.0, deadline - time.monotonic())):
+                s = r.free_slot()
+                if s is None and r.reap():
+                    s = r.free_slot()
+                if s is not None:
+                    r.vers[s] = -1  # a crashed write never passes for a version
+                    return s
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(1e-3)
+
+    def readers(self) -> list[tuple[int, int]]:
+        """(pid, pinned slot or -1) of every attached reader, for diagnostics."""
+        with self._region.locked(self.wait_s):
+            return [(pid, pin) for pid, _, _, pin in self._region.table.tolist() if pid]
+
+    @property
+    def slots(self) -> int:
+        return self._region.n_slots
 
     def _close(self) -> None:
         self._retire()
@@ -283,17 +476,24 @@ class ShmPublisher(Publisher):
 class ShmSubscriber(Subscriber):
     """Reads the region of ``run_dir``'s publisher; waits up to ``timeout_s`` for it to appear.
 
+    ``apply(named)`` maps (``t.data = view of the slot``) every CPU target of the published
+    dtype when ``zero_copy`` (the default) and copies into the rest. Mapping rebinds the given
+    tensor objects: pass the model's own Parameters and buffers (``named_parameters()``), not
+    ``state_dict()`` (detached aliases, whose rebinding the model would never see).
     If the publisher closes and a new one (a restarted learner) creates a region for the same
     run_dir, the subscriber moves to it on its next ``latest_version()``/``apply()``.
-    ``apply_timeout_s`` bounds retries when the publisher keeps overwriting the slot mid-copy.
+    ``lock_timeout_s`` bounds the wait for the region lock; past it ``apply`` returns None (the
+    actor keeps its weights for now) and ``lock_timeouts`` counts it.
     """
 
     transport = "shm"
 
-    def __init__(self, run_dir: str, timeout_s: float = 60, apply_timeout_s: float = 30):
+    def __init__(self, run_dir: str, timeout_s: float = 60, *, zero_copy: bool = True, lock_timeout_s: float = 1.0):
         super().__init__()
         self.path = region_path(run_dir)
-        self.apply_timeout_s = apply_timeout_s
+        self.zero_copy = zero_copy
+        self.lock_timeout_s = lock_timeout_s
+        self.lock_timeouts = 0
         self._next_reattach = 0.0
         self._region = wait_until(
             lambda: _Region.open(self.path), timeout_s,
@@ -323,36 +523,46 @@ class ShmSubscriber(Subscriber):
             return
         new = _Region.open(self.path)
         if new is not None:
-            self._region.close()
+            self._region.close()  # tensors mapped from it keep its memory until rebound
             self._region = new
 
     def _apply(self, named: Mapping[str, torch.Tensor], after: int) -> tuple[int, int] | None:
         self.latest_version()  # moves to a successor region if there is one
         r = self._region
         layout.check_targets(r.header, named, role="shm subscriber")
-        ctl = r.ctl
-        deadline = time.monotonic() + self.apply_timeout_s
-        spins = 0
-        while int(ctl[W_LATEST]) > after:
-            s = int(ctl[W_CUR])
-            seq = int(ctl[W_SEQ[s]])
-            _fence()  # VER and the data are read after SEQ, never before
-            version = int(ctl[W_VER[s]])
-            if not seq & 1 and version > after:
-                _copy_all([named[n] for n in r.names], r.slot_views[s])
-                _fence()
-                if int(ctl[W_SEQ[s]]) == seq:
-                    return version, r.payload
-                self.stats.torn_retries += 1
-            spins += 1
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"shm subscriber: no consistent copy in {self.apply_timeout_s}s "
-                    f"({self.stats.torn_retries} torn copies): the publisher overwrites slots faster "
-                    "than this reader copies them"
-                )
-            time.sleep(0 if spins < 100 else 1e-4)
-        return None
+        if int(r.ctl[W_LATEST]) <= after:
+            return None
+        targets = [named[n] for n in r.names]
+        maps = [self.zero_copy and t.device.type == "cpu" and t.dtype == v.dtype
+                for t, v in zip(targets, r.slot_views[0])]
+        try:
+            with r.locked(self.lock_timeout_s):
+                s = int(r.ctl[W_CUR])
+                version = int(r.vers[s]) if s >= 0 else -1
+                if version <= after:
+                    return None
+                r.table[r.entry, PIN] = s
+                for t, view, m in zip(targets, r.slot_views[s], maps):
+                    if m:
+                        t.data = view
+        except _Busy:
+            self.lock_timeouts += 1
+            return None
+        n_mapped = sum(maps)
+        if n_mapped < len(targets):
+            _copy_all([t for t, m in zip(targets, maps) if not m],
+                      [v for v, m in zip(r.slot_views[s], maps) if not m])
+            if not n_mapped:
+                self._unpin(r)
+        self.stats.mapped = n_mapped
+        return version, r.payload
+
+    def _unpin(self, r: _Region) -> None:
+        try:
+            with r.locked(self.lock_timeout_s):
+                r.table[r.entry, PIN] = -1
+        except _Busy:
+            pass  # harmless: the pin moves at the next apply or goes at close
 
     def _close(self) -> None:
         self._region.close()

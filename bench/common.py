@@ -1,0 +1,276 @@
+"""Shared pieces of the end-to-end benches (bench/async_vs_sync.py, bench/vs_trl.py).
+
+* pure helpers (tested in tests/test_bench_smoke.py): reading metrics.jsonl, turning a run's
+  records into throughput / idle / where-the-time-went figures, threshold crossing, tables;
+* one held-out evaluation used for every system: driftrl's own ``actor.worker.evaluate`` with a
+  ``TorchEngine`` seeded identically, so two systems' rewards differ only by their weights;
+* ``run_driftrl``: a whole driftrl job in-process (real role processes), optionally with a
+  :class:`WeightObserver` that snapshots the published weights on a fixed wall-time grid through
+  the same shared-memory transport the actors read, so driftrl's learning curve can be evaluated
+  off the clock, exactly as the TRL side's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from core import config as C  # noqa: E402  (core stays torch-free: the pure helpers need no torch)
+
+# benches print their own table: no live view, no periodic status lines
+BENCH_DEFAULTS = ("monitor.live=off", "monitor.refresh_s=3600")
+
+
+# ---- pure helpers --------------------------------------------------------------------------------
+
+
+def load_avg() -> tuple[float, float, float]:
+    try:
+        return os.getloadavg()
+    except OSError:
+        return (math.nan, math.nan, math.nan)
+
+
+def bench_config(overrides: list[str] | tuple = ()) -> C.Config:
+    return C.load(None, [*BENCH_DEFAULTS, *overrides])
+
+
+def read_metrics(run_dir: str) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _sum(records: list[dict], key: str) -> float:
+    return float(sum(r[key] for r in records if isinstance(r.get(key), (int, float))))
+
+
+def summarize_run(records: list[dict], groups_per_step: int, group_size: int) -> dict:
+    """Throughput and where the wall time of one driftrl run went, from its metrics.jsonl.
+
+    * samples/s = completions trained on / training wall time (learner ``time/elapsed_s``,
+      counted from the learner's first publish, so process start-up is left out);
+    * learner idle = sum of ``learner/wait_s`` / sum of (wait + step) over every step;
+    * actor idle = (sum of ``actor/admission_wait_s`` + final cumulative ``actor/buffer_wait_s``)
+      / training wall time, per actor, averaged over actors;
+    * generation = training wall - actor idle (what the actor spent decoding, scoring, sending).
+    """
+    lrn = sorted((r for r in records if r.get("role") == "learner" and "learner/step" in r),
+                 key=lambda r: r["learner/step"])
+    if not lrn:
+        raise ValueError("no learner step records: the run trained nothing")
+    steps = int(lrn[-1]["learner/step"])
+    wall = float(lrn[-1]["time/elapsed_s"])
+    wait, busy = _sum(lrn, "learner/wait_s"), _sum(lrn, "learner/step_s")
+    publish = _sum(lrn, "weightsync/publish_s")
+    actors: dict[str, list[dict]] = {}
+    for r in records:
+        if r.get("role") == "actor" and "actor/admission_wait_s" in r:
+            actors.setdefault(r["id"], []).append(r)
+    idle, apply_total = [], 0.0
+    for recs in actors.values():
+        adm = _sum(recs, "actor/admission_wait_s")
+        buf = max((r.get("actor/buffer_wait_s", 0.0) for r in recs), default=0.0)
+        idle.append((adm + buf) / wall if wall > 0 else math.nan)
+        applies = [r["weightsync/apply_s"] for r in recs if r.get("weightsync/apply_s")]
+        # one record per batch carries the last apply's duration; versions applied ~ steps
+        apply_total += statistics.median(applies) * steps if applies else 0.0
+    stale = [r["staleness/mean"] for r in lrn if isinstance(r.get("staleness/mean"), (int, float))]
+    actor_idle = statistics.fmean(idle) if idle else math.nan
+    return {
+        "steps": steps,
+        "samples": steps * groups_per_step * group_size,
+        "train_wall_s": wall,
+        "samples_per_s": steps * groups_per_step * group_size / wall if wall > 0 else math.nan,
+        "step_s_mean": (wait + busy) / steps,
+        "learner_idle_frac": wait / (wait + busy) if wait + busy > 0 else math.nan,
+        "actor_idle_frac": actor_idle,
+        "learner_wait_s": wait,
+        "learner_compute_s": busy - publish,
+        "weightsync_publish_s": publish,
+        "weightsync_apply_s_est": apply_total,
+        "actor_gen_s": wall * (1 - actor_idle) if idle else math.nan,
+        "staleness_mean": statistics.fmean(stale) if stale else math.nan,
+    }
+
+
+def final_reward(records: list[dict]) -> float | None:
+    for r in reversed(records):
+        if r.get("eval/final") and isinstance(r.get("eval/reward"), (int, float)):
+            return float(r["eval/reward"])
+    return None
+
+
+def version_times(records: list[dict]) -> dict[int, float]:
+    """Learner wall time (``time/elapsed_s``) at which each policy version was published."""
+    return {int(r["learner/version"]): float(r["time/elapsed_s"]) for r in records
+            if r.get("role") == "learner" and "learner/version" in r and "time/elapsed_s" in r}
+
+
+def time_to_threshold(curve: list[tuple[float, float]], threshold: float) -> float | None:
+    """First time on a (time, reward) curve whose reward reaches ``threshold``; None if never."""
+    for t, r in sorted(curve):
+        if r >= threshold:
+            return t
+    return None
+
+
+def reward_at(curve: list[tuple[float, float]], t: float) -> float | None:
+    """Reward of the newest point at or before time ``t`` (what a run holds after ``t`` seconds)."""
+    best = None
+    for tt, r in sorted(curve):
+        if tt <= t:
+            best = r
+    return best
+
+
+def ratio(a, b) -> float | None:
+    if a is None or b is None or not b or (isinstance(a, float) and math.isnan(a)):
+        return None
+    return a / b
+
+
+def format_table(headers: list[str], rows: list[list]) -> str:
+    def cell(v) -> str:
+        if v is None:
+            return "–"
+        if isinstance(v, float):
+            return "nan" if math.isnan(v) else f"{v:.3f}" if abs(v) < 100 else f"{v:.1f}"
+        return str(v)
+
+    body = [[cell(v) for v in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(headers)]
+    line = lambda cells: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, body)])
+
+
+def json_safe(obj):
+    """NaN -> None, recursively, so the last line is strict JSON."""
+    if isinstance(obj, float):
+        return None if math.isnan(obj) or math.isinf(obj) else obj
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
+# ---- evaluation: one function for every system ----------------------------------------------------
+
+
+class HeldOutEval:
+    """Held-out reward of a state dict (HF Qwen3 names), sampled exactly like a driftrl eval.
+
+    Every call uses a fresh engine seeded with ``seed``: the same prompts and the same random
+    stream, so two weight sets are compared on common random numbers.
+    """
+
+    def __init__(self, cfg: C.Config, num_prompts: int):
+        from actor.tasks import make_task
+        from learner.model import load_pretrained
+
+        self.cfg = cfg
+        self.task = make_task(cfg.task)
+        self.problems = self.task.eval_set(num_prompts)
+        self.model = load_pretrained(cfg.model.path)
+        self.names = set(self.model.state_dict())
+
+    def __call__(self, state: dict) -> tuple[float, float]:
+        import torch
+
+        from actor.engine import TorchEngine
+        from actor.tasks import EOS, PAD
+        from actor.worker import evaluate
+
+        missing = self.names - set(state)
+        if missing:
+            raise KeyError(f"state dict lacks {sorted(missing)[:3]}...: not a Qwen3 of this shape")
+        self.model.load_state_dict({k: v for k, v in state.items() if k in self.names}, strict=True)
+        a = self.cfg.actor
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # the same numerics for every system's eval
+        try:
+            engine = TorchEngine(self.model, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+                                 max_new_tokens=a.max_new_tokens, eos_id=EOS, pad_id=PAD, seed=self.cfg.run.seed)
+            return evaluate(engine, self.task, self.problems)
+        finally:
+            torch.set_num_threads(threads)
+
+
+# ---- running driftrl -------------------------------------------------------------------------------
+
+
+def resolved_config(overrides: list[str] | tuple = ()) -> C.Config:
+    """Bench config with the base model built/located, so every run shares one model dir."""
+    import msgspec
+
+    from learner.basemodel import ensure_base_model
+
+    cfg = bench_config(overrides)
+    return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=ensure_base_model(cfg)))
+
+
+def make_observer(cfg: C.Config, run_dir: str, every_s: float):
+    """A Monitor that also snapshots the learner's published weights every ``every_s`` seconds of
+    learner wall time, read through the shared-memory transport (a second reader beside the
+    actors; copying 3 MB a few times a minute costs nothing measurable)."""
+    from core.monitor import Monitor
+
+    class WeightObserver(Monitor):
+        def __init__(self):
+            super().__init__(cfg, live=False)
+            self.snapshots: list[tuple[int, dict]] = []  # (version, state dict)
+            self._next_t, self._sub, self._params = every_s, None, None
+
+        def update(self, records):
+            super().update(records)
+            elapsed = [r.values["time/elapsed_s"] for r in records
+                       if r.role == "learner" and "time/elapsed_s" in r.values]
+            if elapsed and max(elapsed) >= self._next_t:
+                self._snapshot()
+                while self._next_t <= max(elapsed):
+                    self._next_t += every_s
+
+        def _snapshot(self):
+            from learner.model import load_pretrained
+            from weightsync.base import make_subscriber
+
+            if self._sub is None:
+                self._sub = make_subscriber(cfg, run_dir, timeout_s=5)
+                self._params = load_pretrained(cfg.model.path).state_dict()
+            version = self._sub.apply(self._params)
+            if version is not None:
+                self.snapshots.append((version, {k: v.clone() for k, v in self._params.items()}))
+
+        def close(self):
+            if self._sub is not None:
+                self._sub.close()
+
+    return WeightObserver()
+
+
+def run_driftrl(cfg: C.Config, run_dir: str, snapshot_every_s: float = 0.0):
+    """One driftrl job, then run.py's final held-out eval. Returns (RunResult, records, snapshots)."""
+    from core import launch
+    from run import final_eval
+
+    monitor = make_observer(cfg, run_dir, snapshot_every_s) if snapshot_every_s else None
+    try:
+        result = launch.run(cfg, run_dir, monitor=monitor)
+    finally:
+        if monitor is not None:
+            monitor.close()
+    if result.interrupted:
+        raise KeyboardInterrupt
+    bad = {k: v for k, v in result.returncodes.items() if v not in (0, -15)}
+    if bad:
+        print(f"warning: role exit codes {bad} (logs in {run_dir}/logs)", file=sys.stderr)
+    with open(os.path.join(run_dir, "config.json"), "rb") as f:
+        final_eval(C.from_json(f.read()), run_dir)
+    return result, read_metrics(run_dir), (monitor.snapshots if monitor is not None else [])

@@ -1,0 +1,308 @@
+"""Bench: driftrl vs TRL's GRPOTrainer, same base model, task, batch, optimiser and CPU budget.
+
+Both sides train the cached tiny base model (HF format, ``learner.basemodel``) on ArithTask with
+the same recipe, one after the other on the same machine, each for ``--seconds`` of training
+wall time:
+
+    | setting                 | driftrl (defaults)                  | TRL GRPOTrainer                        |
+    |-------------------------|-------------------------------------|----------------------------------------|
+    | prompts x completions   | 16 groups x 8 per optimiser step    | per_device_train_batch_size=128, G=8   |
+    | sampling                | T=1, no top-k/p, 8 new tokens       | temperature=1, max_completion_length=8 |
+    | optimiser               | AdamW lr 1e-4, betas .9/.99, clip 1 | adamw_torch, same, constant schedule   |
+    | loss                    | Ring-Zero, token-level constant div | dr_grpo (constant divisor), beta=0     |
+    | advantages              | group mean / std                    | scale_rewards="group"                  |
+    | CPU threads (2 cores)   | 1 actor + 1 learner process, 1 each | one process, 1 or 2 torch threads (*)  |
+    | precision               | its defaults (body BF16 autocast)   | fp32 (bf16=False), no vLLM             |
+
+(*) ``--trl-threads auto`` (default) probes 1 and 2 threads for ``--probe-s`` each and gives TRL
+the faster: on this tiny model two OpenMP threads can lose to one, badly so on a loaded machine.
+
+TRL's dataset holds train-split prompts as strings ``"<s>47+38="``; the bench asserts that
+TRL's tokenizer encodes them to exactly ``task.encode_prompt``'s ids, and the reward function
+calls ``ArithTask.reward`` on TRL's completion token ids (EOS included), so both sides optimise
+the identical reward.
+
+Held-out evaluation is identical and off the clock for both: the weights are snapshotted every
+``--eval-every-s`` seconds of training wall time (driftrl: read from the shared-memory weight
+transport by a second reader; TRL: a TrainerCallback copying the state dict), and after both
+runs every snapshot is scored by the same ``bench.common.HeldOutEval`` (driftrl's own
+``evaluate``, same prompts, same seed). Time axes start at each trainer's first step (driftrl:
+the learner's first publish; TRL: ``on_train_begin``), so process start-up is left out of both.
+
+Figures: time to reach the held-out reward threshold (``--threshold``, default base + 0.2),
+samples/s (completions trained on / training wall), final held-out reward after the equal wall
+time, and where each side's time went. Needs ``pip install trl``; exits 2 with a message if not.
+
+    python bench/vs_trl.py [--seconds 200] [--eval-every-s 2.5] [--threshold 0.5] [--trl-threads auto]
+
+Last line: one JSON object with the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import (  # noqa: E402
+    HeldOutEval, format_table, json_safe, load_avg, ratio, resolved_config, reward_at, run_driftrl,
+    summarize_run, time_to_threshold, version_times,
+)
+
+TRL_THREADS = 2  # default: the same two cores driftrl's actor and learner get, one thread each
+
+
+def trl_missing() -> str | None:
+    try:
+        import trl  # noqa: F401
+    except ImportError as e:
+        return str(e)
+    return None
+
+
+# ---- TRL side -------------------------------------------------------------------------------------
+
+
+def train_prompts(task, n: int, seed: int):
+    """``n`` train-split problems as a datasets.Dataset: prompt text plus the operands."""
+    from datasets import Dataset
+
+    rng = random.Random(seed)
+    problems = [task.sample(rng, "train") for _ in range(n)]
+    return Dataset.from_dict({"prompt": ["<s>" + p.prompt for p in problems],
+                              "a": [p.a for p in problems], "b": [p.b for p in problems]})
+
+
+def check_prompt_ids(tokenizer, task, prompts: list[str], a: list[int], b: list[int]) -> None:
+    """TRL tokenises prompts with ``processing_class(text=prompts)``: it must give our ids."""
+    from actor.tasks import Problem
+
+    got = tokenizer(text=list(prompts))["input_ids"]
+    want = [task.encode_prompt(Problem(x, y)) for x, y in zip(a, b)]
+    bad = [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
+    if bad or len(got) != len(want):
+        i = bad[0] if bad else 0
+        raise AssertionError(f"TRL's tokenizer encodes {prompts[i]!r} as {got[i]}, driftrl as {want[i]}")
+
+
+def make_reward(task):
+    from actor.tasks import Problem
+
+    def arith_reward(prompts, completions, completion_ids, a, b, **_):
+        return [task.reward(Problem(x, y), ids) for ids, x, y in zip(completion_ids, a, b)]
+
+    return arith_reward
+
+
+def trl_args(cfg, out_dir: str, seconds: float):
+    from trl import GRPOConfig
+
+    a, lc = cfg.actor, cfg.learner
+    return GRPOConfig(
+        output_dir=out_dir, use_cpu=True, bf16=False, fp16=False, seed=cfg.run.seed,
+        per_device_train_batch_size=lc.groups_per_step * a.group_size,  # completions per step
+        gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1,
+        num_generations=a.group_size, max_completion_length=a.max_new_tokens,
+        temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, beta=0.0, use_vllm=False,
+        loss_type="dr_grpo", scale_rewards="group", mask_truncated_completions=False,
+        learning_rate=lc.lr, lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch",
+        adam_beta1=lc.betas[0], adam_beta2=lc.betas[1], weight_decay=lc.weight_decay,
+        max_grad_norm=lc.grad_clip, gradient_checkpointing=False,
+        max_steps=1_000_000,  # the wall-time budget stops the run (BudgetCallback)
+        logging_steps=100, save_strategy="no", report_to="none", disable_tqdm=True,
+        dataloader_pin_memory=False, remove_unused_columns=False,
+    )
+
+
+def budget_callback(seconds: float, every_s: float):
+    from transformers import TrainerCallback
+
+    class BudgetCallback(TrainerCallback):
+        """Wall-time budget plus weight snapshots on the same grid as driftrl's observer."""
+
+        def __init__(self):
+            self.t0, self.next_t, self.last_t = None, every_s, 0.0
+            self.snapshots: list[tuple[float, dict]] = []  # (train seconds, state dict)
+
+        def on_train_begin(self, args, state, control, **kw):
+            self.t0 = time.time()
+
+        def on_step_end(self, args, state, control, model=None, **kw):
+            self.last_t = time.time() - self.t0
+            if self.last_t >= self.next_t or self.last_t >= seconds:
+                self.snapshots.append((self.last_t, {k: v.detach().clone() for k, v in model.state_dict().items()}))
+                while self.next_t <= self.last_t:
+                    self.next_t += every_s
+            if self.last_t >= seconds:
+                control.should_training_stop = True
+
+    return BudgetCallback()
+
+
+def run_trl(cfg, seconds: float, every_s: float, out_dir: str, threads: int = TRL_THREADS) -> dict:
+    import torch
+    from transformers import AutoTokenizer
+    from trl import GRPOTrainer
+
+    from actor.tasks import make_task
+
+    torch.set_num_threads(threads)
+    task = make_task(cfg.task)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    dataset = train_prompts(task, 200_000, cfg.run.seed)
+    head = dataset.select(range(256))
+    check_prompt_ids(tokenizer, task, head["prompt"], head["a"], head["b"])
+    cb = budget_callback(seconds, every_s)
+    t_setup = time.time()
+    trainer = GRPOTrainer(model=cfg.model.path, reward_funcs=make_reward(task), args=trl_args(cfg, out_dir, seconds),
+                          train_dataset=dataset, processing_class=tokenizer, callbacks=[cb])
+    gen = {"s": 0.0, "n": 0}
+    inner = trainer._generate_and_score_completions
+
+    def timed_generate(*args, **kw):  # generation + reward + advantages: TRL's rollout phase
+        t0 = time.perf_counter()
+        try:
+            return inner(*args, **kw)
+        finally:
+            gen["s"] += time.perf_counter() - t0
+            gen["n"] += 1
+
+    trainer._generate_and_score_completions = timed_generate
+    setup_s = time.time() - t_setup
+    trainer.train()
+    steps = trainer.state.global_step
+    per_step = cfg.learner.groups_per_step * cfg.actor.group_size
+    return {"steps": steps, "samples": steps * per_step, "train_wall_s": cb.last_t,
+            "samples_per_s": steps * per_step / cb.last_t if cb.last_t else None,
+            "step_s_mean": cb.last_t / steps if steps else None, "rollout_s": gen["s"],
+            "train_compute_s": cb.last_t - gen["s"], "setup_s": setup_s, "threads": threads,
+            "snapshots": cb.snapshots}
+
+
+def pick_trl_threads(cfg, choice: str, probe_s: float, out_dir: str) -> tuple[int, dict]:
+    """TRL is one process: within the two-core budget give it whichever thread count runs faster
+    right now (on a tiny model, two OpenMP threads can lose to one, more so on a loaded machine)."""
+    if choice != "auto":
+        return int(choice), {}
+    probe = {}
+    for n in (1, 2):
+        r = run_trl(cfg, probe_s, probe_s * 10, os.path.join(out_dir, f"trl-probe{n}"), n)
+        probe[n] = r["samples_per_s"] or 0.0
+    best = max(probe, key=probe.get)
+    print(f"TRL thread probe ({probe_s:.0f}s each): " + ", ".join(f"{n} thread(s) {v:.0f} samples/s"
+                                                            for n, v in probe.items()) + f" -> {best}", flush=True)
+    return best, probe
+
+
+# ---- driftrl side ---------------------------------------------------------------------------------
+
+
+def run_drift(cfg, every_s: float, out_dir: str) -> dict:
+    result, records, snaps = run_driftrl(cfg, os.path.join(out_dir, "driftrl"), snapshot_every_s=every_s)
+    s = summarize_run(records, cfg.learner.groups_per_step, cfg.actor.group_size)
+    times = version_times(records)
+    # a snapshot's time is when its version was published (the learner's own clock)
+    s["snapshots"] = [(times[v], state) for v, state in snaps if v in times]
+    # the final weights close the curve at the end of the budget, as TRL's last step does
+    from safetensors.torch import load_file
+
+    s["snapshots"].append((s["train_wall_s"], load_file(os.path.join(result.run_dir, "final_model", "model.safetensors"))))
+    s["total_wall_s"] = result.wall_s
+    return s
+
+
+# ---- comparison -----------------------------------------------------------------------------------
+
+
+def curve(evaluate, base_reward: float, snapshots) -> list[tuple[float, float]]:
+    return [(0.0, base_reward)] + [(t, evaluate(state)[0]) for t, state in snapshots]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seconds", type=float, default=200.0, help="training wall-time budget of each system")
+    ap.add_argument("--eval-every-s", type=float, default=2.5, help="snapshot grid (training seconds)")
+    ap.add_argument("--eval-prompts", type=int, default=512)
+    ap.add_argument("--threshold", type=float, default=None, help="held-out reward to reach (default: base + 0.2)")
+    ap.add_argument("-o", "--override", action="append", default=[],
+                    help="section.key=value for the shared recipe (both sides) (repeatable)")
+    ap.add_argument("--drift-override", action="append", default=[], help="section.key=value for driftrl only")
+    ap.add_argument("--trl-threads", default="auto",
+                    help="torch threads for TRL: a number, or `auto` = the faster of 1 and 2 in a short probe")
+    ap.add_argument("--probe-s", type=float, default=12.0, help="length of each `auto` thread probe")
+    ap.add_argument("--out", default="", help="directory for both runs (default: a temp dir)")
+    args = ap.parse_args(argv)
+    missing = trl_missing()
+    if missing:
+        print(f"TRL is not installed ({missing}); install it with `pip install trl` "
+              "(check that it keeps torch==2.13.0) to run this bench.", file=sys.stderr)
+        return 2
+    out_dir = args.out or tempfile.mkdtemp(prefix="bench-vs-trl-")
+    budget = [f"run.max_time_s={args.seconds}", "run.max_steps=0", "run.eval_every=0",
+              f"run.eval_prompts={args.eval_prompts}", *args.override]
+    cfg = resolved_config(budget)
+    drift_cfg = resolved_config([*budget, *args.drift_override])
+    evaluate = HeldOutEval(cfg, args.eval_prompts)
+    base = evaluate(evaluate.model.state_dict())[0]
+    threshold = args.threshold if args.threshold is not None else round(base + 0.2, 3)
+    print(f"base model {cfg.model.path}: held-out reward {base:.3f}; threshold {threshold:.3f}; "
+          f"{args.seconds:.0f}s each; out {out_dir}", flush=True)
+
+    load = {"driftrl_before": load_avg()[0]}
+    drift = run_drift(drift_cfg, args.eval_every_s, out_dir)
+    load["trl_before"] = load_avg()[0]
+    threads, probe = pick_trl_threads(cfg, args.trl_threads, args.probe_s, out_dir)
+    trl = run_trl(cfg, args.seconds, args.eval_every_s, os.path.join(out_dir, "trl"), threads)
+    load["after"] = load_avg()[0]
+
+    t_eval = time.time()
+    sides = {"driftrl": drift, "trl": trl}
+    for s in sides.values():
+        s["curve"] = curve(evaluate, base, s.pop("snapshots"))
+        s["time_to_threshold_s"] = time_to_threshold(s["curve"], threshold)
+        s["final_reward"] = reward_at(s["curve"], args.seconds + 1e9)
+        s["reward_at_equal_time"] = reward_at(s["curve"], min(drift["train_wall_s"], trl["train_wall_s"]))
+    print(f"evaluated {sum(len(s['curve']) for s in sides.values())} snapshots in {time.time() - t_eval:.0f}s\n")
+
+    print(format_table(
+        ["system", "steps", "samples/s", "step ms", "t->thr s", "reward@equal t", "final reward"],
+        [[n, s["steps"], s["samples_per_s"], 1e3 * s["step_s_mean"], s["time_to_threshold_s"],
+          s["reward_at_equal_time"], s["final_reward"]] for n, s in sides.items()]))
+    levels = sorted({round(base + d, 3) for d in (0.1, 0.2, 0.3)} | {threshold})
+    print("\ntraining seconds to reach a held-out reward (– = not within the budget):")
+    print(format_table(["system", *(f">= {x:.2f}" for x in levels)],
+                       [[n, *(time_to_threshold(s["curve"], x) for x in levels)] for n, s in sides.items()]))
+    print("\nwhere the training wall time went (seconds):")
+    print(format_table(["system", "wall", "generation", "training", "waiting", "weight sync"], [
+        ["driftrl", drift["train_wall_s"], drift["actor_gen_s"], drift["learner_compute_s"],
+         drift["learner_wait_s"], drift["weightsync_publish_s"] + drift["weightsync_apply_s_est"]],
+        ["trl", trl["train_wall_s"], trl["rollout_s"], trl["train_compute_s"], 0.0, 0.0]]))
+    print("  (driftrl: generation and training overlap on separate cores; TRL alternates them in one process)")
+    print("\nheld-out reward curve (train seconds: reward):")
+    for n, s in sides.items():
+        print(f"  {n:8s}" + " ".join(f"{t:.0f}:{r:.2f}" for t, r in s["curve"]))
+    print(f"load average: {load}")
+
+    figures = {
+        "bench": "vs_trl",
+        "time_to_reward_ratio": ratio(drift["time_to_threshold_s"], trl["time_to_threshold_s"]),
+        "samples_per_s_ratio": ratio(drift["samples_per_s"], trl["samples_per_s"]),
+        "final_reward_driftrl": drift["final_reward"], "final_reward_trl": trl["final_reward"],
+        "base_reward": base, "threshold": threshold, "seconds": args.seconds,
+        "time_to_threshold_driftrl_s": drift["time_to_threshold_s"], "time_to_threshold_trl_s": trl["time_to_threshold_s"],
+        "samples_per_s_driftrl": drift["samples_per_s"], "samples_per_s_trl": trl["samples_per_s"],
+        "load_avg": load, "trl_threads": threads, "trl_thread_probe_samples_per_s": probe, "drift_overrides": args.drift_override,
+        "runs": sides,
+    }
+    print(json.dumps(json_safe(figures)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""Pure parts of the end-to-end benches (bench/common.py, bench/vs_trl.py): the arithmetic that
+turns metrics.jsonl into the reported figures, and the TRL adapters that must agree with driftrl
+(prompt ids, reward), on the real tokenizer and task. No timing, no processes."""
+
+import json
+import math
+import random
+
+import pytest
+
+from actor.tasks import EOS, ArithTask, Problem, tokenizer_files
+from bench.common import (
+    final_reward, format_table, json_safe, ratio, read_metrics, reward_at, summarize_run, time_to_threshold,
+    version_times,
+)
+from bench.vs_trl import check_prompt_ids, make_reward
+
+
+def _learner(step, wait, busy, publish=0.001, stale=1.0):
+    return {"step": step, "time": 100.0 + step, "role": "learner", "id": "learner0", "learner/step": float(step),
+            "learner/version": float(step), "learner/wait_s": wait, "learner/step_s": busy,
+            "weightsync/publish_s": publish, "staleness/mean": stale, "time/elapsed_s": step * (wait + busy)}
+
+
+def _actor(ident, adm, buf_cum, apply_s=0.002):
+    return {"step": 0, "time": 0.0, "role": "actor", "id": ident, "actor/admission_wait_s": adm,
+            "actor/buffer_wait_s": buf_cum, "weightsync/apply_s": apply_s}
+
+
+def test_summary_counts_samples_idle_and_breakdown():
+    recs = [_learner(s, wait=0.1, busy=0.3) for s in (1, 2, 3, 4)]
+    recs += [_actor("actor0", 0.2, 0.1), _actor("actor0", 0.2, 0.3)]
+    recs.append({"role": "buffer", "id": "buffer", "buffer/depth": 3.0})
+    s = summarize_run(recs, groups_per_step=16, group_size=8)
+    assert s["steps"] == 4 and s["samples"] == 4 * 128
+    assert s["train_wall_s"] == pytest.approx(1.6)
+    assert s["samples_per_s"] == pytest.approx(512 / 1.6)
+    assert s["learner_idle_frac"] == pytest.approx(0.25)
+    assert s["learner_compute_s"] == pytest.approx(4 * 0.299)
+    # admission waits summed, buffer wait is cumulative: the last value, not the sum
+    assert s["actor_idle_frac"] == pytest.approx((0.4 + 0.3) / 1.6)
+    assert s["actor_gen_s"] == pytest.approx(1.6 - 0.7)
+    assert s["weightsync_apply_s_est"] == pytest.approx(4 * 0.002)
+    assert s["staleness_mean"] == 1.0
+
+
+def test_summary_averages_actor_idle_over_actors_and_ignores_record_order():
+    recs = [_learner(s, 0.0, 0.5) for s in (2, 1)] + [_actor("actor0", 0.5, 0.0), _actor("actor1", 0.0, 0.0)]
+    s = summarize_run(recs, 4, 2)
+    assert s["steps"] == 2 and s["train_wall_s"] == 1.0
+    assert s["actor_idle_frac"] == pytest.approx(0.25)
+    assert s["learner_idle_frac"] == 0.0
+
+
+def test_summary_refuses_a_run_without_steps():
+    with pytest.raises(ValueError, match="no learner step"):
+        summarize_run([_actor("actor0", 1.0, 0.0)], 16, 8)
+
+
+def test_metrics_file_round_trip_final_reward_and_version_times(tmp_path):
+    recs = [_learner(1, 0.0, 1.0), _learner(2, 0.0, 1.0),
+            {"role": "actor", "id": "actor0", "eval/reward": 0.3},
+            {"role": "launcher", "id": "final_eval", "eval/reward": 0.6, "eval/final": 1.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs) + "\n")
+    got = read_metrics(str(tmp_path))
+    assert got == recs
+    assert final_reward(got) == 0.6
+    assert final_reward(got[:3]) is None
+    assert version_times(got) == {1: 1.0, 2: 2.0}
+
+
+def test_threshold_and_reward_at_on_unsorted_curves():
+    curve = [(20.0, 0.5), (0.0, 0.2), (10.0, 0.45), (30.0, 0.4)]
+    assert time_to_threshold(curve, 0.45) == 10.0
+    assert time_to_threshold(curve, 0.9) is None
+    assert reward_at(curve, 25.0) == 0.5
+    assert reward_at(curve, 30.0) == 0.4
+    assert reward_at(curve, -1.0) is None
+
+
+def test_ratio_table_and_json_safety():
+    assert ratio(3.0, 2.0) == 1.5
+    assert ratio(None, 2.0) is None and ratio(1.0, 0.0) is None and ratio(math.nan, 1.0) is None
+    table = format_table(["name", "value"], [["a", 1.23456], ["long-name", None], ["c", math.nan]]).splitlines()
+    assert len(table) == 5 and len({len(line) for line in table}) == 1  # aligned columns
+    assert "1.235" in table[2] and table[3].rstrip().endswith("–") and "nan" in table[4]
+    assert json.loads(json.dumps(json_safe({"x": [math.nan, 1.0], "y": {"z": math.inf}}))) == {
+        "x": [None, 1.0], "y": {"z": None}}
+
+
+def test_trl_reward_matches_the_task_reward_on_token_ids():
+    task = ArithTask()
+    reward = make_reward(task)
+    good = task.encode_text("85") + [EOS]
+    got = reward(prompts=["<s>47+38="] * 4, completions=["85", "58", "85", "8"],
+                 completion_ids=[good, task.encode_text("58") + [EOS], task.encode_text("85"), good],
+                 a=[47, 47, 47, 40], b=[38, 38, 38, 38], trainer_state=None)
+    assert got == [1.0, 0.0, 0.0, 0.0]  # wrong digits, missing EOS, wrong problem
+
+
+def test_hf_tokenizer_encodes_trl_prompts_to_driftrl_ids(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    for name, data in tokenizer_files().items():
+        (tmp_path / name).write_bytes(data)
+    tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    task = ArithTask()
+    rng = random.Random(0)
+    problems = [task.sample(rng) for _ in range(50)] + [Problem(0, 0), Problem(99, 9)]
+    check_prompt_ids(tok, task, ["<s>" + p.prompt for p in problems], [p.a for p in problems],
+                     [p.b for p in problems])
+    with pytest.raises(AssertionError, match="encodes"):
+        check_prompt_ids(tok, task, [p.prompt for p in problems], [p.a for p in problems], [p.b for p in problems])

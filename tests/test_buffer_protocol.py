@@ -1,0 +1,294 @@
+"""The actor and learner protocols over real ZeroMQ sockets, against a server in a thread."""
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from buffer.client import ActorClient, LearnerClient
+from buffer.synth import make_group
+from buffer.testing import ROOT, ServerThread, make_config
+from core import net
+from core.messages import (BUFFER_TO_ACTOR, LEARNER_TO_BUFFER, Ack, Consumed, Hello, SampleBatch,
+                           SampleRequest, decoder, encode)
+
+
+def small(actor, seq, version=0, **kw):
+    return make_group(actor, seq, completions=2, tokens=16, version=version, **kw)
+
+
+def wait_for(pred, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+class RawActor:
+    """A bare DEALER speaking the wire format, to see every ack the server sends."""
+
+    def __init__(self, cfg):
+        self.ctx = zmq.Context()
+        self.sock = net.socket(self.ctx, zmq.DEALER)
+        net.connect(self.sock, cfg.net.host, cfg.net.buffer_actor_port)
+        self.dec = decoder(BUFFER_TO_ACTOR)
+
+    def send(self, msg):
+        self.sock.send(encode(msg) if not isinstance(msg, bytes) else msg)
+
+    def recv(self, timeout_ms=5000) -> Ack:
+        assert self.sock.poll(timeout_ms), "no answer from the buffer"
+        return self.dec.decode(self.sock.recv())
+
+    def close(self):
+        self.sock.close()
+        self.ctx.term()
+
+
+def test_stream_sample_consume_and_metrics(tmp_path):
+    cfg = make_config()
+    reports = []
+    with ServerThread(cfg, str(tmp_path), metrics=reports.append) as srv:
+        actor, learner = ActorClient(cfg, "a0"), LearnerClient(cfg)
+        sent = [small("a0", actor.next_seq()) for _ in range(20)]
+        for g in sent:
+            actor.send(g)
+        assert actor.flush(10) and actor.outstanding == 0
+        got = []
+        while len(got) < 20:
+            batch = learner.sample(min(8, 20 - len(got)), 0, timeout_s=10)
+            got += batch.groups
+            learner.consumed([g.key for g in batch.groups], 0)
+        assert [g.key for g in got] == [g.key for g in sent]  # oldest first, nothing twice
+        assert got[3] == sent[3]  # byte-exact round trip
+        wait_for(lambda: srv.store.counters.consumed == 20)
+        wait_for(lambda: reports and reports[-1]["buffer/consumed"] == 20, timeout=5)
+        r = reports[-1]
+        for key in ("buffer/depth", "buffer/depth_bytes", "buffer/accepted", "buffer/consumed",
+                    "buffer/dropped_stale", "buffer/dropped_invalid", "buffer/duplicates", "buffer/busy",
+                    "buffer/invariant_ok"):
+            assert key in r
+        assert r["buffer/accepted"] == 20 and r["buffer/depth"] == 0 and r["buffer/invariant_ok"] == 1.0
+        actor.close()
+        learner.close()
+
+
+def test_ack_statuses_ok_duplicate_rejected_and_hello_seq(tmp_path):
+    cfg = make_config()
+    with ServerThread(cfg, str(tmp_path)) as srv:
+        raw = RawActor(cfg)
+        raw.send(Hello("actor", "r"))
+        assert raw.recv() == Ack("r", 0, "hello")
+        g = small("r", 0)
+        raw.send(g)
+        raw.send(g)  # a resend
+        assert [raw.recv().status, raw.recv().status] == ["ok", "duplicate"]
+        bad = msgspec.structs.replace(g, seq=1, completions=[msgspec.structs.replace(
+            g.completions[0], logprobs=g.completions[0].logprobs[:-4])])
+        raw.send(bad)
+        assert raw.recv() == Ack("r", 1, "rejected", "length_mismatch")
+        raw.send(Hello("actor", "r"))
+        assert raw.recv() == Ack("r", 1, "hello")  # numbering resumes after the accepted seq 0
+        assert srv.store.counters.duplicates == 1 and srv.invalid["length_mismatch"] == 1
+        raw.close()
+
+
+def test_busy_blocks_the_actor_until_the_learner_makes_room(tmp_path):
+    cfg = make_config(capacity_groups=2)
+    with ServerThread(cfg, str(tmp_path)) as srv:
+        actor = ActorClient(cfg, "a0")
+        got = []
+
+        def drain():
+            learner = LearnerClient(cfg)
+            while len(got) < 6:
+                b = learner.sample(1, 0, timeout_s=20)
+                got.extend(g.key for g in b.groups)
+                time.sleep(0.05)  # a slow learner: the buffer fills up
+                learner.consumed([g.key for g in b.groups], 0)
+            learner.close()
+
+        t = threading.Thread(target=drain)
+        t.start()
+        for _ in range(6):
+            actor.send(small("a0", actor.next_seq()))
+        assert actor.flush(20)
+        t.join(30)
+        assert sorted(got) == [("a0", i) for i in range(6)]
+        assert srv.store.counters.busy > 0 and actor.admission_wait_s > 0
+        actor.close()
+
+
+def test_stale_on_arrival_rejected_and_accepted_then_dropped_both_reach_the_actor(tmp_path):
+    cfg = make_config(max_staleness=1)
+    with ServerThread(cfg, str(tmp_path)) as srv:
+        actor, learner = ActorClient(cfg, "a0"), LearnerClient(cfg)
+        actor.send(small("a0", actor.next_seq(), version=0))  # learner version unknown: accepted
+        assert actor.flush(10)
+        assert learner.sample(1, 5, timeout_s=0.5) is None  # at v=5 it is stale: dropped, not served
+        wait_for(lambda: srv.store.counters.dropped["stale"] == 1)
+        notices = []
+        wait_for(lambda: notices.extend(actor.poll(50)) or notices)
+        assert [(a.seq, a.status, a.reason) for a in notices] == [(0, "dropped", "stale")]
+        actor.send(small("a0", actor.next_seq(), version=2))  # stale on arrival now that v=5 is known
+        assert actor.flush(10)
+        notices = []
+        wait_for(lambda: notices.extend(actor.poll(50)) or notices)
+        assert [(a.seq, a.status, a.reason) for a in notices] == [(1, "rejected", "stale")]
+        s = srv.stats()
+        assert s["buffer/dropped_stale"] == 2 and s["buffer/dropped_stale_len/<=64"] == 2
+        assert s["buffer/invariant_ok"] == 1.0
+        actor.close()
+        learner.close()
+
+
+def test_request_is_held_until_enough_groups_then_answered_once(tmp_path):
+    cfg = make_config()
+    with ServerThread(cfg, str(tmp_path)):
+        actor, learner = ActorClient(cfg, "a0"), LearnerClient(cfg)
+        assert learner.sample(3, 0, timeout_s=0.3) is None
+        actor.send(small("a0", actor.next_seq()))
+        actor.send(small("a0", actor.next_seq()))
+        assert actor.flush(10)
+        assert learner.sample(3, 0, timeout_s=0.3) is None  # 2 < 3: still held
+        actor.send(small("a0", actor.next_seq()))
+        batch = learner.sample(3, 0, timeout_s=10)
+        assert batch.request_id == 1 and len(batch.groups) == 3  # the very first request, answered late
+        actor.close()
+        learner.close()
+
+
+def test_full_buffer_serves_a_partial_batch_instead_of_deadlocking(tmp_path):
+    one = len(encode(small("a0", 0)))
+    cfg = make_config(capacity_bytes=int(2.5 * one))
+    with ServerThread(cfg, str(tmp_path)) as srv:
+        raw = RawActor(cfg)
+        for i in range(3):
+            raw.send(small("a0", i))
+        assert [raw.recv().status for _ in range(3)] == ["ok", "ok", "busy"]
+        learner = LearnerClient(cfg)
+        batch = learner.sample(8, 0, timeout_s=10)
+        assert [g.seq for g in batch.groups] == [0, 1]
+        assert srv.store.leased == 2
+        raw.close()
+        learner.close()
+
+
+def test_restarted_learner_gets_back_what_it_held_but_never_consumed(tmp_path):
+    cfg = make_config()
+    with ServerThread(cfg, str(tmp_path)):
+        actor = ActorClient(cfg, "a0")
+        for _ in range(4):
+            actor.send(small("a0", actor.next_seq()))
+        assert actor.flush(10)
+        first = LearnerClient(cfg, learner_id="L")
+        held = first.sample(2, 0, timeout_s=10)
+        first.consumed([held.groups[0].key], 0)
+        first.close()  # dies holding groups[1] unconsumed
+        second = LearnerClient(cfg, learner_id="L")
+        keys = []
+        while len(keys) < 3:
+            keys += [g.key for g in second.sample(1, 0, timeout_s=10).groups]
+        assert sorted(keys) == [("a0", 1), ("a0", 2), ("a0", 3)]
+        actor.close()
+        second.close()
+
+
+def test_buffer_restart_keeps_unconsumed_and_leased_groups_and_the_seq_high_water_mark(tmp_path):
+    cfg = make_config(fsync="always")
+    with ServerThread(cfg, str(tmp_path)):
+        actor, learner = ActorClient(cfg, "a0"), LearnerClient(cfg)
+        for _ in range(5):
+            actor.send(small("a0", actor.next_seq()))
+        assert actor.flush(10)
+        b = learner.sample(3, 0, timeout_s=10)
+        learner.consumed([b.groups[0].key], 0)
+        learner.sample(1, 0, timeout_s=0.0)  # flushes the Consumed
+        time.sleep(0.3)
+        actor.close()
+        learner.close()
+    with ServerThread(cfg, str(tmp_path)) as srv:
+        assert sorted(srv.store.resident) == [("a0", i) for i in (1, 2, 3, 4)]
+        assert ("a0", 0) in srv.store.seen and srv.store.counters.recovered == 4
+        fresh = ActorClient(cfg, "a0")  # no spool: asks the buffer where to resume
+        assert fresh.next_seq() == 5
+        fresh.close()
+
+
+def test_learner_client_never_returns_a_key_twice_and_re_sends_a_lost_consumed(tmp_path):
+    """Scripted buffer that 'forgot' a Consumed (as after a crash) and serves the group again."""
+    cfg = make_config()
+    ctx = zmq.Context()
+    router = net.socket(ctx, zmq.ROUTER)
+    net.bind(router, "127.0.0.1", cfg.net.buffer_learner_port)
+    dec = decoder(LEARNER_TO_BUFFER)
+    learner = LearnerClient(cfg, resend_s=0.2)
+    g0, g1, g2 = (small("a0", i) for i in range(3))
+    out = {}
+
+    def fake_buffer():
+        seen = []
+        while len(seen) < 6:
+            if not router.poll(5000):
+                break
+            ident, frame = router.recv_multipart()
+            msg = dec.decode(frame)
+            seen.append(msg)
+            if isinstance(msg, SampleRequest) and msg.request_id == 1:
+                router.send_multipart([ident, encode(SampleBatch(1, [g0, g1]))])
+            elif isinstance(msg, SampleRequest) and msg.request_id == 2:
+                router.send_multipart([ident, encode(SampleBatch(2, [g1, g0, g2]))])
+                break
+        time.sleep(0.3)
+        while router.poll(100):
+            seen.append(dec.decode(router.recv_multipart()[1]))
+        out["seen"] = seen
+
+    t = threading.Thread(target=fake_buffer)
+    t.start()
+    first = learner.sample(2, 0, timeout_s=5)
+    learner.consumed([g0.key], 0)  # g1 is still being trained on
+    second = learner.sample(2, 0, timeout_s=5)
+    t.join(10)
+    assert [g.key for g in first.groups] == [g0.key, g1.key]
+    assert [g.key for g in second.groups] == [g2.key]
+    assert learner.filtered == 2
+    consumed = [m.keys for m in out["seen"] if isinstance(m, Consumed)]
+    assert consumed == [[g0.key], [g0.key]]  # the original and the re-send; g1 not (not trained yet)
+    learner.close()
+    router.close()
+    ctx.term()
+
+
+def test_actor_client_refuses_groups_of_another_actor(tmp_path):
+    cfg = make_config()
+    actor = ActorClient(cfg, "a0")
+    with pytest.raises(ValueError, match="a1"):
+        actor.send(small("a1", 0))
+    actor.close()
+
+
+def test_persist_false_keeps_nothing_on_disk(tmp_path):
+    cfg = make_config(persist=False)
+    with ServerThread(cfg, str(tmp_path)):
+        actor = ActorClient(cfg, "a0")
+        actor.send(small("a0", actor.next_seq()))
+        assert actor.flush(10)
+        actor.close()
+    assert not (tmp_path / "buffer").exists()
+    with ServerThread(cfg, str(tmp_path)) as srv:
+        assert not srv.store.resident and ("a0", 0) not in srv.store.seen
+
+
+def test_buffer_package_imports_without_torch():
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "import buffer.server, buffer.client, buffer.store, buffer.persist, buffer.policies, "
+            "buffer.synth, buffer.testing\nprint('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                         env=dict(os.environ, PYTHONPATH=ROOT))
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

@@ -1,0 +1,98 @@
+"""Binding policy and CURVE: loopback by default, no plaintext on other interfaces, and with CURVE
+only a client holding the configured key pair and the server's public key gets anything through."""
+
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from buffer.client import ActorClient, LearnerClient
+from buffer.server import BufferServer
+from buffer.synth import make_group
+from buffer.testing import ServerThread, make_config
+from core import net
+from core.messages import Hello, encode
+
+
+def test_default_bind_is_loopback(tmp_path):
+    cfg = make_config()
+    srv = BufferServer(cfg, str(tmp_path))
+    try:
+        assert cfg.net.host == "127.0.0.1"
+        endpoint = srv.actor_sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        assert endpoint == f"tcp://127.0.0.1:{cfg.net.buffer_actor_port}"
+    finally:
+        srv.close()
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3"])
+def test_non_loopback_bind_without_curve_is_refused(tmp_path, host):
+    cfg = make_config(net_overrides={"host": host})  # (core.config.validate refuses it too)
+    with pytest.raises(net.InsecureBindError, match="CURVE"):
+        BufferServer(cfg, str(tmp_path))
+    # and nothing was left bound or opened on the way out
+    probe = zmq.Context().socket(zmq.ROUTER)
+    probe.bind(f"tcp://127.0.0.1:{cfg.net.buffer_actor_port}")
+    probe.close(linger=0)
+
+
+def test_curve_lets_only_authenticated_clients_through(tmp_path):
+    spub, ssec = net.make_curve_keys()
+    cpub, csec = net.make_curve_keys()
+    cfg = make_config(net_overrides=dict(curve_server_public=spub, curve_server_secret=ssec,
+                                         curve_client_public=cpub, curve_client_secret=csec))
+    with ServerThread(cfg, str(tmp_path)) as srv:
+        ctx = zmq.Context()
+        intruders = {}
+
+        def intruder(name, curve):
+            s = net.socket(ctx, zmq.DEALER)
+            net.connect(s, cfg.net.host, cfg.net.buffer_actor_port, curve)
+            s.send(encode(Hello("actor", name)))
+            s.send(encode(make_group(name, 0, completions=2, tokens=8)))
+            intruders[name] = s
+
+        other_pub, other_sec = net.make_curve_keys()
+        stranger_pub, stranger_sec = net.make_curve_keys()
+        intruder("plaintext", None)
+        intruder("wrong_server_key", net.Curve(server_public=other_pub.encode(), client_public=cpub.encode(),
+                                               client_secret=csec.encode()))
+        intruder("unknown_client_key", net.Curve(server_public=spub.encode(),
+                                                 client_public=stranger_pub.encode(),
+                                                 client_secret=stranger_sec.encode()))
+
+        actor, learner = ActorClient(cfg, "good"), LearnerClient(cfg)
+        actor.send(make_group("good", actor.next_seq(), completions=2, tokens=8))
+        assert actor.flush(10)
+        batch = learner.sample(1, 0, timeout_s=10)
+        assert [g.key for g in batch.groups] == [("good", 0)]
+
+        time.sleep(1.0)  # give the intruders every chance to get a frame through
+        assert srv.store.counters.accepted == 1
+        assert all(("%s" % name, 0) not in srv.store.seen for name in intruders)
+        assert set(srv._actor_ident) == {"good"}  # no intruder was ever heard, not even its Hello
+        for name, s in intruders.items():
+            assert not s.poll(0), f"{name} received an answer"
+            s.close()
+        actor.close()
+        learner.close()
+        ctx.term()
+
+
+def test_curve_learner_with_plaintext_gets_no_batch(tmp_path):
+    spub, ssec = net.make_curve_keys()
+    cpub, csec = net.make_curve_keys()
+    cfg = make_config(net_overrides=dict(curve_server_public=spub, curve_server_secret=ssec,
+                                         curve_client_public=cpub, curve_client_secret=csec))
+    with ServerThread(cfg, str(tmp_path)) as srv:
+        actor = ActorClient(cfg, "good")
+        actor.send(make_group("good", actor.next_seq(), completions=2, tokens=8))
+        assert actor.flush(10)
+        plain = msgspec.structs.replace(cfg, net=msgspec.structs.replace(
+            cfg.net, curve_server_public="", curve_client_public="", curve_client_secret=""))
+        thief = LearnerClient(plain)
+        assert thief.sample(1, 0, timeout_s=1.0) is None
+        assert srv.store.leased == 0 and srv.store.available() == 1
+        thief.close()
+        actor.close()
