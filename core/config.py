@@ -31,9 +31,11 @@ class RunSection(_Section):
     max_steps: NonNegInt = 1000  # learner optimiser steps; 0 = no step budget
     max_time_s: NonNegFloat = 480.0  # wall-clock budget of the training phase; 0 = none
     log_every_s: PosFloat = 2.0
-    eval_every: NonNegInt = 5  # held-out eval every N policy versions (actor 0); 0 = off
+    eval_every: NonNegInt = 10  # held-out eval every N policy versions (actor 0); 0 = off
     eval_prompts: PosInt = 256
     ckpt_every: NonNegInt = 0  # learner steps between checkpoints; 0 = final only
+    # a crashed actor or buffer is restarted (its data survives: spool / segment log) this often
+    max_restarts: NonNegInt = 3
 
 
 class ModelSection(_Section):
@@ -61,7 +63,7 @@ class TaskSection(_Section):
 
 class ActorSection(_Section):
     num_actors: PosInt = 1
-    engine: Literal["torch", "sglang"] = "torch"
+    engine: Literal["torch"] = "torch"  # the SGLang engine arrives with the GPU path
     group_size: Annotated[int, Meta(ge=2)] = 8
     groups_per_batch: PosInt = 8  # prompts decoded together by one engine batch
     max_new_tokens: PosInt = 8

@@ -155,6 +155,23 @@ class RoleFailed(RuntimeError):
     pass
 
 
+def _write_pids(run_dir: str, procs: list[Role]) -> None:
+    """Every live pid of the run, for operators and for the tests that check nothing is left."""
+    with open(os.path.join(run_dir, "pids.json"), "w") as f:
+        json.dump({"launcher": os.getpid(), **{r.name: r.proc.pid for r in procs if r.proc}}, f)
+
+
+def _restart(role: Role, procs: list[Role], run_dir: str, restarts: int, limit: int) -> int:
+    """Restart a crashed actor or buffer: accepted data survives in its spool / segment log."""
+    if restarts >= limit:
+        raise RoleFailed(f"{role.name} exited with {role.proc.returncode} after {restarts} restarts:\n"
+                         f"{_tail(role.log_path)}")
+    log.warning("%s exited with %s; restarting (%d/%d)", role.name, role.proc.returncode, restarts + 1, limit)
+    start(role, run_dir)
+    _write_pids(run_dir, procs)
+    return restarts + 1
+
+
 def run(cfg: C.Config, run_dir: str | None = None, monitor=None, on_ready=None) -> RunResult:
     """Resolve, start, watch until the learner finishes its budget, then stop everything."""
     from core.metrics import MetricsCollector
@@ -168,12 +185,12 @@ def run(cfg: C.Config, run_dir: str | None = None, monitor=None, on_ready=None) 
     monitor = monitor or Monitor(cfg)
     procs = roles(cfg, run_dir)
     result = RunResult(run_dir)
+    restarts = 0
     by_name = {r.name: r for r in procs}
     try:
         for role in procs:
             start(role, run_dir)
-        with open(os.path.join(run_dir, "pids.json"), "w") as f:
-            json.dump({"launcher": os.getpid(), **{r.name: r.proc.pid for r in procs}}, f)
+        _write_pids(run_dir, procs)
         if on_ready:
             on_ready(run_dir, procs)
         with monitor:
@@ -188,7 +205,7 @@ def run(cfg: C.Config, run_dir: str | None = None, monitor=None, on_ready=None) 
                     break
                 for role in procs:
                     if role.proc.poll() is not None and role.name != "learner":
-                        raise RoleFailed(f"{role.name} exited with {role.proc.returncode}:\n{_tail(role.log_path)}")
+                        restarts = _restart(role, procs, run_dir, restarts, cfg.run.max_restarts)
             stop_all([r for r in procs if r.name.startswith("actor")] + [by_name["buffer"]])
             monitor.update(collector.poll(timeout_ms=200))
             monitor.refresh(force=True)
