@@ -93,7 +93,7 @@ def first_eval(run_dir: str) -> float | None:
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         for line in f:
             rec = json.loads(line)
-            if rec.get("eval/reward") is not None:
+            if rec.get("eval/reward") is not None and not rec.get("eval/final"):
                 return rec["eval/reward"]
     return None
 

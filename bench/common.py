@@ -17,6 +17,7 @@ import math
 import os
 import statistics
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -36,6 +37,39 @@ def load_avg() -> tuple[float, float, float]:
         return os.getloadavg()
     except OSError:
         return (math.nan, math.nan, math.nan)
+
+
+class CpuMeter:
+    """CPU use while a block runs: this process and its reaped children ("own") vs. the whole
+    machine, from /proc/stat. ``foreign_cores`` is what other work took, in cores; unlike the load
+    average it does not count the bench's own just-finished run."""
+
+    def __enter__(self):
+        self._t, self._own, self._all = time.time(), self._own_s(), self._machine_s()
+        return self
+
+    def __exit__(self, *exc):
+        wall = max(time.time() - self._t, 1e-9)
+        own_s, all_s = self._own_s() - self._own, self._machine_s() - self._all
+        self.result = {"wall_s": wall, "own_cpu_s": own_s, "own_cores": own_s / wall, "machine_cores": all_s / wall,
+                       "foreign_cores": max(all_s - own_s, 0.0) / wall}
+        return False
+
+    @staticmethod
+    def _own_s() -> float:
+        import resource
+
+        me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+    @staticmethod
+    def _machine_s() -> float:
+        try:
+            with open("/proc/stat") as f:
+                user, nice, system = (int(x) for x in f.readline().split()[1:4])
+            return (user + nice + system) / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError):
+            return math.nan
 
 
 def bench_config(overrides: list[str] | tuple = ()) -> C.Config:
@@ -146,7 +180,9 @@ def format_table(headers: list[str], rows: list[list]) -> str:
 
     body = [[cell(v) for v in row] for row in rows]
     widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(headers)]
-    line = lambda cells: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
+    def line(cells) -> str:  # first column left-aligned (names), the rest right-aligned (numbers)
+        return "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
     return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, body)])
 
 

@@ -29,7 +29,7 @@ runs every snapshot is scored by the same ``bench.common.HeldOutEval`` (driftrl'
 ``evaluate``, same prompts, same seed). Time axes start at each trainer's first step (driftrl:
 the learner's first publish; TRL: ``on_train_begin``), so process start-up is left out of both.
 
-Figures: time to reach the held-out reward threshold (``--threshold``, default base + 0.2),
+Figures: time to reach the held-out reward threshold (``--threshold``, default base + 0.3),
 samples/s (completions trained on / training wall), final held-out reward after the equal wall
 time, and where each side's time went. Needs ``pip install trl``; exits 2 with a message if not.
 
@@ -51,7 +51,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import (  # noqa: E402
-    HeldOutEval, format_table, json_safe, load_avg, ratio, resolved_config, reward_at, run_driftrl,
+    CpuMeter, HeldOutEval, format_table, json_safe, load_avg, ratio, resolved_config, reward_at, run_driftrl,
     summarize_run, time_to_threshold, version_times,
 )
 
@@ -212,7 +212,8 @@ def run_drift(cfg, every_s: float, out_dir: str) -> dict:
     # the final weights close the curve at the end of the budget, as TRL's last step does
     from safetensors.torch import load_file
 
-    s["snapshots"].append((s["train_wall_s"], load_file(os.path.join(result.run_dir, "final_model", "model.safetensors"))))
+    final = load_file(os.path.join(result.run_dir, "final_model", "model.safetensors"))
+    s["snapshots"].append((s["train_wall_s"], final))
     s["total_wall_s"] = result.wall_s
     return s
 
@@ -229,7 +230,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=float, default=200.0, help="training wall-time budget of each system")
     ap.add_argument("--eval-every-s", type=float, default=2.5, help="snapshot grid (training seconds)")
     ap.add_argument("--eval-prompts", type=int, default=512)
-    ap.add_argument("--threshold", type=float, default=None, help="held-out reward to reach (default: base + 0.2)")
+    ap.add_argument("--threshold", type=float, default=None, help="held-out reward to reach (default: base + 0.3)")
     ap.add_argument("-o", "--override", action="append", default=[],
                     help="section.key=value for the shared recipe (both sides) (repeatable)")
     ap.add_argument("--drift-override", action="append", default=[], help="section.key=value for driftrl only")
@@ -250,16 +251,18 @@ def main(argv=None) -> int:
     drift_cfg = resolved_config([*budget, *args.drift_override])
     evaluate = HeldOutEval(cfg, args.eval_prompts)
     base = evaluate(evaluate.model.state_dict())[0]
-    threshold = args.threshold if args.threshold is not None else round(base + 0.2, 3)
+    threshold = args.threshold if args.threshold is not None else round(base + 0.3, 3)
     print(f"base model {cfg.model.path}: held-out reward {base:.3f}; threshold {threshold:.3f}; "
           f"{args.seconds:.0f}s each; out {out_dir}", flush=True)
 
-    load = {"driftrl_before": load_avg()[0]}
-    drift = run_drift(drift_cfg, args.eval_every_s, out_dir)
-    load["trl_before"] = load_avg()[0]
+    load = {"load1_start": load_avg()[0]}
+    with CpuMeter() as cpu:
+        drift = run_drift(drift_cfg, args.eval_every_s, out_dir)
+    load["driftrl_foreign_cores"] = cpu.result["foreign_cores"]
     threads, probe = pick_trl_threads(cfg, args.trl_threads, args.probe_s, out_dir)
-    trl = run_trl(cfg, args.seconds, args.eval_every_s, os.path.join(out_dir, "trl"), threads)
-    load["after"] = load_avg()[0]
+    with CpuMeter() as cpu:
+        trl = run_trl(cfg, args.seconds, args.eval_every_s, os.path.join(out_dir, "trl"), threads)
+    load["trl_foreign_cores"] = cpu.result["foreign_cores"]
 
     t_eval = time.time()
     sides = {"driftrl": drift, "trl": trl}
@@ -268,13 +271,17 @@ def main(argv=None) -> int:
         s["time_to_threshold_s"] = time_to_threshold(s["curve"], threshold)
         s["final_reward"] = reward_at(s["curve"], args.seconds + 1e9)
         s["reward_at_equal_time"] = reward_at(s["curve"], min(drift["train_wall_s"], trl["train_wall_s"]))
+        # one eval is +-0.02 noise (512 prompts): also the mean over the last tenth of the budget
+        tail = [r for t, r in s["curve"] if t >= 0.9 * args.seconds]
+        s["final_reward_last10pct"] = sum(tail) / len(tail) if tail else None
     print(f"evaluated {sum(len(s['curve']) for s in sides.values())} snapshots in {time.time() - t_eval:.0f}s\n")
 
     print(format_table(
-        ["system", "steps", "samples/s", "step ms", "t->thr s", "reward@equal t", "final reward"],
+        ["system", "steps", "samples/s", "step ms", f"t->{threshold:.2f} s", "reward@equal t", "final reward",
+         "mean last 10%"],
         [[n, s["steps"], s["samples_per_s"], 1e3 * s["step_s_mean"], s["time_to_threshold_s"],
-          s["reward_at_equal_time"], s["final_reward"]] for n, s in sides.items()]))
-    levels = sorted({round(base + d, 3) for d in (0.1, 0.2, 0.3)} | {threshold})
+          s["reward_at_equal_time"], s["final_reward"], s["final_reward_last10pct"]] for n, s in sides.items()]))
+    levels = sorted({round(base + d, 3) for d in (0.1, 0.2, 0.3, 0.4, 0.5)} | {threshold})
     print("\ntraining seconds to reach a held-out reward (– = not within the budget):")
     print(format_table(["system", *(f">= {x:.2f}" for x in levels)],
                        [[n, *(time_to_threshold(s["curve"], x) for x in levels)] for n, s in sides.items()]))
@@ -287,17 +294,22 @@ def main(argv=None) -> int:
     print("\nheld-out reward curve (train seconds: reward):")
     for n, s in sides.items():
         print(f"  {n:8s}" + " ".join(f"{t:.0f}:{r:.2f}" for t, r in s["curve"]))
-    print(f"load average: {load}")
+    print("other work on the machine (cores, from /proc/stat minus this bench's own processes): "
+          f"driftrl run {load['driftrl_foreign_cores']:.2f}, TRL run {load['trl_foreign_cores']:.2f}")
 
     figures = {
         "bench": "vs_trl",
         "time_to_reward_ratio": ratio(drift["time_to_threshold_s"], trl["time_to_threshold_s"]),
         "samples_per_s_ratio": ratio(drift["samples_per_s"], trl["samples_per_s"]),
         "final_reward_driftrl": drift["final_reward"], "final_reward_trl": trl["final_reward"],
+        "final_reward_last10pct_driftrl": drift["final_reward_last10pct"],
+        "final_reward_last10pct_trl": trl["final_reward_last10pct"],
         "base_reward": base, "threshold": threshold, "seconds": args.seconds,
-        "time_to_threshold_driftrl_s": drift["time_to_threshold_s"], "time_to_threshold_trl_s": trl["time_to_threshold_s"],
+        "time_to_threshold_driftrl_s": drift["time_to_threshold_s"],
+        "time_to_threshold_trl_s": trl["time_to_threshold_s"],
         "samples_per_s_driftrl": drift["samples_per_s"], "samples_per_s_trl": trl["samples_per_s"],
-        "load_avg": load, "trl_threads": threads, "trl_thread_probe_samples_per_s": probe, "drift_overrides": args.drift_override,
+        "load": load, "trl_threads": threads, "trl_thread_probe_samples_per_s": probe,
+        "drift_overrides": args.drift_override,
         "runs": sides,
     }
     print(json.dumps(json_safe(figures)))

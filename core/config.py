@@ -65,7 +65,7 @@ class ActorSection(_Section):
     num_actors: PosInt = 1
     engine: Literal["torch"] = "torch"  # the SGLang engine arrives with the GPU path
     group_size: Annotated[int, Meta(ge=2)] = 8
-    groups_per_batch: PosInt = 8  # prompts decoded together by one engine batch
+    groups_per_batch: PosInt = 16  # prompts decoded together by one engine batch
     max_new_tokens: PosInt = 8
     temperature: PosFloat = 1.0
     top_k: NonNegInt = 0  # 0 = off
@@ -75,7 +75,7 @@ class ActorSection(_Section):
 
 
 class BufferSection(_Section):
-    max_staleness: NonNegInt = 1
+    max_staleness: NonNegInt = 2
     policy: Literal["drop_stale", "oldest_first"] = "drop_stale"
     capacity_groups: PosInt = 1024
     capacity_bytes: PosInt = 256 * 1024 * 1024

@@ -5,6 +5,7 @@ turns metrics.jsonl into the reported figures, and the TRL adapters that must ag
 import json
 import math
 import random
+import time
 
 import pytest
 
@@ -110,3 +111,26 @@ def test_hf_tokenizer_encodes_trl_prompts_to_driftrl_ids(tmp_path):
                      [p.b for p in problems])
     with pytest.raises(AssertionError, match="encodes"):
         check_prompt_ids(tok, task, [p.prompt for p in problems], [p.a for p in problems], [p.b for p in problems])
+
+
+def test_async_bench_reports_the_median_repeat_with_the_spread():
+    from bench.async_vs_sync import median_run
+
+    reps = [{"samples_per_s": v, "final_reward": r} for v, r in ((900.0, 0.5), (1100.0, 0.6), (1000.0, 0.7))]
+    got = median_run(reps)
+    assert got["samples_per_s"] == 1000.0 and got["final_reward"] == 0.7
+    assert got["samples_per_s_all"] == [900.0, 1100.0, 1000.0] and got["final_reward_all"] == [0.5, 0.6, 0.7]
+    assert median_run(reps[:2])["samples_per_s"] == 900.0  # even count: the lower middle, never an average
+
+
+def test_cpu_meter_attributes_own_work_to_own_cores():
+    from bench.common import CpuMeter
+
+    with CpuMeter() as cpu:
+        t = time.process_time()
+        while time.process_time() - t < 0.3:  # 0.3 s of this process's CPU
+            pass
+    r = cpu.result
+    assert r["own_cpu_s"] >= 0.29  # the loop's CPU time is ours, however loaded the machine is
+    assert r["own_cores"] == pytest.approx(r["own_cpu_s"] / r["wall_s"])
+    assert r["foreign_cores"] >= 0.0 and r["machine_cores"] >= 0.0

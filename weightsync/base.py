@@ -146,6 +146,7 @@ class Subscriber:
         s = self.stats
         return {
             "weightsync/apply_s": s.apply_s,
+            "weightsync/apply_s_total": s.apply_s_total,
             "weightsync/bytes": float(s.bytes),
             "weightsync/versions_skipped": float(s.versions_skipped),
         }
