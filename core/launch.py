@@ -113,6 +113,11 @@ def _env() -> dict[str, str]:
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env["DRIFTRL_LAUNCHER_PID"] = str(os.getpid())
     env.setdefault("OMP_NUM_THREADS", "1")
+    # glibc otherwise mmaps and unmaps every ~1 MB activation: 700-2000 page faults per learner
+    # step; keeping freed memory in the heap made learner steps ~5% and generation ~17% faster
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", "4000000000")
+    env.setdefault("MALLOC_TRIM_THRESHOLD_", "4000000000")
+    env.setdefault("MALLOC_TOP_PAD_", str(256 << 20))
     env["PYTHONUNBUFFERED"] = "1"
     return env
 

@@ -129,8 +129,9 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, t, self.nkv, self.hd).transpose(1, 2)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        if cache is not None:
-            k, v = cache.update(self.layer, k.to(cache.k[0].dtype), v.to(cache.v[0].dtype))
+        if cache is None:
+            return self.o_proj(self._attend_full(q, k, v, bias, fp32_softmax))
+        k, v = cache.update(self.layer, k.to(cache.k[0].dtype), v.to(cache.v[0].dtype))
         rep = self.nh // self.nkv
         if rep > 1:
             k = k.repeat_interleave(rep, dim=1)
@@ -143,6 +144,30 @@ class Attention(nn.Module):
                 probs = torch.softmax(scores + bias.to(scores.dtype), dim=-1).to(v.dtype)
         out = torch.matmul(probs, v).transpose(1, 2).reshape(b, t, self.nh * self.hd)
         return self.o_proj(out)
+
+    def _attend_full(self, q, k, v, bias, fp32_softmax: bool):
+        """Cache-free attention (the learner's path): same values and dtypes as the cached path,
+        laid out for CPU speed. Queries are grouped per kv head, ``[B, nkv, rep*T, hd]``, so K/V
+        are not repeat_interleave'd (nor summed back in backward), and the scores are built
+        transposed, ``[B, nkv, S, rep*T]``, so the softmax runs over dim -2: torch's CPU softmax
+        over a short last dim (T ~ 10) is ~4x slower fwd+bwd than over a non-last dim. Measured
+        (interleaved medians, default model, batch 128x11, 1 thread): learner step 51.8 -> 45.6 ms.
+        The actor's cached path keeps the plain layout: there the same change moved generate by
+        -7% or +7% depending on glibc malloc's mmap/page-fault behaviour, so it is left as is."""
+        b, _, t, hd = q.shape
+        rep = self.nh // self.nkv
+        qg = q.reshape(b, self.nkv, rep * t, hd)
+        scores = torch.matmul(k.to(qg.dtype), qg.transpose(2, 3)) * (hd**-0.5)
+        bias = bias.transpose(2, 3)
+        if rep > 1:
+            bias = bias.repeat(1, 1, 1, rep)  # column r*T + i is query i of head kv*rep + r
+        if fp32_softmax:
+            probs = torch.softmax(scores.float() + bias, dim=-2).to(v.dtype)
+        else:
+            with torch.autocast(scores.device.type, enabled=False):
+                probs = torch.softmax(scores + bias.to(scores.dtype), dim=-2).to(v.dtype)
+        out = torch.matmul(probs.transpose(2, 3), v)  # [B, nkv, rep*T, hd]
+        return out.view(b, self.nh, t, hd).transpose(1, 2).reshape(b, t, self.nh * hd)
 
 
 class MLP(nn.Module):
