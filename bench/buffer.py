@@ -5,13 +5,25 @@ buffer: ActorClient (this process) -> BufferServer (subprocess: persist on, fsyn
         sends Consumed for each). Also run with fsync=never, to separate disk from CPU.
 bare:   the same encoded group bytes, PUSH (this process) -> PULL (subprocess), nothing else.
 
-Both clocks run from the first send to the moment the receiving process holds the last group.
-Groups are realistic: 8 completions x 1,024 tokens with int32 ids, float32 log-probs, int32
-versions (~98 KB encoded). Then each step the buffer adds is timed alone on one core, and the
-durable-log bandwidth (append + one fsync per window of groups) gives the ceiling of the ratio.
-The last line is one JSON object: {"bench": "buffer", "ratio": ...}.
+Timing is the same for both: the clock starts at the first send, once every process is up, and
+stops when the receiving process holds the last group. Runs are interleaved (bare, buffer,
+buffer-never, bare, ...) so load from other processes hits all paths alike, the page cache is
+synced before each run, and the median of ``--repeats`` is reported. Groups are realistic:
+8 completions x 1,024 tokens with int32 ids, float32 log-probs, int32 versions (~98 KB encoded).
 
-    python bench/buffer.py [--groups 3000] [--window 8] [--batch 8] [--repeats 3]
+Knobs that are part of the comparison, not tuning of it:
+* ``--window`` (default 64): groups an actor keeps in flight. With fsync on, an ack needs the
+  disk's round trip (~2-5 ms here), so the window must cover groups-per-second x that latency,
+  as any acked pipe must; the bare PUSH socket queues up to 1,000 messages without any ack.
+* ``--batch`` (default ``learner.groups_per_step``): groups per ``LearnerClient.sample()``,
+  what the learner asks for once per optimiser step.
+
+Each run also records the CPU seconds every process of the path spent between the first send
+and the last receive (this process via getrusage, the others via /proc), so the table shows what
+each path costs the machine per group, not just how fast it went. Then each step the buffer adds
+is timed alone on one core. The last line is one JSON object: {"bench": "buffer", "ratio": ...}.
+
+    python bench/buffer.py [--groups 5000] [--window 64] [--batch 16] [--repeats 5]
 
 BENCH_PROFILE_DIR=DIR runs every subprocess under cProfile, writing DIR/*.prof.
 """
@@ -21,11 +33,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import zlib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -33,6 +48,7 @@ sys.path.insert(0, ROOT)
 import msgspec  # noqa: E402
 import zmq  # noqa: E402
 
+from bench.common import CpuMeter, load_avg  # noqa: E402
 from buffer.client import ActorClient, LearnerClient  # noqa: E402
 from buffer.persist import SegmentLog  # noqa: E402
 from buffer.store import entry_from_group  # noqa: E402
@@ -67,6 +83,36 @@ def _finish(proc: subprocess.Popen, timeout: float = 300) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+def _watchdog(procs: list, done: threading.Event) -> None:
+    """ActorClient.send() blocks while the buffer answers busy: if a helper process dies, the
+    run would hang forever, so end the bench with the reason instead."""
+    def watch():
+        while not done.wait(0.5):
+            for p in procs:
+                if p.poll() not in (None, 0):
+                    print(f"bench: {' '.join(p.args[1:4])} exited with {p.returncode}", file=sys.stderr)
+                    for q in procs:
+                        if q.poll() is None:
+                            q.kill()
+                    os._exit(2)
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def _self_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)  # every thread, ZeroMQ's I/O thread included
+    return r.ru_utime + r.ru_stime
+
+
+def _proc_cpu(pid: int) -> float:
+    """CPU seconds of another live process (Linux /proc); NaN where unavailable."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+
+
 # ---- receiving ends (subprocesses) -------------------------------------------------------------
 
 
@@ -75,16 +121,19 @@ def consumer(config: str, n: int, batch: int) -> None:
         cfg = C.from_json(f.read())
     client = LearnerClient(cfg, learner_id="bench")
     print("ready", flush=True)
-    got = 0
+    got, cpu0 = 0, None
     while got < n:
         b = client.sample(min(batch, n - got), 0, timeout_s=60)
         if b is None:
             raise SystemExit(f"consumer: timed out after {got}/{n} groups")
+        if cpu0 is None:  # from the first batch on: the start-up is nobody's throughput
+            cpu0 = _self_cpu()
         got += len(b.groups)
         client.consumed([g.key for g in b.groups], 0)
     end = time.time()
+    cpu = _self_cpu() - cpu0
     client.close()
-    print(json.dumps({"end": end, "groups": got}))
+    print(json.dumps({"end": end, "groups": got, "cpu_s": cpu}))
 
 
 def puller(port: int, n: int) -> None:
@@ -92,10 +141,12 @@ def puller(port: int, n: int) -> None:
     s = ctx.socket(zmq.PULL)
     s.connect(f"tcp://127.0.0.1:{port}")
     print("ready", flush=True)
-    nbytes = 0
+    nbytes, cpu0 = 0, None
     for _ in range(n):
         nbytes += len(s.recv(copy=False))
-    print(json.dumps({"end": time.time(), "bytes": nbytes}))
+        if cpu0 is None:
+            cpu0 = _self_cpu()
+    print(json.dumps({"end": time.time(), "bytes": nbytes, "cpu_s": _self_cpu() - cpu0}))
 
 
 # ---- sending ends (this process) ---------------------------------------------------------------
@@ -103,43 +154,54 @@ def puller(port: int, n: int) -> None:
 
 def run_buffer(args, groups, fsync: str) -> dict:
     os.sync()  # the previous run's dirty pages must not be written back on this run's clock
-    with tempfile.TemporaryDirectory() as run_dir:
+    with tempfile.TemporaryDirectory() as run_dir, CpuMeter() as meter:
         cfg = _cfg(args, run_dir, fsync)
         server = _spawn("-m", "buffer.server", "--config", os.path.join(run_dir, "config.json"),
                         "--run-dir", run_dir)
         cons = _spawn(__file__, "--role", "consumer", "--config", os.path.join(run_dir, "config.json"),
                       "--groups", str(args.groups), "--batch", str(args.batch))
+        done = threading.Event()
+        _watchdog([server, cons], done)
         try:
+            cons.stdout.readline()  # "ready"
             client = ActorClient(cfg, "bench", window=args.window)
             seq0 = client.next_seq()  # waits for the buffer's Hello answer: the server is up
-            t0 = time.time()
+            server_cpu0, cpu0, t0 = _proc_cpu(server.pid), _self_cpu(), time.time()
             for i in range(args.groups):
                 client.send(msgspec.structs.replace(groups[i % TEMPLATES], seq=seq0 + i))
             assert client.flush(60), "buffer never acked everything"
             res = _finish(cons)
+            cpu = {"actor": _self_cpu() - cpu0, "server": _proc_cpu(server.pid) - server_cpu0,
+                   "learner": res["cpu_s"]}
             client.close()
         finally:
+            done.set()
             for p in (cons, server):
                 if p.poll() is None:
                     p.terminate()
                     p.wait(10)
-        nbytes = sum(len(encode(groups[i % TEMPLATES])) for i in range(args.groups))
-        return {"s": res["end"] - t0, "bytes": nbytes, "admission_wait_s": client.admission_wait_s}
+    return {"s": res["end"] - t0, "cpu": cpu, "foreign_cores": meter.result["foreign_cores"]}
 
 
 def run_bare(args, frames) -> dict:
-    ctx = zmq.Context()
-    s = ctx.socket(zmq.PUSH)
-    port = s.bind_to_random_port("tcp://127.0.0.1")
-    pull = _spawn(__file__, "--role", "puller", "--port", str(port), "--groups", str(args.groups))
-    pull.stdout.readline()  # "ready"
-    t0 = time.time()
-    for i in range(args.groups):
-        s.send(frames[i % TEMPLATES], copy=False)
-    res = _finish(pull)
-    s.close(linger=0)
-    ctx.term()
-    return {"s": res["end"] - t0, "bytes": res["bytes"]}
+    os.sync()
+    with CpuMeter() as meter:
+        ctx = zmq.Context()
+        s = ctx.socket(zmq.PUSH)
+        port = s.bind_to_random_port("tcp://127.0.0.1")
+        pull = _spawn(__file__, "--role", "puller", "--port", str(port), "--groups", str(args.groups))
+        pull.stdout.readline()  # "ready"
+        cpu0, t0 = _self_cpu(), time.time()
+        for i in range(args.groups):
+            s.send(frames[i % TEMPLATES], copy=False)
+        res = _finish(pull)
+        cpu = {"pusher": _self_cpu() - cpu0, "puller": res["cpu_s"]}
+        s.close(linger=0)
+        ctx.term()
+    return {"s": res["end"] - t0, "cpu": cpu, "foreign_cores": meter.result["foreign_cores"]}
+
+
+# ---- single-core cost of each step the buffer adds ---------------------------------------------
 
 
 def _per_group_us(fn, items, repeat: int = 3) -> float:
@@ -153,41 +215,54 @@ def _per_group_us(fn, items, repeat: int = 3) -> float:
 
 
 def stage_costs(groups, window: int) -> dict:
-    """Single-core cost of each step the buffer adds per group, to show what limits the ratio."""
+    """What each step costs per group on one core, and the durable log's ceiling on this disk."""
     frames = [encode(g) for g in groups]
     dec = decoder(ACTOR_TO_BUFFER)
     out = {
         "decode": _per_group_us(dec.decode, frames),
         "validate_group": _per_group_us(validate_group, groups),
         "metadata": _per_group_us(lambda g: entry_from_group(g, b""), groups),
+        "crc32": _per_group_us(zlib.crc32, frames),
     }
     stream = [frames[i % len(frames)] for i in range(512)]  # ~50 MB: several 16 MB segments
     seg = C.Config().buffer.segment_bytes
     for fsync in ("never", "batch"):
-        os.sync()  # start from clean page cache, as the end-to-end runs do
+        os.sync()  # start from a clean page cache, as the end-to-end runs do
         with tempfile.TemporaryDirectory() as d:
             log = SegmentLog(d, seg, fsync=fsync)
             log.open(dict)
-            if fsync == "never":
+            if fsync == "never":  # record header + crc32 + write into the page cache
                 out["log_append"] = _per_group_us(lambda f: log.append_group(("bench", 0), f), stream, 1)
-            else:
+            else:  # group commit as the server drives it: hand over each turn, wait at the end
                 def turn(batch):
                     for f in batch:
                         log.append_group(("bench", 0), f)
-                    log.commit()
+                    log.commit(wait=False)
                 turns = [stream[i:i + window] for i in range(0, len(stream), window)]
-                out["fsync_per_group"] = _per_group_us(turn, turns, 1) / window - out["log_append"]
+                t0 = time.perf_counter()
+                for t in turns:
+                    turn(t)
+                log.commit()
+                out["durable_log"] = (time.perf_counter() - t0) / len(stream) * 1e6
             log.close()
     return {k: round(v, 1) for k, v in out.items()}
+
+
+# ---- main ---------------------------------------------------------------------------------------
+
+
+def _us_per_group(cpu: dict, groups: int) -> dict:
+    return {k: round(v / groups * 1e6, 1) for k, v in cpu.items()}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--role", default="main", choices=["main", "consumer", "puller"])
-    ap.add_argument("--groups", type=int, default=3000)
-    ap.add_argument("--batch", type=int, default=8, help="groups per SampleRequest")
-    ap.add_argument("--window", type=int, default=8, help="ActorClient in-flight window")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--groups", type=int, default=5000)
+    ap.add_argument("--batch", type=int, default=C.Config().learner.groups_per_step,
+                    help="groups per SampleRequest (default: learner.groups_per_step)")
+    ap.add_argument("--window", type=int, default=64, help="ActorClient in-flight window")
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--completions", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--fsync", default="batch", choices=["always", "batch", "never"])
@@ -202,40 +277,51 @@ def main() -> None:
     groups = [make_group("bench", i, completions=args.completions, tokens=args.tokens, ragged=False)
               for i in range(TEMPLATES)]
     frames = [encode(g) for g in groups]
-    paths = {"bare": lambda: run_bare(args, frames),
-             f"buffer (fsync={args.fsync})": lambda: run_buffer(args, groups, args.fsync)}
+    main_row = f"buffer (fsync={args.fsync})"
+    paths = {"bare": lambda: run_bare(args, frames), main_row: lambda: run_buffer(args, groups, args.fsync)}
     if args.fsync != "never":
         paths["buffer (fsync=never)"] = lambda: run_buffer(args, groups, "never")
-    rows = {k: [] for k in paths}
+    load_before = load_avg()[0]
+    runs = {k: [] for k in paths}
     for _ in range(args.repeats):  # interleaved, so load from other processes hits all alike
         for k, run in paths.items():
-            rows[k].append(run()["s"])
-    secs = {k: statistics.median(v) for k, v in rows.items()}
+            runs[k].append(run())
+    load_after = load_avg()[0]
+    secs = {k: statistics.median(r["s"] for r in v) for k, v in runs.items()}
+    cpu = {k: {p: statistics.median(r["cpu"][p] for r in v) for p in v[0]["cpu"]} for k, v in runs.items()}
+    foreign = statistics.median(r["foreign_cores"] for v in runs.values() for r in v)
     mb = sum(len(frames[i % TEMPLATES]) for i in range(args.groups)) / 1e6
     gps = {k: args.groups / s for k, s in secs.items()}
-    main_row = f"buffer (fsync={args.fsync})"
     costs = stage_costs(groups, args.window)
-    disk_mb_s = mb / args.groups / ((costs["log_append"] + costs["fsync_per_group"]) * 1e-6)
+    disk_mb_s = mb / args.groups / (costs["durable_log"] * 1e-6)
 
     print(f"{args.groups} groups x {args.completions} completions x {args.tokens} tokens "
           f"({mb / args.groups * 1e3:.0f} KB each), window {args.window}, batch {args.batch}, "
-          f"median of {args.repeats}")
-    print(f"{'path':<24}{'groups/s':>10}{'MB/s':>8}{'seconds':>9}{'ratio':>7}")
+          f"median of {args.repeats}; load {load_before:.2f} -> {load_after:.2f}, "
+          f"other work took {foreign:.2f} cores during the runs")
+    print(f"{'path':<24}{'groups/s':>10}{'MB/s':>8}{'seconds':>9}{'ratio':>7}{'CPU us/group':>14}"
+          "  by process")
     for k in paths:
-        print(f"{k:<24}{gps[k]:>10.0f}{mb / secs[k]:>8.0f}{secs[k]:>9.2f}{gps[k] / gps['bare']:>7.3f}")
+        per = _us_per_group(cpu[k], args.groups)
+        print(f"{k:<24}{gps[k]:>10.0f}{mb / secs[k]:>8.0f}{secs[k]:>9.2f}{gps[k] / gps['bare']:>7.3f}"
+              f"{sum(per.values()):>14.0f}  " + " ".join(f"{p} {v:.0f}" for p, v in per.items()))
     print("\nwhat the buffer adds per group, one core, in-process "
           f"(bare pipe: {1e6 / gps['bare']:.0f} us/group):")
     for k, v in costs.items():
         print(f"  {k:<16}{v:>8.1f} us")
-    print(f"durable log bandwidth (append + fsync per {args.window}-group turn): {disk_mb_s:.0f} MB/s "
-          f"= {disk_mb_s / (mb / secs['bare']):.3f} of the bare pipe: the ceiling of the ratio with fsync on")
+    print(f"durable log alone (append + group commit, {args.window}-group turns): {disk_mb_s:.0f} MB/s "
+          f"= {disk_mb_s / (mb / secs['bare']):.3f} of the bare pipe")
     never = gps.get("buffer (fsync=never)", gps[main_row])
     print(json.dumps({
         "bench": "buffer", "ratio": round(gps[main_row] / gps["bare"], 3),
         "buffer_groups_per_s": round(gps[main_row], 1), "bare_groups_per_s": round(gps["bare"], 1),
         "buffer_mb_per_s": round(mb / secs[main_row], 1), "bare_mb_per_s": round(mb / secs["bare"], 1),
         "ratio_fsync_never": round(never / gps["bare"], 3),
+        "cpu_us_per_group": {k: _us_per_group(v, args.groups) for k, v in cpu.items()},
+        "seconds": {k: [round(r["s"], 3) for r in v] for k, v in runs.items()},
         "disk_mb_per_s": round(disk_mb_s, 1), "ratio_ceiling_disk": round(disk_mb_s / (mb / secs["bare"]), 3),
+        "load_before": round(load_before, 2), "load_after": round(load_after, 2),
+        "foreign_cores": round(foreign, 2),
         "groups": args.groups, "group_kb": round(mb / args.groups * 1e3, 1), "window": args.window,
         "batch": args.batch, "persist": True, "fsync": args.fsync, "stage_us": costs,
     }))

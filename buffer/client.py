@@ -15,6 +15,8 @@ Without a spool the buffer's ``Hello`` answer says where numbering resumes.
 the buffer restarted) and never returns a group key twice: after a buffer restart a group whose
 ``Consumed`` was lost in flight may be served again, it is filtered out here and its
 ``Consumed`` re-sent. The spool and this memory survive process death, not power loss.
+A batch arrives as a header frame plus one frame per group (see :mod:`buffer.server`) and is
+returned as one ``SampleBatch`` holding ``RolloutGroup`` objects, as if it were one message.
 """
 
 from __future__ import annotations
@@ -131,6 +133,9 @@ class ActorClient:
         self.admission_wait_s = 0.0
         self.bad_frames = 0
         self._pending: dict[int, _Pending] = {}  # insertion order == seq order
+        # bookkeeping that keeps send() O(1) in the window size: no scan of _pending per call
+        self._due = 0.0  # no entry among the first `window` needs a (re)send before this time
+        self._busy_n = 0  # pending groups the buffer answered "busy" and has not taken since
         self._notices: list[Ack] = []
         self._server_next: int | None = None  # from the Hello answer
         self._hello = encode(Hello("actor", actor_id))
@@ -143,7 +148,7 @@ class ActorClient:
         self._next = 0
         if self._spool is not None:
             for seq, payload in self._spool.load():
-                self._pending[seq] = _Pending(seq, payload)
+                self._pending[seq] = _Pending(seq, payload)  # unsent: _due = 0 makes _pump send them
             self._next = max([self._spool.reserved or 0] + [s + 1 for s in self._pending])
         self._pump()
 
@@ -177,7 +182,15 @@ class ActorClient:
         payload = encode(group)
         if self._spool is not None:
             self._spool.put(group.seq, payload)
-        self._pending[group.seq] = _Pending(group.seq, payload)
+        p = self._pending[group.seq] = _Pending(group.seq, payload)
+        now = time.monotonic()
+        # the common case: all earlier groups are out and this one fits the window: send it now
+        # (the window check above holds it back otherwise), else let _pump send it in order
+        if now < self._due and _try_send(self._sock, payload):
+            p.sent_at, p.retry_at = now, now + self.resend_s
+            self._due = min(self._due, p.retry_at)
+        else:
+            self._due = 0.0
         self._pump()
 
     def poll(self, timeout_ms: int = 0) -> list[Ack]:
@@ -201,7 +214,7 @@ class ActorClient:
 
     def _busy(self) -> bool:
         """The buffer refused one of ours for capacity and has not taken it since."""
-        return any(p.busy for p in self._pending.values())
+        return self._busy_n > 0
 
     def _await_hello(self) -> None:
         t0 = time.monotonic()
@@ -226,8 +239,8 @@ class ActorClient:
         due = now + self.resend_s
         if self._server_next is None:
             due = min(due, (self._hello_at or now) + (self.resend_s if self._hello_at else RETRY_UNSENT_S))
-        for p in list(self._pending.values())[: self.window]:
-            due = min(due, p.retry_at if p.sent_at is not None else now + RETRY_UNSENT_S)
+        if self._pending:  # _due <= now after _pump: a send was refused (not connected), retry soon
+            due = min(due, now + RETRY_UNSENT_S if self._due <= now else self._due)
         return due
 
     def _pump(self) -> None:
@@ -236,13 +249,19 @@ class ActorClient:
         if self._server_next is None and (self._hello_at is None or now - self._hello_at >= self.resend_s):
             if _try_send(self._sock, self._hello):
                 self._hello_at = now
+        if now < self._due:  # nothing is unsent or due for a resend: skip the scan
+            return
+        due = float("inf")
         for i, p in enumerate(self._pending.values()):
             if i >= self.window:
                 break
             if p.sent_at is None or now >= p.retry_at:
                 if not _try_send(self._sock, p.payload):
+                    self._due = 0.0  # retried on the next pump (_next_due paces it)
                     return
                 p.sent_at, p.retry_at = now, now + self.resend_s
+            due = min(due, p.retry_at)
+        self._due = due
 
     def _receive(self, timeout_ms: int) -> None:
         if timeout_ms and not self._sock.poll(timeout_ms):
@@ -273,7 +292,9 @@ class ActorClient:
         elif st == "busy":
             if p is not None:
                 p.busy += 1  # exponential backoff per group, so one busy spell costs one wait
+                self._busy_n += p.busy == 1
                 p.retry_at = time.monotonic() + min(BUSY_BACKOFF_S[0] * 2 ** (p.busy - 1), BUSY_BACKOFF_S[1])
+                self._due = min(self._due, p.retry_at)
         elif st == "rejected":
             if ack.seq < 0:  # our Hello: wrong schema, nothing this actor sends can be accepted
                 raise RuntimeError(f"buffer refused actor {self.actor_id!r}: {ack.reason}")
@@ -288,6 +309,9 @@ class ActorClient:
 
     def _finish(self, p: _Pending) -> None:
         del self._pending[p.seq]
+        self._busy_n -= p.busy > 0
+        if len(self._pending) >= self.window:  # one beyond the window moved into it, maybe unsent
+            self._due = 0.0
         if self._spool is not None:
             self._spool.delete(p.seq)
 
@@ -319,6 +343,7 @@ class LearnerClient:
         self.shutdown_reason: str | None = None
         self.filtered = 0  # groups served twice across a buffer restart, kept from the caller
         self._dec = decoder(BUFFER_TO_LEARNER)
+        self._group_dec = decoder(RolloutGroup)
         self._own_ctx = ctx is None
         self._ctx = zmq.Context() if ctx is None else ctx
         self._sock = _dealer(self._ctx, cfg, cfg.net.buffer_learner_port, "learner", learner_id)
@@ -395,11 +420,14 @@ class LearnerClient:
             return
         while True:
             try:
-                frame = self._sock.recv(zmq.NOBLOCK, copy=False)
+                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            msg = self._dec.decode(frame.buffer)  # the buffer is trusted; a failure is a bug
+            msg = self._dec.decode(frames[0].buffer)  # the buffer is trusted; a failure is a bug
             if isinstance(msg, SampleBatch):
+                if len(frames) > 1:  # the groups follow the header, one frame each (see buffer.server)
+                    groups = msg.groups + [self._group_dec.decode(f.buffer) for f in frames[1:]]
+                    msg = msgspec.structs.replace(msg, groups=groups)
                 if self._request is not None and msg.request_id == self._request.request_id:
                     self._request = None
                 self._ready.append(msg)

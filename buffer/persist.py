@@ -12,9 +12,25 @@ A group's record is written (and, per ``fsync``, synced) before its ack leaves, 
 group survives a crash of the buffer. Replay rebuilds the resident set -- groups with no later
 DONE record -- and the seen keys.
 
+Durability is tracked as a log sequence number (LSN): ``written`` counts the bytes appended,
+``durable`` how many of them are on disk per the ``fsync`` policy. The server tags every outgoing
+message with the LSN it depends on (the end of its group's record for an ``ok`` ack or a batch,
+everything written so far for the rest) and sends it once ``durable`` has reached it.
+
+* ``always``: fsync after every record, inline (``durable == written`` at all times).
+* ``batch``: group commit. :meth:`SegmentLog.commit` hands everything written so far to a
+  flusher thread (``os.fsync`` releases the GIL); the server keeps receiving, validating and
+  appending the next groups while the disk syncs, and each fsync covers every record written
+  before it started -- one fsync per batch of acks, the batch being whatever arrived while the
+  previous fsync ran. The flusher also closes rolled segments after their last fsync and syncs
+  the directory after a segment is created, so a new file's name is durable with its records.
+* ``never``: the page cache is trusted (survives a crash of the process, not of the machine);
+  the same thread only closes rolled segments and deletes old ones, off the loop.
+
 Disk stays bounded: segments roll at ``segment_bytes``. A sealed segment is deleted once none of
-its groups is resident *and* none of its DONE records still cancels a group in a segment that
-exists (else deleting it would resurrect that group on replay). When long-lived groups pin many
+its groups is resident, none of its DONE records still cancels a group in a segment that
+exists (else deleting it would resurrect that group on replay), and the SEEN snapshot opening the
+next segment -- which remembers its keys from then on -- is durable. When long-lived groups pin many
 old segments, :meth:`SegmentLog.maybe_compact` rewrites the resident set into one fresh segment
 (temp file, fsync, rename) and deletes everything older.
 """
@@ -24,6 +40,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
+import threading
 import zlib
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
@@ -79,6 +96,7 @@ class Segment:
     size: int = 0
     live: int = 0  # resident groups whose (latest) record is here
     refs: set = field(default_factory=set)  # older segments whose groups DONE records here cancel
+    snap_lsn: int = 0  # LSN just after this segment's SEEN record (0: on disk already)
 
 
 @dataclass
@@ -87,6 +105,148 @@ class Replay:
     seen: list  # SEEN snapshots found, oldest first
     done_keys: list  # keys from DONE records (they were seen too)
     corrupt: int  # segments whose tail was torn/corrupt
+
+
+_fsync = os.fsync  # the one way this module syncs: tests gate it to see what waits for the disk
+
+
+def _fsync_dir(path: str) -> None:
+    dfd = os.open(path, os.O_RDONLY)
+    try:
+        _fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+class _Flusher:
+    """Group commit for ``fsync = batch``: a thread that fsyncs what the loop has written.
+    With ``sync=False`` (``fsync = never``) it only closes rolled segments and deletes old ones.
+
+    The loop appends and calls :meth:`request` with its LSN; the flusher fsyncs every fd holding
+    requested bytes, publishes ``durable`` and writes a byte to ``wake_fd`` so the loop's poller
+    wakes to release what waited for it. A rolled segment's fd is handed over (:meth:`switch`),
+    never closed by the loop, so no fd is closed under a running fsync. Deleting a segment
+    (:meth:`unlink`, ~5 ms for 16 MB here) happens here too, off the loop. A failed fsync is fatal
+    (the kernel may have dropped the dirty pages): it is kept in ``error`` and re-raised by
+    :meth:`check` in the loop, which then stops the server the way an inline fsync error would.
+    """
+
+    def __init__(self, directory: str, sync: bool = True):
+        self.dir, self.sync = directory, sync
+        self.durable = 0
+        self.error: OSError | None = None
+        self._cond = threading.Condition()
+        self._target = 0
+        self._fd = -1
+        self._sealed: list[int] = []
+        self._unlink: list[str] = []
+        self._dir_dirty = False
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.wake_fd, self._wake_w = os.pipe()
+        os.set_blocking(self.wake_fd, False)
+        os.set_blocking(self._wake_w, False)
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None
+
+    def start(self, fd: int, durable: int) -> None:
+        self._fd, self._stop = fd, False
+        self.durable = self._target = durable
+        self._thread = threading.Thread(target=self._run, name="buffer-fsync", daemon=True)
+        self._thread.start()
+
+    def switch(self, fd: int) -> None:
+        """The loop rolled to a new segment: sync and close the old fd, sync the directory."""
+        with self._cond:
+            self._sealed.append(self._fd)
+            self._fd, self._dir_dirty = fd, True
+            self._cond.notify()
+
+    def unlink(self, path: str) -> None:
+        with self._cond:
+            self._unlink.append(path)
+            self._cond.notify()
+
+    def request(self, lsn: int) -> None:
+        with self._cond:
+            if lsn > self._target:
+                self._target = lsn
+                self._cond.notify()
+
+    def wait(self, lsn: int) -> None:
+        with self._cond:
+            while self.durable < lsn and self.error is None:
+                self._cond.wait()
+        self.check()
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def stop(self, lsn: int) -> int:
+        """Sync up to ``lsn``, close the handed-over fds, end the thread; returns the active fd."""
+        self.request(lsn)
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        self._thread.join()
+        self._thread = None
+        return self._fd
+
+    def close(self) -> None:
+        for fd in (self.wake_fd, self._wake_w):
+            os.close(fd)
+
+    def drain_wake(self) -> None:
+        try:
+            os.read(self.wake_fd, 4096)
+        except BlockingIOError:
+            pass
+
+    def _pending(self) -> bool:
+        return self._target > self.durable or bool(self._sealed) or self._dir_dirty or bool(self._unlink)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._pending() or self._stop):
+                    self._cond.wait()
+                if not self._pending():
+                    return
+                # one consistent view: every byte up to target is in a sealed fd or the active one
+                target, sealed, fd, dir_dirty = self._target, self._sealed, self._fd, self._dir_dirty
+                unlink, self._unlink = self._unlink, []
+                self._sealed, self._dir_dirty = [], False
+            try:
+                for old in sealed:
+                    if self.sync:
+                        _fsync(old)
+                    os.close(old)
+                if self.sync and target > self.durable:
+                    _fsync(fd)
+                if self.sync and dir_dirty:
+                    _fsync_dir(self.dir)
+                for path in unlink:  # in gc() order: the invariants of a synchronous gc() hold
+                    os.unlink(path)
+            except OSError as e:
+                with self._cond:
+                    self.error = e
+                    self._cond.notify_all()
+                self._wake()
+                return
+            with self._cond:
+                self.durable = target
+                self._cond.notify_all()
+            if self.sync:
+                self._wake()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"\0")
+        except BlockingIOError:  # the pipe is full: the loop has wake-ups pending anyway
+            pass
 
 
 class SegmentLog:
@@ -102,9 +262,25 @@ class SegmentLog:
         self._sizes: dict = {}  # resident key -> record size on disk
         self.active: Segment | None = None
         self._fd = -1
-        self._dirty = False
+        self.written = 0  # LSN: bytes appended since open()
+        # always: every record is synced inline, so a roll must sync the new file inline too
+        self._flusher = None if fsync == "always" else _Flusher(directory, sync=fsync == "batch")
         self.compactions = 0
         os.makedirs(directory, exist_ok=True)
+
+    @property
+    def durable(self) -> int:
+        """The LSN up to which records are durable per the fsync policy."""
+        return self._flusher.durable if self.fsync == "batch" and self._flusher else self.written
+
+    @property
+    def wake_fd(self) -> int | None:
+        """Readable after each background fsync (``batch``): poll it to release what waited."""
+        return self._flusher.wake_fd if self.fsync == "batch" and self._flusher else None
+
+    def drain_wake(self) -> None:
+        if self._flusher is not None:
+            self._flusher.drain_wake()
 
     # ---- replay ------------------------------------------------------------------------------
 
@@ -157,14 +333,24 @@ class SegmentLog:
         """Start a fresh segment (always, after replay: never append after a torn tail)."""
         self._snapshot = snapshot
         self._roll()
+        if self._flusher is not None:
+            self._flusher.start(self._fd, self.written)
         self.gc()
 
-    def append_group(self, key, raw) -> None:
-        size = HEADER.size + len(raw)
-        if self.active.size > 0 and self.active.size + size > self.segment_bytes:
+    def make_room(self, nbytes: int) -> None:
+        """Roll now if a record of ``nbytes`` would not fit the active segment.
+
+        The server calls this before it marks a group's key seen: the new segment's SEEN
+        snapshot must not remember a key whose record comes after it (a power loss between the
+        two would leave the key seen with no record, and its resend answered ``duplicate``).
+        """
+        if self.active.size > 0 and self.active.size + HEADER.size + nbytes > self.segment_bytes:
             self._roll()
+
+    def append_group(self, key, raw) -> None:
+        self.make_room(len(raw))
         self._write(GROUP, raw)
-        self._place(key, self.active, size)
+        self._place(key, self.active, HEADER.size + len(raw))
 
     def append_done(self, keys: list, reason: str) -> None:
         if not keys:
@@ -172,16 +358,30 @@ class SegmentLog:
         self._write(DONE, msgspec.msgpack.encode([reason, keys]))
         self._cancel(keys, self.active)
 
-    def commit(self) -> None:
-        """Make everything written so far durable (batch mode: once per server loop turn)."""
-        if self._dirty and self.fsync == "batch":
-            os.fsync(self._fd)
-        self._dirty = False
+    def commit(self, wait: bool = True) -> None:
+        """Make everything written so far durable; ``wait=False`` (the server loop, ``batch``)
+        only hands it to the flusher and returns: watch ``durable`` / ``wake_fd``."""
+        if self.fsync != "batch":  # always: synced record by record; never: nothing to do
+            return
+        self._flusher.check()
+        self._flusher.request(self.written)
+        if wait:
+            self._flusher.wait(self.written)
 
     def close(self) -> None:
+        failed = False
+        if self._flusher is not None:
+            if self._flusher.running:
+                self._fd = self._flusher.stop(self.written)
+            failed = self._flusher.error is not None
+            self._flusher.close()
+            self._flusher = None
+        self._close_fd(sync=not failed)
+
+    def _close_fd(self, sync: bool = True) -> None:
         if self._fd >= 0:
-            if self.fsync != "never":
-                os.fsync(self._fd)
+            if sync and self.fsync != "never":
+                _fsync(self._fd)
             os.close(self._fd)
             self._fd = -1
 
@@ -191,11 +391,11 @@ class SegmentLog:
 
     def _write(self, kind: int, payload) -> None:
         _write_all(self._fd, encode_record(kind, payload), payload)
-        self.active.size += HEADER.size + len(payload)
+        size = HEADER.size + len(payload)
+        self.active.size += size
         if self.fsync == "always":
-            os.fsync(self._fd)
-        else:
-            self._dirty = True
+            _fsync(self._fd)
+        self.written += size
 
     def _place(self, key, seg: Segment, size: int) -> None:
         old = self.loc.get(key)
@@ -218,14 +418,23 @@ class SegmentLog:
                 seg.refs.add(origin)
 
     def _roll(self) -> None:
-        if self._fd >= 0:
-            self.close()
         num = max(self.segments, default=0) + 1
-        self.active = self.segments[num] = Segment(num, self._seg_path(num))
-        self._fd = os.open(self.active.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        seg = Segment(num, self._seg_path(num))
+        fd = os.open(seg.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        background = self._flusher is not None and self._flusher.running
+        if background:
+            self._flusher.switch(fd)  # it syncs (batch) and closes the old segment
+        else:
+            self._close_fd()
+        self.active = self.segments[num] = seg
+        self._fd = fd
         self._write(SEEN, msgspec.msgpack.encode(self._snapshot()))
-        # the snapshot is what lets older segments go: it must be on disk before they are
-        self._sync_new_file()
+        seg.snap_lsn = self.written
+        # the snapshot is what lets older segments go: gc() deletes none before it is durable
+        if not background:
+            self._sync_new_file()
+        elif self.fsync == "batch":
+            self._flusher.request(self.written)
 
     def _seg_path(self, num: int) -> str:
         return os.path.join(self.dir, f"seg-{num:08d}.log")
@@ -233,24 +442,25 @@ class SegmentLog:
     def _sync_new_file(self) -> None:
         if self.fsync == "never":
             return
-        os.fsync(self._fd)
-        self._dirty = False
-        dfd = os.open(self.dir, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        _fsync(self._fd)
+        _fsync_dir(self.dir)
 
     # ---- bounding the disk -------------------------------------------------------------------
 
     def gc(self) -> int:
         """Delete sealed segments that hold nothing a replay would need; returns how many."""
-        removed = 0
-        for num in sorted(self.segments):
+        removed, durable = 0, self.durable
+        nums = sorted(self.segments)
+        for i, num in enumerate(nums):
             seg = self.segments[num]
             if seg is self.active or seg.live > 0 or any(r in self.segments for r in seg.refs):
                 continue
-            os.unlink(seg.path)
+            if self.segments[nums[i + 1]].snap_lsn > durable:
+                break  # its keys are remembered only by a snapshot not yet on disk (nor later ones)
+            if self._flusher is not None and self._flusher.running:
+                self._flusher.unlink(seg.path)
+            else:
+                os.unlink(seg.path)
             del self.segments[num]
             removed += 1
         return removed
@@ -270,6 +480,9 @@ class SegmentLog:
         return True
 
     def compact(self, resident: Callable[[], Iterable[tuple]]) -> None:
+        background = self._flusher is not None and self._flusher.running
+        if background:  # rare: do it synchronously, with every earlier record already on disk
+            self._fd = self._flusher.stop(self.written)
         num = max(self.segments) + 1
         path = self._seg_path(num)
         tmp = path + ".tmp"
@@ -283,11 +496,11 @@ class SegmentLog:
                 if kind == GROUP:
                     placed.append((key, HEADER.size + len(payload)))
             if self.fsync != "never":
-                os.fsync(fd)
+                _fsync(fd)
         finally:
             os.close(fd)
         os.replace(tmp, path)
-        self.close()
+        self._close_fd()
         old = list(self.segments.values())
         self.segments = {num: new}
         self.loc.clear()
@@ -300,6 +513,8 @@ class SegmentLog:
         self._sync_new_file()  # the rename is durable before the originals go
         for seg in old:
             os.unlink(seg.path)
+        if background:
+            self._flusher.start(self._fd, self.written)
         self.compactions += 1
         log.info("compacted %d segments into %s (%d resident groups)", len(old), path, len(placed))
 

@@ -29,7 +29,10 @@ Both consume the oldest data first; they differ in when stale data is discarded 
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Callable, Protocol, Sequence
+
+_AGE = attrgetter("min_version", "order")  # oldest weights first, then arrival; C-speed sort key
 
 
 class Versioned(Protocol):
@@ -48,7 +51,7 @@ def drop_stale(available: Sequence[Versioned], learner_version: int, max_stalene
     fresh, drops = [], []
     for g in available:
         (drops if staleness(g, learner_version) > max_staleness else fresh).append(g)
-    fresh.sort(key=lambda g: (g.min_version, g.order))
+    fresh.sort(key=_AGE)
     return (fresh if n is None else fresh[:n]), drops
 
 

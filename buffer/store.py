@@ -21,7 +21,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+import numpy as np
+
 from buffer import policies
+from core.messages import TOKEN_DTYPE, VERSION_DTYPE
 
 Key = tuple[str, int]
 
@@ -46,12 +49,20 @@ class Entry:
     raw: Any = None  # encoded RolloutGroup, handed to the learner without re-encoding
     order: int = 0  # arrival number, set by the store
     lessee: str | None = None  # learner holding it, if leased
+    lsn: int = 0  # log position after its record: what must be durable before it is acked or served
 
 
 def entry_from_group(group, raw=None) -> Entry:
-    length = max((c.num_tokens for c in group.completions), default=0)
-    return Entry(group.key, group.min_version(), len(raw) if raw is not None else group.nbytes(),
-                 length, raw)
+    """The store's view of a validated group (equal-length per-token arrays).
+
+    Same values as ``group.min_version()`` and the longest ``num_tokens``, but with one numpy
+    reduction over all completions' versions joined instead of one per completion.
+    """
+    comps = group.completions
+    versions = b"".join([c.versions for c in comps])
+    min_version = int(np.frombuffer(versions, VERSION_DTYPE).min()) if versions else group.start_version
+    length = max([len(c.tokens) for c in comps], default=0) // TOKEN_DTYPE.itemsize
+    return Entry(group.key, min_version, len(raw) if raw is not None else group.nbytes(), length, raw)
 
 
 class SeenKeys:

@@ -79,6 +79,7 @@ def test_dedup_memory_survives_deletion_of_every_segment_that_held_the_keys(tmp_
         seen.add(("a", i))
         lg.append_group(("a", i), raw(i))
         lg.append_done([("a", i)], "consumed")
+        lg.commit()  # gc() deletes a segment only once the snapshot that supersedes it is durable
         lg.gc()
     lg.close()
     assert len(lg.segments) <= 2  # consumed segments were deleted
