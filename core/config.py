@@ -22,7 +22,7 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 
 
 class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    pass
+    """A config section: unknown keys are errors, fields are keyword-only."""
 
 
 class RunSection(_Section):
@@ -146,7 +146,7 @@ class Config(_Section):
 
 
 class ConfigError(ValueError):
-    pass
+    """A bad key or value; the message names its field path (``$.section.key``)."""
 
 
 def _parse_value(text: str) -> Any:

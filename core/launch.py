@@ -157,7 +157,7 @@ def _tail(path: str, n: int = 15) -> str:
 
 
 class RoleFailed(RuntimeError):
-    pass
+    """A role exited unexpectedly (or crashed more often than run.max_restarts)."""
 
 
 def _write_pids(run_dir: str, procs: list[Role]) -> None:

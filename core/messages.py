@@ -27,7 +27,7 @@ VERSION_DTYPE = np.dtype("<i4")
 
 
 class _Msg(msgspec.Struct, frozen=True, array_like=True, tag=True, omit_defaults=False):
-    pass
+    """Base of every tagged wire message: frozen, encoded as an array, tag = class kwarg."""
 
 
 # ---- handshake / liveness -------------------------------------------------------------------

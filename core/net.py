@@ -15,7 +15,7 @@ import zmq
 
 
 class InsecureBindError(RuntimeError):
-    pass
+    """A bind or connect that would put traffic on the network without CURVE authentication."""
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -15,10 +16,9 @@ PR_SET_PDEATHSIG = 1
 def die_with_parent(sig: int = signal.SIGTERM) -> None:
     """Ask the kernel to signal us when the launcher dies, even by SIGKILL (Linux only)."""
     if sys.platform.startswith("linux"):
-        try:
+        # without glibc (e.g. musl) there is no prctl; the launcher's stop_all still reaps us
+        with contextlib.suppress(OSError):
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
-        except OSError:
-            pass
     launcher = os.environ.get("DRIFTRL_LAUNCHER_PID")
     if launcher and os.getppid() != int(launcher):
         # the launcher died before prctl took effect

@@ -29,7 +29,7 @@ class Sampling:
 
 
 class ContractError(RuntimeError):
-    pass
+    """Actor and learner disagree on log-probs of the same tokens with the same weights."""
 
 
 def sample_fixed_batch(engine, task, n_prompts: int = 16, group_size: int = 4, seed: int = 4321):

@@ -19,7 +19,7 @@ from learner.ratio_metrics import ratio_metrics
 
 
 class NonFiniteError(RuntimeError):
-    pass
+    """A NaN/inf loss or gradient: the step is discarded before it reaches the optimiser."""
 
 
 class Trainer:
