@@ -37,6 +37,8 @@ old segments, :meth:`SegmentLog.maybe_compact` rewrites the resident set into on
 
 from __future__ import annotations
 
+import contextlib
+
 import logging
 import os
 import struct
@@ -200,10 +202,8 @@ class _Flusher:
             os.close(fd)
 
     def drain_wake(self) -> None:
-        try:
+        with contextlib.suppress(BlockingIOError):  # nothing pending: nothing to drain
             os.read(self.wake_fd, 4096)
-        except BlockingIOError:
-            pass
 
     def _pending(self) -> bool:
         return self._target > self.durable or bool(self._sealed) or self._dir_dirty or bool(self._unlink)
@@ -243,10 +243,9 @@ class _Flusher:
                 self._wake()
 
     def _wake(self) -> None:
-        try:
+        # a full pipe means the loop has wake-ups pending anyway
+        with contextlib.suppress(BlockingIOError):
             os.write(self._wake_w, b"\0")
-        except BlockingIOError:  # the pipe is full: the loop has wake-ups pending anyway
-            pass
 
 
 class SegmentLog:

@@ -37,11 +37,17 @@ def test_non_loopback_bind_without_curve_is_refused(tmp_path, host):
     probe.close(linger=0)
 
 
-def test_curve_lets_only_authenticated_clients_through(tmp_path):
+def _curve_config():
+    """A buffer config with fresh CURVE keys; returns it with (server public, client pair)."""
     spub, ssec = net.make_curve_keys()
     cpub, csec = net.make_curve_keys()
     cfg = make_config(net_overrides=dict(curve_server_public=spub, curve_server_secret=ssec,
                                          curve_client_public=cpub, curve_client_secret=csec))
+    return cfg, (spub, cpub, csec)
+
+
+def test_curve_lets_only_authenticated_clients_through(tmp_path):
+    cfg, (spub, cpub, csec) = _curve_config()
     with ServerThread(cfg, str(tmp_path)) as srv:
         ctx = zmq.Context()
         intruders = {}
@@ -81,10 +87,7 @@ def test_curve_lets_only_authenticated_clients_through(tmp_path):
 
 
 def test_curve_learner_with_plaintext_gets_no_batch(tmp_path):
-    spub, ssec = net.make_curve_keys()
-    cpub, csec = net.make_curve_keys()
-    cfg = make_config(net_overrides=dict(curve_server_public=spub, curve_server_secret=ssec,
-                                         curve_client_public=cpub, curve_client_secret=csec))
+    cfg, (spub, cpub, csec) = _curve_config()
     with ServerThread(cfg, str(tmp_path)) as srv:
         actor = ActorClient(cfg, "good")
         actor.send(make_group("good", actor.next_seq(), completions=2, tokens=8))

@@ -122,8 +122,8 @@ def _proc_start(pid: int) -> int | None:
             os.kill(pid, 0)
         except ProcessLookupError:
             return None
-        except PermissionError:
-            pass
+        except PermissionError:  # alive, owned by another user
+            return 0
         return 0
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -202,8 +202,8 @@ def _release(fd: int, table: np.ndarray, entry: int | None, pid: int) -> None:
         if entry is not None and os.getpid() == pid:
             with _flock(fd, 1.0):
                 table[entry] = (0, 0, 0, -1)
-    except _Busy:
-        pass  # a stuck lock holder: the entry is reclaimed once this process is gone
+    except _Busy:  # a stuck lock holder: the entry is reclaimed once this process is gone
+        return
     finally:
         os.close(fd)
 
@@ -357,11 +357,10 @@ def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     # one C++ call for all tensors (dtype-converting and strided copies included) instead of a
     # Python loop of copy_: the loop costs ~1 us per tensor, a visible share for small models
     if _foreach_copy is not None:
-        try:
+        # a combination it does not take (e.g. mixed devices) falls back below: copies are idempotent
+        with contextlib.suppress(RuntimeError):
             _foreach_copy(dst, src)
             return
-        except RuntimeError:
-            pass  # a combination it does not take (e.g. mixed devices): copies are idempotent
     for d, s in zip(dst, src):
         d.copy_(s)
 
@@ -395,11 +394,9 @@ def _retire_stale(path: str) -> None:
 
 def _retire_own(path: str, ino: int, ctl: np.ndarray) -> None:
     ctl[W_STATE] = CLOSED
-    try:
+    with contextlib.suppress(FileNotFoundError):  # already gone is fine
         if os.stat(path).st_ino == ino:  # not a successor's region
             os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 class ShmPublisher(Publisher):
@@ -558,11 +555,10 @@ class ShmSubscriber(Subscriber):
         return version, r.payload
 
     def _unpin(self, r: _Region) -> None:
-        try:
+        # on _Busy the pin stays, harmlessly: it moves at the next apply or goes at close
+        with contextlib.suppress(_Busy):
             with r.locked(self.lock_timeout_s):
                 r.table[r.entry, PIN] = -1
-        except _Busy:
-            pass  # harmless: the pin moves at the next apply or goes at close
 
     def _close(self) -> None:
         self._region.close()
