@@ -44,8 +44,7 @@ class RolloutWorker:
         self.weights = make_subscriber(cfg, run_dir)
         self.version = -1
         self._adopt()
-        spool = os.path.join(run_dir, "actors", self.actor_id)
-        self.client = ActorClient(cfg, self.actor_id, spool_dir=spool)
+        self.client = ActorClient(cfg, self.actor_id, run_dir=run_dir)
         share = cfg.learner.groups_per_step // a.num_actors
         self.admission = Admission.resumed(share, cfg.buffer.max_staleness, max(self.version, 0),
                                            self.client.outstanding)
@@ -100,8 +99,7 @@ class RolloutWorker:
             t0 = time.time()
             groups = self.generate_groups(n)
             gen_s = time.time() - t0
-            for g in groups:
-                self.client.send(g)
+            self.client.send_many(groups)
             self._emit(groups, gen_s, waited)
         self.client.flush(timeout_s=5.0)
 

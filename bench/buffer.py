@@ -116,10 +116,10 @@ def _proc_cpu(pid: int) -> float:
 # ---- receiving ends (subprocesses) -------------------------------------------------------------
 
 
-def consumer(config: str, n: int, batch: int) -> None:
+def consumer(config: str, n: int, batch: int, run_dir: str, by_ref: bool) -> None:
     with open(config, "rb") as f:
         cfg = C.from_json(f.read())
-    client = LearnerClient(cfg, learner_id="bench")
+    client = LearnerClient(cfg, learner_id="bench", run_dir=run_dir, by_ref=by_ref)
     print("ready", flush=True)
     got, cpu0 = 0, None
     while got < n:
@@ -152,23 +152,25 @@ def puller(port: int, n: int) -> None:
 # ---- sending ends (this process) ---------------------------------------------------------------
 
 
-def run_buffer(args, groups, fsync: str) -> dict:
+def run_buffer(args, groups, fsync: str, by_ref: bool = True) -> dict:
     os.sync()  # the previous run's dirty pages must not be written back on this run's clock
     with tempfile.TemporaryDirectory() as run_dir, CpuMeter() as meter:
         cfg = _cfg(args, run_dir, fsync)
         server = _spawn("-m", "buffer.server", "--config", os.path.join(run_dir, "config.json"),
                         "--run-dir", run_dir)
         cons = _spawn(__file__, "--role", "consumer", "--config", os.path.join(run_dir, "config.json"),
-                      "--groups", str(args.groups), "--batch", str(args.batch))
+                      "--groups", str(args.groups), "--batch", str(args.batch), "--run-dir", run_dir,
+                      "--by-ref", str(int(by_ref)))
         done = threading.Event()
         _watchdog([server, cons], done)
         try:
             cons.stdout.readline()  # "ready"
-            client = ActorClient(cfg, "bench", window=args.window)
+            client = ActorClient(cfg, "bench", window=args.window, run_dir=run_dir, by_ref=by_ref)
             seq0 = client.next_seq()  # waits for the buffer's Hello answer: the server is up
             server_cpu0, cpu0, t0 = _proc_cpu(server.pid), _self_cpu(), time.time()
-            for i in range(args.groups):
-                client.send(msgspec.structs.replace(groups[i % TEMPLATES], seq=seq0 + i))
+            for i in range(0, args.groups, args.send_batch):  # as an actor hands over a finished batch
+                client.send_many([msgspec.structs.replace(groups[j % TEMPLATES], seq=seq0 + j)
+                                  for j in range(i, min(i + args.send_batch, args.groups))])
             assert client.flush(60), "buffer never acked everything"
             res = _finish(cons)
             cpu = {"actor": _self_cpu() - cpu0, "server": _proc_cpu(server.pid) - server_cpu0,
@@ -262,15 +264,19 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=C.Config().learner.groups_per_step,
                     help="groups per SampleRequest (default: learner.groups_per_step)")
     ap.add_argument("--window", type=int, default=64, help="ActorClient in-flight window")
+    ap.add_argument("--send-batch", type=int, default=C.Config().actor.groups_per_batch,
+                    help="groups per ActorClient.send_many (default: actor.groups_per_batch)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--completions", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--fsync", default="batch", choices=["always", "batch", "never"])
     ap.add_argument("--config")
     ap.add_argument("--port", type=int)
+    ap.add_argument("--run-dir")
+    ap.add_argument("--by-ref", type=int, default=1)
     args = ap.parse_args()
     if args.role == "consumer":
-        return consumer(args.config, args.groups, args.batch)
+        return consumer(args.config, args.groups, args.batch, args.run_dir, bool(args.by_ref))
     if args.role == "puller":
         return puller(args.port, args.groups)
 
@@ -281,6 +287,7 @@ def main() -> None:
     paths = {"bare": lambda: run_bare(args, frames), main_row: lambda: run_buffer(args, groups, args.fsync)}
     if args.fsync != "never":
         paths["buffer (fsync=never)"] = lambda: run_buffer(args, groups, "never")
+    paths["buffer inline"] = lambda: run_buffer(args, groups, args.fsync, by_ref=False)
     load_before = load_avg()[0]
     runs = {k: [] for k in paths}
     for _ in range(args.repeats):  # interleaved, so load from other processes hits all alike

@@ -6,34 +6,44 @@ fail fast and are retried here, under our control).
 
 :class:`ActorClient` keeps every group until it is acked ``ok``/``duplicate``: at most ``window``
 are in flight; one unacked for ``resend_s`` is resent (the buffer dedups by ``(actor_id, seq)``);
-``busy`` makes it back off and resend. With ``spool_dir`` the unacked groups live on disk too
-(one file each, written atomically, deleted on ack) and are resent by the next incarnation of the
-actor; the seq counter is reserved there in blocks, so a seq is never reused for another group.
-Without a spool the buffer's ``Hello`` answer says where numbering resumes.
+``busy`` makes it back off and resend. With ``run_dir`` (an actor on the buffer's host) each
+group waits for its ack in a staging slot (:mod:`buffer.staging`) and only a ``GroupRef`` crosses
+the socket (``buffer.by_ref``; else the bytes go inline); with ``spool_dir`` alone (a remote
+actor) the slots live there and the bytes go inline. Either way the slots are the actor's spool:
+its next incarnation resends whatever they still hold, and the seq counter is reserved in the
+staging file in blocks, so a seq is never reused for another group. Without either, the
+buffer's ``Hello`` answer says where numbering resumes.
 
 :class:`LearnerClient` holds one outstanding ``SampleRequest`` (re-sent every ``resend_s`` in case
 the buffer restarted) and never returns a group key twice: after a buffer restart a group whose
 ``Consumed`` was lost in flight may be served again, it is filtered out here and its
 ``Consumed`` re-sent. The spool and this memory survive process death, not power loss.
 A batch arrives as a header frame plus one frame per group (see :mod:`buffer.server`) and is
-returned as one ``SampleBatch`` holding ``RolloutGroup`` objects, as if it were one message.
+returned as one ``SampleBatch`` holding ``RolloutGroup`` objects, as if it were one message. With
+``run_dir`` it asks ``by_ref`` and reads the groups from the buffer's segment log itself, before
+it returns the batch (the buffer relies on that: see its docstring), checking each record's crc.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import mmap
 import os
 import time
 import uuid
 from typing import Callable
 
+import crc32c
 import msgspec
 import zmq
 
+from buffer import persist
+from buffer.staging import Staging, staging_path
 from core import net
-from core.messages import (BUFFER_TO_ACTOR, BUFFER_TO_LEARNER, Ack, Consumed, Hello, RolloutGroup,
-                           SampleBatch, SampleRequest, Shutdown, decoder, encode)
+from core.messages import (BUFFER_TO_ACTOR, BUFFER_TO_LEARNER, Ack, Acks, Consumed, GroupRef, GroupRefs, Hello,
+                           RolloutGroup,
+                           SampleBatch, SampleRequest, Shutdown, StoredRef, decoder, encode)
 
 log = logging.getLogger("driftrl.buffer.client")
 
@@ -42,8 +52,9 @@ RESEND_S = 2.0
 BUSY_BACKOFF_S = (0.02, 1.0)  # first and largest wait before resending a group the buffer refused
 HELLO_TIMEOUT_S = 60.0
 RETRY_UNSENT_S = 0.02  # a send refused while disconnected is retried this often
-SEQ_BLOCK = 64  # seqs reserved per write of the spool counter
+SEQ_BLOCK = 64  # seqs reserved per write of the staged counter
 RECENT_KEYS = 1 << 16
+OPEN_SEGMENTS = 8  # segment files a by-ref learner keeps mapped
 
 
 def _dealer(ctx: zmq.Context, cfg, port: int, role: str, name: str) -> zmq.Socket:
@@ -62,73 +73,28 @@ def _try_send(sock: zmq.Socket, payload: bytes) -> bool:
         return False
 
 
-class _Pending:
-    __slots__ = ("seq", "payload", "sent_at", "retry_at", "busy")
+def _unmap(mm: mmap.mmap) -> None:
+    try:
+        mm.close()
+    except BufferError:  # a view is still alive (an exception traceback): unmapped when it dies
+        pass
 
-    def __init__(self, seq: int, payload: bytes):
-        self.seq, self.payload = seq, payload
+
+class _Pending:
+    __slots__ = ("seq", "payload", "slot", "sent_at", "retry_at", "busy")
+
+    def __init__(self, seq: int, payload: bytes, slot: int | None = None):
+        self.seq, self.payload, self.slot = seq, payload, slot  # payload: the frame to (re)send
         self.busy = 0  # consecutive "busy" answers
         self.sent_at: float | None = None
         self.retry_at = 0.0
 
 
-class _Spool:
-    """Unacked groups of one actor on disk, plus the reserved seq bound."""
-
-    def __init__(self, directory: str, actor_id: str):
-        self.dir, self.actor_id = directory, actor_id
-        os.makedirs(directory, exist_ok=True)
-        for name in os.listdir(directory):
-            if name.endswith(".tmp"):
-                os.unlink(os.path.join(directory, name))
-        self.counter_path = os.path.join(directory, "next_seq")
-        self.reserved: int | None = None
-        if os.path.exists(self.counter_path):
-            with open(self.counter_path) as f:
-                self.reserved = int(f.read().strip())
-
-    def load(self) -> list[tuple[int, bytes]]:
-        dec, out = decoder(RolloutGroup), []
-        for name in sorted(os.listdir(self.dir)):
-            if not name.endswith(".grp"):
-                continue
-            with open(os.path.join(self.dir, name), "rb") as f:
-                payload = f.read()
-            g = dec.decode(payload)  # written by us, atomically: a failure here is a real bug
-            if g.actor_id != self.actor_id:
-                raise ValueError(f"spool {self.dir} holds groups of {g.actor_id!r}, not {self.actor_id!r}")
-            out.append((g.seq, payload))
-        return out
-
-    def put(self, seq: int, payload: bytes) -> None:
-        self._atomic_write(self._path(seq), payload)
-
-    def delete(self, seq: int) -> None:
-        try:
-            os.unlink(self._path(seq))
-        except FileNotFoundError:
-            pass
-
-    def reserve(self, next_seq: int) -> None:
-        if self.reserved is None or next_seq > self.reserved:
-            self.reserved = next_seq + SEQ_BLOCK - 1
-            self._atomic_write(self.counter_path, str(self.reserved).encode())
-
-    def _path(self, seq: int) -> str:
-        return os.path.join(self.dir, f"{seq:012d}.grp")
-
-    @staticmethod
-    def _atomic_write(path: str, data: bytes) -> None:
-        tmp = path + ".tmp"
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-
-
 class ActorClient:
     def __init__(self, cfg, actor_id: str, ctx: zmq.Context | None = None, spool_dir: str | None = None,
                  window: int = WINDOW, resend_s: float = RESEND_S,
-                 on_ack: Callable[[Ack], None] | None = None):
+                 on_ack: Callable[[Ack], None] | None = None, run_dir: str | None = None,
+                 by_ref: bool | None = None):
         self.actor_id, self.window, self.resend_s, self.on_ack = actor_id, window, resend_s, on_ack
         self.admission_wait_s = 0.0
         self.bad_frames = 0
@@ -144,12 +110,16 @@ class ActorClient:
         self._own_ctx = ctx is None
         self._ctx = zmq.Context() if ctx is None else ctx
         self._sock = _dealer(self._ctx, cfg, cfg.net.buffer_actor_port, "actor", actor_id)
-        self._spool = _Spool(spool_dir, actor_id) if spool_dir else None
+        self.by_ref = run_dir is not None and (cfg.buffer.by_ref if by_ref is None else by_ref)
+        path = staging_path(run_dir, actor_id) if run_dir else \
+            os.path.join(spool_dir, "slots") if spool_dir else None
+        self._staging: Staging | None = None
         self._next = 0
-        if self._spool is not None:
-            for seq, payload in self._spool.load():
-                self._pending[seq] = _Pending(seq, payload)  # unsent: _due = 0 makes _pump send them
-            self._next = max([self._spool.reserved or 0] + [s + 1 for s in self._pending])
+        if path is not None:
+            self._staging = Staging(path, actor_id, window, cfg.buffer.max_frame_bytes)
+            for seq, slot, payload in self._staging.pending():  # unsent: _due = 0 makes _pump send them
+                self._pending[seq] = _Pending(seq, self._frame(seq, slot, payload), slot)
+            self._next = max([self._staging.reserved or 0] + [s + 1 for s in self._pending])
         self._pump()
 
     # ---- public ------------------------------------------------------------------------------
@@ -159,38 +129,71 @@ class ActorClient:
         return len(self._pending)
 
     def next_seq(self) -> int:
-        """A seq never used before by this actor id (persisted in the spool before returning)."""
-        if self._spool is None or self._spool.reserved is None:
+        """A seq never used before by this actor id (reserved in the staging file first)."""
+        st = self._staging
+        if st is None or st.reserved is None:
             self._await_hello()  # nothing local to trust: the buffer knows the high-water mark
         seq = self._next
         self._next += 1
-        if self._spool is not None:
-            self._spool.reserve(self._next)
+        if st is not None and (st.reserved is None or self._next > st.reserved):
+            st.reserve(self._next + SEQ_BLOCK - 1)
         return seq
 
     def send(self, group: RolloutGroup) -> None:
         """Queue ``group`` until acked; blocks while the window is full or the buffer is busy."""
-        if group.actor_id != self.actor_id:
-            raise ValueError(f"group of actor {group.actor_id!r} sent through the client of "
-                             f"{self.actor_id!r}")
-        if group.seq in self._pending:
-            raise ValueError(f"seq {group.seq} is already in flight for {self.actor_id!r}")
+        self.send_many([group])
+
+    def send_many(self, groups: list[RolloutGroup]) -> None:
+        """:meth:`send` for groups finished together: staged refs that go out at once travel in
+        one ``GroupRefs`` message (one ZeroMQ message instead of one per group)."""
+        seqs = {g.seq for g in groups}
+        for g in groups:
+            if g.actor_id != self.actor_id:
+                raise ValueError(f"group of actor {g.actor_id!r} sent through the client of "
+                                 f"{self.actor_id!r}")
+            if g.seq in self._pending:
+                raise ValueError(f"seq {g.seq} is already in flight for {self.actor_id!r}")
+        if len(seqs) != len(groups):
+            raise ValueError("the same seq twice in one send_many")
         self._receive(0)
-        t0 = time.monotonic()
-        self._wait_until(lambda: len(self._pending) < self.window and not self._busy(), None)
-        self.admission_wait_s += time.monotonic() - t0
-        payload = encode(group)
-        if self._spool is not None:
-            self._spool.put(group.seq, payload)
-        p = self._pending[group.seq] = _Pending(group.seq, payload)
+        i = 0
+        while i < len(groups):
+            t0 = time.monotonic()
+            self._wait_until(lambda: len(self._pending) < self.window and not self._busy(), None)
+            self.admission_wait_s += time.monotonic() - t0
+            chunk = groups[i:i + self.window - len(self._pending)]
+            i += len(chunk)
+            self._stage_and_send(chunk)
+
+    def _stage_and_send(self, groups: list[RolloutGroup]) -> None:
+        st, new, refs = self._staging, [], []
+        for g in groups:
+            payload, slot = encode(g), None
+            if st is not None and len(payload) <= st.max_payload:  # else inline: refused, counted
+                slot, crc = st.put(g.seq, payload)
+                if self.by_ref:
+                    refs.append(GroupRef(self.actor_id, g.seq, slot, len(payload), crc))
+                    payload = encode(refs[-1])
+            new.append(self._pending.setdefault(g.seq, _Pending(g.seq, payload, slot)))
         now = time.monotonic()
-        # the common case: all earlier groups are out and this one fits the window: send it now
-        # (the window check above holds it back otherwise), else let _pump send it in order
-        if now < self._due and _try_send(self._sock, payload):
-            p.sent_at, p.retry_at = now, now + self.resend_s
-            self._due = min(self._due, p.retry_at)
-        else:
+        # the common case: all earlier groups are out and these fit the window: send them now
+        # (the window check holds them back otherwise), else let _pump send them in order
+        if now >= self._due:
             self._due = 0.0
+        elif len(refs) == len(new) > 1:
+            if _try_send(self._sock, encode(GroupRefs(refs))):
+                for p in new:
+                    p.sent_at, p.retry_at = now, now + self.resend_s
+                self._due = min(self._due, now + self.resend_s)
+            else:
+                self._due = 0.0
+        else:
+            for p in new:
+                if not _try_send(self._sock, p.payload):
+                    self._due = 0.0
+                    break
+                p.sent_at, p.retry_at = now, now + self.resend_s
+                self._due = min(self._due, p.retry_at)
         self._pump()
 
     def poll(self, timeout_ms: int = 0) -> list[Ack]:
@@ -209,8 +212,16 @@ class ActorClient:
             self._sock.close(linger=0)
         if self._own_ctx and not self._ctx.closed:
             self._ctx.term()
+        if self._staging is not None:
+            self._staging.close()
 
     # ---- internals ---------------------------------------------------------------------------
+
+    def _frame(self, seq: int, slot: int, payload: bytes) -> bytes:
+        """What goes on the socket for a staged group: a ref to its slot, or its bytes."""
+        if self.by_ref:
+            return encode(GroupRef(self.actor_id, seq, slot, len(payload), crc32c.crc32c(payload)))
+        return payload
 
     def _busy(self) -> bool:
         """The buffer refused one of ours for capacity and has not taken it since."""
@@ -276,8 +287,9 @@ class ActorClient:
             except msgspec.DecodeError:
                 self.bad_frames += 1
                 continue
-            if isinstance(msg, Ack) and msg.actor_id == self.actor_id:
-                self._on_ack(msg)
+            for ack in msg.acks if isinstance(msg, Acks) else (msg,):
+                if isinstance(ack, Ack) and ack.actor_id == self.actor_id:
+                    self._on_ack(ack)
 
     def _on_ack(self, ack: Ack) -> None:
         st = ack.status
@@ -312,8 +324,8 @@ class ActorClient:
         self._busy_n -= p.busy > 0
         if len(self._pending) >= self.window:  # one beyond the window moved into it, maybe unsent
             self._due = 0.0
-        if self._spool is not None:
-            self._spool.delete(p.seq)
+        if p.slot is not None:
+            self._staging.release(p.slot)
 
 
 class _RecentKeys:
@@ -338,8 +350,12 @@ class _RecentKeys:
 
 class LearnerClient:
     def __init__(self, cfg, ctx: zmq.Context | None = None, learner_id: str = "learner",
-                 resend_s: float = RESEND_S):
+                 resend_s: float = RESEND_S, run_dir: str | None = None, by_ref: bool | None = None):
         self.learner_id, self.resend_s = learner_id, resend_s
+        self.by_ref = run_dir is not None and (cfg.buffer.by_ref if by_ref is None else by_ref)
+        self._seg_dir = os.path.join(run_dir, "buffer") if run_dir else None
+        self._seg_maps: collections.OrderedDict[tuple, mmap.mmap] = collections.OrderedDict()  # by inode
+        self._seg_inodes: dict[int, tuple] = {}  # segment number -> inode
         self.shutdown_reason: str | None = None
         self.filtered = 0  # groups served twice across a buffer restart, kept from the caller
         self._dec = decoder(BUFFER_TO_LEARNER)
@@ -373,7 +389,7 @@ class LearnerClient:
             req = self._request
             if req is None or (req.num_groups, req.learner_version) != (num_groups, learner_version):
                 self._req_id += 1
-                self._request = SampleRequest(self._req_id, num_groups, learner_version)
+                self._request = SampleRequest(self._req_id, num_groups, learner_version, self.by_ref)
                 self._sent_at = None
             now = time.monotonic()
             if deadline is not None and now >= deadline:
@@ -398,6 +414,8 @@ class LearnerClient:
             self._sock.close(linger=500)  # let a last Consumed leave
         if self._own_ctx and not self._ctx.closed:
             self._ctx.term()
+        while self._seg_maps:
+            _unmap(self._seg_maps.popitem()[1])
 
     # ---- internals ---------------------------------------------------------------------------
 
@@ -425,14 +443,58 @@ class LearnerClient:
                 return
             msg = self._dec.decode(frames[0].buffer)  # the buffer is trusted; a failure is a bug
             if isinstance(msg, SampleBatch):
-                if len(frames) > 1:  # the groups follow the header, one frame each (see buffer.server)
-                    groups = msg.groups + [self._group_dec.decode(f.buffer) for f in frames[1:]]
-                    msg = msgspec.structs.replace(msg, groups=groups)
+                if len(frames) > 1 or msg.refs:  # the groups follow the header (see buffer.server)
+                    groups = msg.groups + [self._group_dec.decode(f.buffer) for f in frames[1:]] \
+                        + [self._read_ref(r) for r in msg.refs]
+                    msg = msgspec.structs.replace(msg, groups=groups, refs=[])
                 if self._request is not None and msg.request_id == self._request.request_id:
                     self._request = None
                 self._ready.append(msg)
             elif isinstance(msg, Shutdown):
                 self.shutdown_reason = msg.reason
+
+    def _read_ref(self, ref: StoredRef) -> RolloutGroup:
+        """A group's record from the buffer's segment log, decoded straight out of a mapping.
+
+        Mapping is safe here: the buffer never shrinks a segment below a record it serves (it
+        recycles files by renaming and overwriting them, and cuts only a torn tail at start-up).
+        Mappings are kept per file (inode), not per segment number, so a recycled file is read
+        through the mapping -- and the page tables -- its earlier life already set up.
+        """
+        mm = self._segment_map(ref.seg, ref.offset + persist.HEADER.size + ref.length)
+        # the header's own crc, segment and length catch a ref to the wrong place; the payload
+        # was checked by the buffer when it accepted or replayed the record, so not again here
+        h = persist.parse_header(mm, ref.offset, ref.seg)
+        if h is None or h[1] != ref.length or h[2] != persist.GROUP:
+            raise RuntimeError(f"buffer ref {ref} does not match the record in segment {ref.seg}")
+        start = ref.offset + persist.HEADER.size
+        with memoryview(mm) as view:
+            return self._group_dec.decode(view[start:start + ref.length])
+
+    def _segment_map(self, seg: int, end: int) -> mmap.mmap:
+        if self._seg_dir is None:
+            raise RuntimeError("the buffer sent refs to a learner without run_dir")
+        ino = self._seg_inodes.get(seg)
+        mm = self._seg_maps.get(ino) if ino is not None else None
+        if mm is not None and len(mm) >= end:
+            self._seg_maps.move_to_end(ino)
+            return mm
+        with open(os.path.join(self._seg_dir, persist.seg_name(seg)), "rb") as f:
+            st = os.fstat(f.fileno())
+            ino = (st.st_dev, st.st_ino)
+            mm = self._seg_maps.pop(ino, None)
+            if mm is None or len(mm) < end:  # new, or the active segment grew since it was mapped
+                if mm is not None:
+                    _unmap(mm)
+                mm = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+        self._seg_maps[ino] = mm
+        self._seg_inodes[seg] = ino
+        while len(self._seg_maps) > OPEN_SEGMENTS:
+            _unmap(self._seg_maps.popitem(last=False)[1])
+        if len(self._seg_inodes) > 4 * OPEN_SEGMENTS:
+            for old in sorted(self._seg_inodes)[:OPEN_SEGMENTS]:
+                del self._seg_inodes[old]
+        return mm
 
     def _pop_ready(self) -> SampleBatch | None:
         while self._ready:

@@ -1,8 +1,12 @@
 """The replay-buffer process: two ROUTER sockets around a :class:`buffer.store.Store`.
 
 Actor port (DEALERs): ``Hello`` -> ``Ack(status="hello", seq=next unused seq)``;
-``RolloutGroup`` -> ``Ack`` ok | duplicate | busy | rejected(reason); later, an accepted group
-dropped as stale -> ``Ack(status="dropped", reason="stale")`` to its actor's last identity.
+``RolloutGroup`` or ``GroupRef`` -> ``Ack`` ok | duplicate | busy | rejected(reason); later, an
+accepted group dropped as stale -> ``Ack(status="dropped", reason="stale")`` to its actor's last
+identity. A ``GroupRef`` comes from an actor on this host: the group's bytes wait in its
+staging slot (:mod:`buffer.staging`); a resend of a key already accepted is answered from the
+key alone, anything else is read from the slot, checked against the ref (seq, length, crc32c),
+decoded and validated exactly like a group off the socket, and copied into the segment log.
 Learner port (DEALERs): ``SampleRequest`` is held until ``num_groups`` fresh groups exist, then
 answered with a ``SampleBatch`` whose groups are leased to that learner; ``Consumed`` retires
 them; a learner ``Hello`` releases what an earlier incarnation of that learner id still held.
@@ -10,6 +14,11 @@ A batch travels as one multipart message: frame 0 is the encoded ``SampleBatch``
 ``groups`` list, frames 1..n are the groups, each the exact frame its actor sent, forwarded
 without a copy (ZeroMQ shares the received buffer); :class:`buffer.client.LearnerClient`
 reassembles the ``SampleBatch``. Groups never get re-encoded on their way through the buffer.
+A learner on this host asks ``by_ref``: its batch is one frame whose ``refs`` locate each
+group's record in the segment log, which the learner reads itself (the bytes cross no socket).
+A segment is never recycled while it holds a leased group, and a compaction (which moves
+records) waits until every learner that was sent refs has asked again -- ``LearnerClient``
+reads a batch before it asks for the next one -- or ``UNREAD_REFS_S`` has passed.
 
 One loop turn: poll -> learner messages, serve held requests -> a bounded batch of actor
 messages (each accepted group appended to the segment log), serve again -> hand the log to its
@@ -50,12 +59,15 @@ import msgspec
 import zmq
 
 from buffer.persist import SegmentLog
+from buffer.staging import StagingError, StagingReader
 from buffer.store import Entry, Store, entry_from_group
 from core import config as C
 from core import net
-from core.messages import (ACTOR_TO_BUFFER, LEARNER_TO_BUFFER, SCHEMA_VERSION, Ack, Consumed, Heartbeat,
-                           Hello, InvalidMessage, RolloutGroup, SampleBatch, SampleRequest, decoder,
-                           encode, validate_group)
+from core.messages import (ACTOR_TO_BUFFER_VIEW, LEARNER_TO_BUFFER, SCHEMA_VERSION, Ack, Consumed, GroupRef,
+                           GroupRefs,
+                           Acks, Heartbeat, Hello, InvalidMessage, RolloutGroupView, SampleBatch,
+                           SampleRequest,
+                           StoredRef, decoder, encode, validate_group)
 
 log = logging.getLogger("driftrl.buffer")
 
@@ -68,9 +80,12 @@ ZMQ_SLACK_BYTES = 64 << 10
 MAX_BATCH_MSGS = 8
 MAX_BATCH_BYTES = 4 << 20
 MAX_ID_CHARS = 128
+MAX_REFS = 1024  # GroupRefs per message
+MAX_BATCH_GROUPS = 32  # groups (a GroupRefs message counts each) per loop turn, like MAX_BATCH_MSGS
 ZERO_COPY_BYTES = 64 << 10  # below this, pyzmq's zero-copy bookkeeping costs more than a copy
 POLL_MS = 100  # upper bound on reaction time to stop_event; arrivals wake the poll at once
 METRICS_EVERY_S = 1.0
+UNREAD_REFS_S = 30.0  # a learner that has not asked again by then is taken to have read its refs
 
 
 @dataclass
@@ -91,11 +106,14 @@ class BufferServer:
         self.learner_version: int | None = None  # latest the learner told us
         self.corrupt_segments = 0
         self.send_failed = 0
-        self._actor_dec = decoder(ACTOR_TO_BUFFER)
+        # zero-copy: the arrays stay views into the frame, which the buffer keeps or logs as is
+        self._actor_dec = decoder(ACTOR_TO_BUFFER_VIEW)
         self._learner_dec = decoder(LEARNER_TO_BUFFER)
-        self._group_dec = decoder(RolloutGroup)
+        self._group_dec = decoder(RolloutGroupView)
         self._actor_ident: dict[str, bytes] = {}  # actor id -> socket identity, for late acks
         self._learners: dict[bytes, _Learner] = {}
+        self._staging = StagingReader(run_dir)
+        self._unread: dict[bytes, float] = {}  # learner ident -> when it was sent refs not yet read
         # per socket, in queueing order: (frames, log position they wait for)
         self._outbox: dict[str, deque[tuple[list, int]]] = {"actor": deque(), "learner": deque()}
         self._next_metrics = 0.0
@@ -176,6 +194,7 @@ class BufferServer:
             self.log.drain_wake()
         if self.learner_sock in ready:  # first: see the module docstring
             self._drain(self.learner_sock, self._on_learner)
+            self._maybe_compact()  # here, between a learner's new request and its next refs
             self._serve_requests()
             self._flush_outbox()
         if self.actor_sock in ready:
@@ -184,15 +203,14 @@ class BufferServer:
         if self.log is not None:
             self.log.commit(wait=False)
         self._flush_outbox()
-        if self.log is not None and self.log.maybe_compact(self._resident_records):
-            self._flush_outbox()  # a compaction leaves everything durable
+        self._maybe_compact()
         now = time.monotonic()
         if now >= self._next_metrics:
             self._next_metrics = now + METRICS_EVERY_S
             self._report()
 
     def _drain(self, sock: zmq.Socket, handle) -> None:
-        nbytes = 0
+        nbytes = groups = 0
         for _ in range(MAX_BATCH_MSGS):
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -204,17 +222,27 @@ class BufferServer:
                 continue
             payload = frames[1]  # a zmq.Frame: decoded, logged and forwarded without a copy
             nbytes += len(payload)
-            handle(ident, payload)
-            if nbytes >= MAX_BATCH_BYTES:
+            groups += handle(ident, payload) or 1
+            if nbytes >= MAX_BATCH_BYTES or groups >= MAX_BATCH_GROUPS:
                 return
 
     # ---- actors ------------------------------------------------------------------------------
 
-    def _on_actor(self, ident: bytes, data) -> None:
+    def _on_actor(self, ident: bytes, data) -> int:
+        """Handle one actor message; returns how many groups it carried (the turn's budget)."""
         msg = self._decode(self._actor_dec, data, ident, actor=True)
         if msg is None:
-            return
-        if isinstance(msg, RolloutGroup):
+            return 1
+        if isinstance(msg, GroupRefs):
+            if len(msg.refs) > MAX_REFS:
+                self.invalid["too_many_refs"] += 1
+                return 1
+            for ref in msg.refs:
+                self._on_ref(ident, ref)
+            return len(msg.refs)
+        if isinstance(msg, GroupRef):
+            self._on_ref(ident, msg)
+        elif isinstance(msg, RolloutGroupView):
             self._on_group(ident, msg, data)
         elif isinstance(msg, Hello):
             if msg.schema_version != SCHEMA_VERSION or len(msg.id) > MAX_ID_CHARS:
@@ -227,33 +255,76 @@ class BufferServer:
             self._ack(ident, Ack(msg.id, self.store.seen.next_seq(msg.id), "hello"))
         elif isinstance(msg, Heartbeat) and len(msg.id) <= MAX_ID_CHARS:
             self._actor_ident[msg.id] = ident
+        return 1
 
-    def _on_group(self, ident: bytes, g: RolloutGroup, raw) -> None:
+    def _on_ref(self, ident: bytes, ref: GroupRef) -> None:
+        actor, seq = ref.actor_id, ref.seq
+        if len(actor) > MAX_ID_CHARS or seq < 0:
+            self._reject(ident, actor, seq, "bad_actor_id" if len(actor) > MAX_ID_CHARS else "negative_id")
+            return
+        self._actor_ident[actor] = ident
+        if self.store.duplicate((actor, seq)):  # a resend: its slot may already hold another group
+            self._ack(ident, Ack(actor, seq, "duplicate"), self._durable_lsn((actor, seq)))
+            return
+        if ref.length > self.max_frame:
+            self._reject(ident, actor, seq, "oversize")
+            return
+        try:
+            view = self._staging.read(actor, seq, ref.slot, ref.length, ref.crc)
+        except StagingError as e:
+            self._reject(ident, actor, seq, e.reason)
+            return
+        try:
+            g = self._group_dec.decode(view)
+        except msgspec.ValidationError:
+            self._reject(ident, actor, seq, "bad_fields")
+            return
+        except msgspec.DecodeError:
+            self._reject(ident, actor, seq, "decode_error")
+            return
+        if g.key != (actor, seq):
+            self._reject(ident, actor, seq, "ref_mismatch")
+            return
+        # the slot is the actor's until the ack: keep a copy only where no log will hold one
+        self._on_group(ident, g, view, ref.crc, keep=self.log is None)
+
+    def _on_group(self, ident: bytes, g: RolloutGroupView, raw, pcrc: int | None = None,
+                  keep: bool = True) -> None:
         try:
             if len(g.actor_id) > MAX_ID_CHARS:
                 raise InvalidMessage("bad_actor_id")
-            validate_group(g)
+            min_version = validate_group(g)
         except InvalidMessage as e:
-            self.invalid[e.reason] += 1
-            self._ack(ident, Ack(g.actor_id[:MAX_ID_CHARS], g.seq, "rejected", e.reason))
+            self._reject(ident, g.actor_id, g.seq, e.reason)
             return
         self._actor_ident[g.actor_id] = ident
-        entry = entry_from_group(g, raw)
+        entry = entry_from_group(g, raw, min_version)
         if self.log is not None:
             self.log.make_room(len(raw))  # before offer() marks the key seen: see make_room
         status, reason = self.store.offer(entry, self.learner_version)
         lsn = 0  # busy / rejected promise nothing about the disk
-        if self.log is not None:
-            if status == "ok":
-                self.log.append_group(entry.key, raw)
+        if status == "ok":
+            entry.raw = (raw if isinstance(raw, (bytes, zmq.Frame)) else bytes(raw)) if keep else None
+            if self.log is not None:
+                self.log.append_group(entry.key, raw, pcrc)
                 entry.lsn = lsn = self.log.written
-            elif status == "duplicate":  # "already accepted" is a promise too: its record must be durable
-                held = self.store.resident.get(entry.key)
-                lsn = held.lsn if held is not None else self.log.written
+        elif status == "duplicate":
+            lsn = self._durable_lsn(entry.key)
         self._ack(ident, Ack(g.actor_id, g.seq, status, reason), lsn)
 
+    def _durable_lsn(self, key) -> int:
+        """"Already accepted" is a promise too: the ack waits until the key's record is durable."""
+        if self.log is None:
+            return 0
+        held = self.store.resident.get(key)
+        return held.lsn if held is not None else self.log.written
+
+    def _reject(self, ident: bytes, actor: str, seq: int, reason: str) -> None:
+        self.invalid[reason] += 1
+        self._ack(ident, Ack(actor[:MAX_ID_CHARS], seq, "rejected", reason))
+
     def _ack(self, ident: bytes, ack: Ack, lsn: int | None = None) -> None:
-        self._queue("actor", [ident, encode(ack)], lsn)
+        self._queue("actor", [ident, ack], lsn)  # encoded when sent: see _flush_outbox
 
     def _queue(self, dest: str, frames: list, lsn: int | None = None) -> None:
         """Send ``frames`` once the log is durable up to ``lsn`` (default: all written so far)."""
@@ -276,6 +347,7 @@ class BufferServer:
             elif msg.request_id > st.answered:  # else: a resend of one already answered
                 st.pending = msg
                 self.learner_version = msg.learner_version
+                self._unread.pop(ident, None)  # it read the previous batch before asking again
         elif isinstance(msg, Consumed):
             self.learner_version = msg.learner_version
             done = self.store.consume(msg.keys)
@@ -288,6 +360,7 @@ class BufferServer:
             # a (re)started learner: whatever an earlier incarnation held but never consumed
             # was not trained on, so it is available again
             st.name, st.pending, st.answered = msg.id, None, -1
+            self._unread.pop(ident, None)
             released = self.store.release(msg.id)
             if released:
                 log.info("learner %s (re)connected: %d leased groups released", msg.id, released)
@@ -310,9 +383,15 @@ class BufferServer:
             if not taken:
                 continue
             st.pending, st.answered = None, req.request_id
-            head = encode(SampleBatch(req.request_id, [], len(store.resident)))
+            if req.by_ref and self.log is not None:
+                refs = [StoredRef(*self.log.where(e.key)) for e in taken]
+                frames = [ident, encode(SampleBatch(req.request_id, [], len(store.resident), refs))]
+                self._unread[ident] = time.monotonic()
+            else:
+                head = encode(SampleBatch(req.request_id, [], len(store.resident)))
+                frames = [ident, head, *[e.raw if e.raw is not None else self.log.read(e.key) for e in taken]]
             # it depends only on its groups' records, not on the DONE records written since
-            self._queue("learner", [ident, head, *[e.raw for e in taken]], max(e.lsn for e in taken))
+            self._queue("learner", frames, max(e.lsn for e in taken))
 
     def _dropped(self, drops: list[Entry]) -> None:
         if not drops:
@@ -345,17 +424,40 @@ class BufferServer:
     def _flush_outbox(self) -> None:
         """Send, in order per socket, every queued message whose records are durable."""
         durable = self.log.durable if self.log is not None else 0
-        for dest, sock in (("actor", self.actor_sock), ("learner", self.learner_sock)):
-            out = self._outbox[dest]
-            while out and out[0][1] <= durable:
-                frames, _ = out.popleft()
-                try:
-                    _send_frames(sock, frames)
-                except zmq.ZMQError:  # peer gone or its queue full: it resends / re-requests
-                    self.send_failed += 1
+        out = self._outbox["actor"]
+        ready: dict[bytes, list[Ack]] = {}  # per actor, in order: one message for all its acks
+        while out and out[0][1] <= durable:
+            (ident, ack), _ = out.popleft()
+            ready.setdefault(ident, []).append(ack)
+        for ident, acks in ready.items():
+            self._send(self.actor_sock, [ident, encode(acks[0] if len(acks) == 1 else Acks(acks))])
+        out = self._outbox["learner"]
+        while out and out[0][1] <= durable:
+            self._send(self.learner_sock, out.popleft()[0])
+
+    def _send(self, sock: zmq.Socket, frames: list) -> None:
+        try:
+            _send_frames(sock, frames)
+        except zmq.ZMQError:  # peer gone or its queue full: it resends / re-requests
+            self.send_failed += 1
 
     def _resident_records(self):
         return ((k, e.raw) for k, e in self.store.resident.items())
+
+    def _maybe_compact(self) -> None:
+        """Compact when due, unless a learner may still be reading refs into the old segments."""
+        if self.log is None:
+            return
+        now = time.monotonic()
+        for ident in [i for i, t in self._unread.items() if now - t > UNREAD_REFS_S]:
+            del self._unread[ident]
+        if self._unread:
+            self.log.gc()  # deleting (recycling) segments without resident groups is always safe
+            return
+        if not self.log.compaction_due():
+            return
+        self.log.compact(self._resident_records)
+        self._flush_outbox()  # a compaction leaves everything durable
 
     def stats(self) -> dict[str, float]:
         out = self.store.stats()
@@ -364,6 +466,8 @@ class BufferServer:
             out[f"buffer/dropped_invalid/{reason}"] = float(n)
         if self.log is not None:
             out["buffer/disk_bytes"] = float(self.log.disk_bytes)
+            out["buffer/file_bytes"] = float(self.log.file_bytes)
+            out["buffer/recycled_segments"] = float(self.log.recycled)
             out["buffer/segments"] = float(len(self.log.segments))
             out["buffer/corrupt_segments"] = float(self.corrupt_segments)
         return out
@@ -382,9 +486,13 @@ class BufferServer:
             log.info("buffer closing: accepted %d, consumed %d, dropped %s, resident %d, duplicates %d, "
                      "busy %d, invalid %d", c.accepted, c.consumed, dict(c.dropped), len(self.store.resident),
                      c.duplicates, c.busy, sum(self.invalid.values()))
+            if self.log is not None:
+                log.info("segment log: %d segments, %d rolls reused a file, %d compactions",
+                         len(self.log.segments), self.log.recycled, self.log.compactions)
         if self.log is not None:
             self.log.close()
             self.log = None
+        self._staging.close()
         for s in (self.actor_sock, self.learner_sock):
             if s is not None:
                 s.close(linger=0)

@@ -52,15 +52,17 @@ class Entry:
     lsn: int = 0  # log position after its record: what must be durable before it is acked or served
 
 
-def entry_from_group(group, raw=None) -> Entry:
+def entry_from_group(group, raw=None, min_version: int | None = None) -> Entry:
     """The store's view of a validated group (equal-length per-token arrays).
 
     Same values as ``group.min_version()`` and the longest ``num_tokens``, but with one numpy
-    reduction over all completions' versions joined instead of one per completion.
+    reduction over all completions' versions joined instead of one per completion; none at all
+    when the caller passes ``min_version`` (``validate_group`` returns it).
     """
     comps = group.completions
-    versions = b"".join([c.versions for c in comps])
-    min_version = int(np.frombuffer(versions, VERSION_DTYPE).min()) if versions else group.start_version
+    if min_version is None:
+        versions = b"".join([c.versions for c in comps])
+        min_version = int(np.frombuffer(versions, VERSION_DTYPE).min()) if versions else group.start_version
     length = max([len(c.tokens) for c in comps], default=0) // TOKEN_DTYPE.itemsize
     return Entry(group.key, min_version, len(raw) if raw is not None else group.nbytes(), length, raw)
 
@@ -195,6 +197,14 @@ class Store:
         self._insert(entry)
         c.accepted += 1
         return "ok", ""
+
+    def duplicate(self, key: Key) -> bool:
+        """True (and counted) when ``key`` was accepted before: what :meth:`offer` would answer
+        first, without building an entry (a resent ``GroupRef`` is answered from this alone)."""
+        if key in self.seen:
+            self.counters.duplicates += 1
+            return True
+        return False
 
     def restore(self, entry: Entry) -> None:
         """Re-insert a group recovered from disk (it was accepted by an earlier incarnation)."""

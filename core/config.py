@@ -83,6 +83,9 @@ class BufferSection(_Section):
     persist: bool = True
     fsync: Literal["always", "batch", "never"] = "batch"
     segment_bytes: PosInt = 16 * 1024 * 1024
+    # actors and learner on the buffer's host pass groups through run_dir (staging slots, the
+    # segment log) and send only references on the sockets; remote ones always send bytes
+    by_ref: bool = True
 
 
 class LearnerSection(_Section):

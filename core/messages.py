@@ -52,15 +52,8 @@ class Shutdown(_Msg, tag="shutdown"):
 # ---- trajectories ---------------------------------------------------------------------------
 
 
-class Completion(msgspec.Struct, frozen=True, array_like=True):
-    # per-token arrays, equal lengths: sampled ids, behaviour log-probs of the distribution
-    # actually sampled from (after temperature), and the policy version that produced each token
-    tokens: bytes
-    logprobs: bytes
-    versions: bytes
-    # "stop" (EOS sampled) or "length" (hit max_new_tokens)
-    finish_reason: str
-    reward: float
+class _CompletionMethods:
+    __slots__ = ()
 
     @property
     def num_tokens(self) -> int:
@@ -76,21 +69,19 @@ class Completion(msgspec.Struct, frozen=True, array_like=True):
         return np.frombuffer(self.versions, dtype=VERSION_DTYPE)
 
 
-class RolloutGroup(_Msg, tag="group"):
-    # exactly-once identity: (actor_id, seq) is unique per run; seq counts from 0 per actor
-    actor_id: str
-    seq: int
-    # what was asked
-    group_id: str
-    task: str
-    tier: str
-    prompt_tokens: bytes
-    # G completions of the same prompt
-    completions: list[Completion]
-    # policy version when the group was admitted (its first token's version)
-    start_version: int
-    created_at: float
-    schema_version: int = SCHEMA_VERSION
+class Completion(_CompletionMethods, msgspec.Struct, frozen=True, array_like=True):
+    # per-token arrays, equal lengths: sampled ids, behaviour log-probs of the distribution
+    # actually sampled from (after temperature), and the policy version that produced each token
+    tokens: bytes
+    logprobs: bytes
+    versions: bytes
+    # "stop" (EOS sampled) or "length" (hit max_new_tokens)
+    finish_reason: str
+    reward: float
+
+
+class _GroupMethods:
+    __slots__ = ()
 
     @property
     def key(self) -> tuple[str, int]:
@@ -107,6 +98,64 @@ class RolloutGroup(_Msg, tag="group"):
         )
 
 
+class RolloutGroup(_GroupMethods, _Msg, tag="group"):
+    # exactly-once identity: (actor_id, seq) is unique per run; seq counts from 0 per actor
+    actor_id: str
+    seq: int
+    # what was asked
+    group_id: str
+    task: str
+    tier: str
+    prompt_tokens: bytes
+    # G completions of the same prompt
+    completions: list[Completion]
+    # policy version when the group was admitted (its first token's version)
+    start_version: int
+    created_at: float
+    schema_version: int = SCHEMA_VERSION
+
+
+# The same two messages decoded without copying their arrays: ``memoryview`` fields point into
+# the received frame. The buffer only checks and stores the encoded bytes, so it decodes these.
+# Field for field the twins of the classes above (tests/test_messages.py holds them to that).
+
+
+class CompletionView(_CompletionMethods, msgspec.Struct, frozen=True, array_like=True):
+    tokens: memoryview
+    logprobs: memoryview
+    versions: memoryview
+    finish_reason: str
+    reward: float
+
+
+class RolloutGroupView(_GroupMethods, _Msg, tag="group"):
+    actor_id: str
+    seq: int
+    group_id: str
+    task: str
+    tier: str
+    prompt_tokens: memoryview
+    completions: list[CompletionView]
+    start_version: int
+    created_at: float
+    schema_version: int = SCHEMA_VERSION
+
+
+class GroupRef(_Msg, tag="gref"):
+    # actor -> buffer, same host: "group (actor_id, seq) is staged in my slot ``slot``"; the
+    # buffer reads it from run_dir/buffer/staging (see buffer.staging) instead of the socket
+    actor_id: str
+    seq: int
+    slot: int
+    length: int
+    crc: int  # crc32c of the staged bytes
+
+
+class GroupRefs(_Msg, tag="grefs"):
+    # several GroupRefs in one message: the groups an actor finished together
+    refs: list[GroupRef]
+
+
 class Ack(_Msg, tag="ack"):
     actor_id: str
     seq: int
@@ -116,10 +165,25 @@ class Ack(_Msg, tag="ack"):
     reason: str = ""
 
 
+class Acks(_Msg, tag="acks"):
+    # several acks for one actor, in order: what became durable in one group commit leaves as
+    # one message (a ZeroMQ send costs more than encoding a few more acks)
+    acks: list[Ack]
+
+
 class SampleRequest(_Msg, tag="sample_req"):
     request_id: int
     num_groups: int
     learner_version: int
+    # the learner can read run_dir/buffer: answer with StoredRefs instead of the group bytes
+    by_ref: bool = False
+
+
+class StoredRef(msgspec.Struct, frozen=True, array_like=True):
+    # a group's record in the buffer's segment log: run_dir/buffer/seg-<seg>.log at ``offset``
+    seg: int
+    offset: int
+    length: int
 
 
 class SampleBatch(_Msg, tag="sample_batch"):
@@ -127,6 +191,8 @@ class SampleBatch(_Msg, tag="sample_batch"):
     groups: list[RolloutGroup]
     # buffer state when the batch was cut, for the dashboard
     depth: int = 0
+    # groups to read from the buffer's segment log (answer to a by_ref request), after ``groups``
+    refs: list[StoredRef] = []
 
 
 class Consumed(_Msg, tag="consumed"):
@@ -174,8 +240,9 @@ class MetricRecords(_Msg, tag="metrics"):
 
 # ---- socket codecs ----------------------------------------------------------------------------
 
-ACTOR_TO_BUFFER = Union[Hello, RolloutGroup, Heartbeat]
-BUFFER_TO_ACTOR = Union[Ack, PolicyVersion, Shutdown]
+ACTOR_TO_BUFFER = Union[Hello, RolloutGroup, GroupRef, GroupRefs, Heartbeat]
+ACTOR_TO_BUFFER_VIEW = Union[Hello, RolloutGroupView, GroupRef, GroupRefs, Heartbeat]  # what the buffer decodes
+BUFFER_TO_ACTOR = Union[Ack, Acks, PolicyVersion, Shutdown]
 LEARNER_TO_BUFFER = Union[Hello, SampleRequest, Consumed, Heartbeat]
 BUFFER_TO_LEARNER = Union[SampleBatch, Shutdown]
 TO_MONITOR = Union[MetricRecords, Heartbeat, Hello]
@@ -207,8 +274,9 @@ _MAX_LOGPROB = 1e-4  # float32 rounding may push log(1) a hair above 0; anything
 assert TOKEN_DTYPE.itemsize == LOGPROB_DTYPE.itemsize == VERSION_DTYPE.itemsize
 
 
-def validate_group(g: RolloutGroup) -> None:
-    """Semantic checks a typed decoder cannot express. Raises InvalidMessage.
+def validate_group(g: RolloutGroup | RolloutGroupView) -> int:
+    """Semantic checks a typed decoder cannot express. Raises InvalidMessage; returns the
+    group's :meth:`RolloutGroup.min_version` (computed on the way, the buffer needs it).
 
     The common case (a valid group) is checked in one pass: scalar checks per completion, then
     one numpy reduction over all completions' arrays joined (~6 us for 8 x 1,024 tokens instead
@@ -223,26 +291,31 @@ def validate_group(g: RolloutGroup) -> None:
         raise InvalidMessage("negative_id")
     if len(g.prompt_tokens) % TOKEN_DTYPE.itemsize:
         raise InvalidMessage("ragged_bytes", "prompt_tokens")
-    if not _completions_pass(g.completions):
+    min_version = _completions_pass(g.completions)
+    if min_version is None:
         _explain_completions(g.completions)
+        raise AssertionError("fast path and reference checks disagree")  # unreachable
+    return g.start_version if min_version < 0 else min_version
 
 
-def _completions_pass(comps: list[Completion]) -> bool:
-    """True only if every per-completion check of :func:`_explain_completions` would pass."""
+def _completions_pass(comps: list[Completion]) -> int | None:
+    """None unless every per-completion check of :func:`_explain_completions` would pass; then
+    the oldest token version (-1 when there are no tokens)."""
     item = TOKEN_DTYPE.itemsize
     for c in comps:
         n = len(c.tokens)
         if n % item or len(c.logprobs) != n or len(c.versions) != n \
                 or c.finish_reason not in _FINISH_REASONS or not math.isfinite(c.reward):
-            return False
+            return None
     lp = np.frombuffer(b"".join([c.logprobs for c in comps]), dtype=LOGPROB_DTYPE)
     if not lp.size:
-        return True
+        return -1
     # max() propagates NaN and NaN <= x is False, so one comparison rejects NaN and positives;
     # +inf is caught by the same test, -inf by min()
     if not (lp.max() <= _MAX_LOGPROB and lp.min() > -math.inf):
-        return False
-    return bool(np.frombuffer(b"".join([c.versions for c in comps]), dtype=VERSION_DTYPE).min() >= 0)
+        return None
+    oldest = int(np.frombuffer(b"".join([c.versions for c in comps]), dtype=VERSION_DTYPE).min())
+    return oldest if oldest >= 0 else None
 
 
 def _explain_completions(comps: list[Completion]) -> None:

@@ -65,7 +65,7 @@ class LearnerLoop:
         self.contract = run_contract_check(cfg, self.trainer)
         log.info("contract check passed: %s", self.contract)
         self.publisher = make_publisher(cfg, run_dir, self._weights())
-        self.client = LearnerClient(cfg)
+        self.client = LearnerClient(cfg, run_dir=run_dir)
         self.metrics = MetricsSink(cfg.net.host, cfg.net.metrics_port, "learner", "learner0")
         self.stale_hist: list[float] = []
         self.dropped_stale = 0

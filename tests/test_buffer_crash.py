@@ -2,8 +2,12 @@
 
 1. The buffer process is SIGKILLed mid-stream (with groups in flight and a batch leased to the
    learner) and restarted on the same run_dir and ports.
-2. The actor process is SIGKILLed mid-stream, and again while the buffer is down (so its spool
-   certainly holds unacked groups), and restarted each time from its spool.
+2. The actor process is SIGKILLed mid-stream, and again while the buffer is down (so its
+   staging slots certainly hold unacked groups), and restarted each time from them.
+
+Both run over each transport: ``inline`` (group bytes on the sockets, the actor's slots in a
+private spool directory, as for a remote actor) and ``by_ref`` (the actor's slots in the run
+directory, only refs on the sockets, the learner reading the segment log).
 """
 
 import os
@@ -15,6 +19,7 @@ import time
 import pytest
 
 from buffer.client import WINDOW, ActorClient, LearnerClient
+from buffer.staging import staged_seqs, staging_path
 from buffer.synth import make_group
 from buffer.testing import ROOT, ServerProcess, ServerThread, make_config
 from core import config as C
@@ -27,8 +32,8 @@ def small(seq, group_id):
 class Drain:
     """The learner side: every group returned by sample(), in order."""
 
-    def __init__(self, cfg):
-        self.client = LearnerClient(cfg, resend_s=0.5)
+    def __init__(self, cfg, run_dir=None):
+        self.client = LearnerClient(cfg, resend_s=0.5, run_dir=run_dir)
         self.groups = []
 
     def take(self, n, consume=True):
@@ -51,15 +56,17 @@ class Drain:
         assert self.client.sample(1, 0, timeout_s=0.5) is None, "something left over"
 
 
-def test_buffer_sigkill_mid_stream(tmp_path):
+@pytest.mark.parametrize("by_ref", [False, True], ids=["inline", "by_ref"])
+def test_buffer_sigkill_mid_stream(tmp_path, by_ref):
     cfg = make_config(fsync="batch", segment_bytes=16 << 10)
     run = str(tmp_path / "run")
     srv = ServerProcess(cfg, run)
     acked = set()
     group_ids = {}
-    actor = ActorClient(cfg, "a0", resend_s=0.5,
+    actor = ActorClient(cfg, "a0", resend_s=0.5, run_dir=run if by_ref else None,
                         on_ack=lambda a: a.status in ("ok", "duplicate") and acked.add((a.actor_id, a.seq)))
-    learner = Drain(cfg)
+    assert actor.by_ref == by_ref
+    learner = Drain(cfg, run if by_ref else None)
 
     def send(n):
         for _ in range(n):
@@ -114,7 +121,7 @@ from core import config as C
 from buffer.client import ActorClient
 from buffer.synth import make_group
 
-cfg_path, spool, incarnation, count, log_path = sys.argv[1:6]
+cfg_path, spool, incarnation, count, log_path, run_dir = sys.argv[1:7]
 with open(cfg_path, "rb") as f:
     cfg = C.from_json(f.read())
 log = open(log_path, "a", buffering=1)  # line-buffered: a SIGKILL loses no written line
@@ -125,7 +132,11 @@ def on_ack(a):
         log.write(f"ack {a.seq}\n")
 
 
-client = ActorClient(cfg, "a0", spool_dir=spool, on_ack=on_ack, resend_s=0.5)
+if run_dir == "-":  # a remote actor: a private spool, bytes inline
+    client = ActorClient(cfg, "a0", spool_dir=spool, on_ack=on_ack, resend_s=0.5)
+else:  # on the buffer's host: slots in the run dir, refs on the socket
+    client = ActorClient(cfg, "a0", run_dir=run_dir, on_ack=on_ack, resend_s=0.5)
+    assert client.by_ref
 log.write(f"start {incarnation} {client.outstanding}\n")
 n, i = int(count), 0
 while n < 0 or i < n:
@@ -153,12 +164,12 @@ class ActorLog:
         return len(self.lines(kind))
 
 
-def start_actor(tmp_path, cfg_path, incarnation, count, log):
+def start_actor(tmp_path, cfg_path, incarnation, count, log, run_dir):
     script = tmp_path / "actor.py"
     script.write_text(ACTOR_SCRIPT)
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     return subprocess.Popen([sys.executable, str(script), cfg_path, str(tmp_path / "spool"), str(incarnation),
-                             str(count), log.path], env=env, cwd=ROOT)
+                             str(count), log.path, run_dir or "-"], env=env, cwd=ROOT)
 
 
 def wait_for(pred, timeout=30.0):
@@ -168,10 +179,13 @@ def wait_for(pred, timeout=30.0):
         time.sleep(0.02)
 
 
-def test_actor_sigkill_and_restart_from_spool(tmp_path):
+@pytest.mark.parametrize("by_ref", [False, True], ids=["inline", "by_ref"])
+def test_actor_sigkill_and_restart_from_its_slots(tmp_path, by_ref):
     cfg = make_config(fsync="batch")
     run = str(tmp_path / "run")
     os.makedirs(run)
+    slots = staging_path(run, "a0") if by_ref else str(tmp_path / "spool" / "slots")
+    actor_run = run if by_ref else None
     cfg_path = os.path.join(run, "config.json")
     with open(cfg_path, "wb") as f:
         f.write(C.to_json(cfg))
@@ -182,25 +196,25 @@ def test_actor_sigkill_and_restart_from_spool(tmp_path):
     try:
         server.__enter__()
         # 1. killed mid-stream, buffer up
-        procs.append(start_actor(tmp_path, cfg_path, 1, -1, log))
+        procs.append(start_actor(tmp_path, cfg_path, 1, -1, log, actor_run))
         wait_for(lambda: log.count("ack") >= 25)
         procs[-1].send_signal(signal.SIGKILL)
         procs[-1].wait(10)
         # 2. restarted, streaming; killed while the buffer is down, so its window is unacked
-        procs.append(start_actor(tmp_path, cfg_path, 2, -1, log))
+        procs.append(start_actor(tmp_path, cfg_path, 2, -1, log, actor_run))
         wait_for(lambda: log.count("ack") >= 45)
         server.stop()
         # no acks any more: the actor fills its window of unacked groups and blocks in send()
-        wait_for(lambda: sum(n.endswith(".grp") for n in os.listdir(tmp_path / "spool")) >= WINDOW)
+        wait_for(lambda: len(staged_seqs(slots)) >= WINDOW)
         procs[-1].send_signal(signal.SIGKILL)
         procs[-1].wait(10)
-        spooled = [n for n in os.listdir(tmp_path / "spool") if n.endswith(".grp")]
+        spooled = staged_seqs(slots)
         acked_before = {int(s) for (s,) in log.lines("ack")}
-        assert spooled and not {int(n[:-4]) for n in spooled} & acked_before
+        assert spooled and not set(spooled) & acked_before
         # 3. buffer back; the actor's next life resends its spool, sends 10 more and exits cleanly
         server = ServerThread(cfg, run)
         srv = server.__enter__()
-        procs.append(start_actor(tmp_path, cfg_path, 3, 10, log))
+        procs.append(start_actor(tmp_path, cfg_path, 3, 10, log, actor_run))
         assert procs[-1].wait(60) == 0
         assert log.lines("flushed")[-1] == ["True"]
         assert [ln for ln in log.lines("start")][-1] == ["3", str(len(spooled))]
@@ -211,7 +225,7 @@ def test_actor_sigkill_and_restart_from_spool(tmp_path):
         group_ids = {("a0", int(s)): gid for s, gid in intents}
         sent = {("a0", int(s)) for (s,) in log.lines("sent")}
         acked = {("a0", int(s)) for (s,) in log.lines("ack")}
-        learner = Drain(cfg)
+        learner = Drain(cfg, actor_run)
         learner.until(sent | acked)
         learner.check_exactly_once(group_ids)
         assert srv.store.invariant_ok() and not srv.store.resident

@@ -7,7 +7,9 @@ ZeroMQ limit is cut by ZeroMQ itself (the connection drops, nothing is allocated
 counted -- one is sent last, on its own connection, to show the server shrugs it off.
 
 Expected reasons come from an oracle built only on ``core.messages`` (the typed decoder and
-``validate_group``), never from the server's own code.
+``validate_group``), never from the server's own code. ``GroupRef`` frames are in the mix too;
+no actor has a staging file here, so a well-formed ref to an unseen key can only be refused as
+``ref_unreadable`` (refs to real staging slots are attacked in ``test_buffer_byref.py``).
 """
 
 import math
@@ -23,8 +25,8 @@ from buffer.server import MAX_ID_CHARS, ZMQ_SLACK_BYTES
 from buffer.synth import make_group
 from buffer.testing import ServerThread, make_config
 from core import net
-from core.messages import (ACTOR_TO_BUFFER, BUFFER_TO_ACTOR, SCHEMA_VERSION, Hello, InvalidMessage,
-                           RolloutGroup, decoder, encode, validate_group)
+from core.messages import (ACTOR_TO_BUFFER, BUFFER_TO_ACTOR, SCHEMA_VERSION, Acks, GroupRef, Hello,
+                           InvalidMessage, RolloutGroup, decoder, encode, validate_group)
 
 MAX_FRAME = 64 << 10
 BATCH = 500
@@ -45,6 +47,12 @@ def oracle(frame: bytes) -> str | None:
         if msg.schema_version != SCHEMA_VERSION:
             return "schema_version"
         return "bad_actor_id" if len(msg.id) > MAX_ID_CHARS else None
+    if isinstance(msg, GroupRef):
+        if len(msg.actor_id) > MAX_ID_CHARS:
+            return "bad_actor_id"
+        if msg.seq < 0:
+            return "negative_id"
+        return "oversize" if msg.length > MAX_FRAME else "ref_unreadable"
     if isinstance(msg, RolloutGroup):
         if len(msg.actor_id) > MAX_ID_CHARS:
             return "bad_actor_id"
@@ -110,6 +118,11 @@ def hostile_frames(rng: random.Random, base: list[bytes], groups: list[RolloutGr
             continue
         elif k == 11:
             bad = msgspec.structs.replace(g, actor_id="x" * (MAX_ID_CHARS + 1))
+        elif k == 12 and i % 2:  # refs: slots nobody staged, absurd ids, seqs and lengths
+            yield encode(GroupRef(rng.choice(["fuzz", "../../etc/passwd", "x" * (MAX_ID_CHARS + 1)]),
+                                  rng.choice([-5, 10_000 + i]), rng.randrange(-3, 1 << 40),
+                                  rng.choice([0, 100, MAX_FRAME + 1, 1 << 62]), rng.randrange(1 << 32))), "ref"
+            continue
         else:
             yield encode(Hello("actor", "fuzz", schema_version=SCHEMA_VERSION + 7)), "hello_schema"
             continue
@@ -122,7 +135,8 @@ def test_fuzz_10k_hostile_frames_then_valid_traffic(tmp_path):
     cfg = make_config(max_frame_bytes=MAX_FRAME, capacity_groups=100_000)
     rng = random.Random(1234)
     groups = [make_group("fuzz", i, completions=2, tokens=rng.randrange(1, 40)) for i in range(20)]
-    base = [encode(g) for g in groups] + [encode(Hello("actor", "fuzz"))]
+    base = [encode(g) for g in groups] + [encode(Hello("actor", "fuzz"))] + \
+        [encode(GroupRef("fuzz", 50_000 + i, i, 4096, 7)) for i in range(5)]
     frames = list(hostile_frames(rng, base, groups))
     expected = Counter(oracle(f) for f, _ in frames)
     assert None not in expected and len(frames) >= 10_000
@@ -140,11 +154,12 @@ def test_fuzz_10k_hostile_frames_then_valid_traffic(tmp_path):
             dealer.send(encode(Hello("actor", "sync")))
             while True:
                 assert dealer.poll(20_000), "server stopped answering"
-                ack = dec.decode(dealer.recv())
-                if ack.actor_id == "sync" and ack.status == "hello":
-                    return
-                if ack.status == "rejected":
-                    rejected[ack.reason] += 1
+                msg = dec.decode(dealer.recv())
+                for ack in msg.acks if isinstance(msg, Acks) else [msg]:
+                    if ack.actor_id == "sync" and ack.status == "hello":
+                        return
+                    if ack.status == "rejected":
+                        rejected[ack.reason] += 1
 
         for i in range(0, len(frames), BATCH):
             for f, _ in frames[i:i + BATCH]:
@@ -165,7 +180,7 @@ def test_fuzz_10k_hostile_frames_then_valid_traffic(tmp_path):
         assert srv.store.counters.accepted == 0
         # every refused group whose key was readable got a "rejected" ack with its reason
         assert rejected["length_mismatch"] >= 400 and rejected["nonfinite_logprob"] >= 400
-        assert rejected["schema_version"] >= 200
+        assert rejected["schema_version"] >= 200 and rejected["ref_unreadable"] >= 50
 
         # valid traffic afterwards is all accepted and served
         actor, learner = ActorClient(cfg, "after"), LearnerClient(cfg)
