@@ -2,7 +2,12 @@
 
 buffer: ActorClient (this process) -> BufferServer (subprocess: persist on, fsync=batch,
         dedup, validation, staleness policy) -> LearnerClient (subprocess: samples batches and
-        sends Consumed for each). Also run with fsync=never, to separate disk from CPU.
+        sends Consumed for each), configured as ``python run.py`` runs them: on one host,
+        ``buffer.by_ref``. The actor stages each group in its slot under run_dir and sends a
+        GroupRef; the buffer reads, checks and validates the bytes and copies them into its
+        segment log; the learner reads its batches from there. Also run with fsync=never, to
+        separate disk from CPU, and ``inline`` (by_ref off: every byte over the sockets, as for
+        actors and learners on other hosts).
 bare:   the same encoded group bytes, PUSH (this process) -> PULL (subprocess), nothing else.
 
 Timing is the same for both: the clock starts at the first send, once every process is up, and
@@ -17,6 +22,8 @@ Knobs that are part of the comparison, not tuning of it:
   as any acked pipe must; the bare PUSH socket queues up to 1,000 messages without any ack.
 * ``--batch`` (default ``learner.groups_per_step``): groups per ``LearnerClient.sample()``,
   what the learner asks for once per optimiser step.
+* ``--send-batch`` (default ``actor.groups_per_batch``): groups per ``ActorClient.send_many``,
+  what an actor hands over after generating one batch.
 
 Each run also records the CPU seconds every process of the path spent between the first send
 and the last receive (this process via getrusage, the others via /proc), so the table shows what
@@ -40,11 +47,11 @@ import sys
 import tempfile
 import threading
 import time
-import zlib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+import crc32c  # noqa: E402
 import msgspec  # noqa: E402
 import zmq  # noqa: E402
 
@@ -55,7 +62,7 @@ from buffer.store import entry_from_group  # noqa: E402
 from buffer.synth import make_group  # noqa: E402
 from core import config as C  # noqa: E402
 from core import net  # noqa: E402
-from core.messages import ACTOR_TO_BUFFER, decoder, encode, validate_group  # noqa: E402
+from core.messages import ACTOR_TO_BUFFER_VIEW, decoder, encode, validate_group  # noqa: E402
 
 TEMPLATES = 32
 
@@ -219,12 +226,12 @@ def _per_group_us(fn, items, repeat: int = 3) -> float:
 def stage_costs(groups, window: int) -> dict:
     """What each step costs per group on one core, and the durable log's ceiling on this disk."""
     frames = [encode(g) for g in groups]
-    dec = decoder(ACTOR_TO_BUFFER)
+    dec = decoder(ACTOR_TO_BUFFER_VIEW)  # as the server decodes: arrays stay views
     out = {
         "decode": _per_group_us(dec.decode, frames),
         "validate_group": _per_group_us(validate_group, groups),
         "metadata": _per_group_us(lambda g: entry_from_group(g, b""), groups),
-        "crc32": _per_group_us(zlib.crc32, frames),
+        "crc32c": _per_group_us(crc32c.crc32c, frames),
     }
     stream = [frames[i % len(frames)] for i in range(512)]  # ~50 MB: several 16 MB segments
     seg = C.Config().buffer.segment_bytes
@@ -233,8 +240,12 @@ def stage_costs(groups, window: int) -> dict:
         with tempfile.TemporaryDirectory() as d:
             log = SegmentLog(d, seg, fsync=fsync)
             log.open(dict)
-            if fsync == "never":  # record header + crc32 + write into the page cache
-                out["log_append"] = _per_group_us(lambda f: log.append_group(("bench", 0), f), stream, 1)
+            if fsync == "never":  # record header + crc32c + write into the page cache (I/O thread)
+                t0 = time.perf_counter()
+                for f in stream:
+                    log.append_group(("bench", 0), f)
+                log.commit()  # waits for the I/O thread to have written everything
+                out["log_append"] = (time.perf_counter() - t0) / len(stream) * 1e6
             else:  # group commit as the server drives it: hand over each turn, wait at the end
                 def turn(batch):
                     for f in batch:
@@ -287,7 +298,7 @@ def main() -> None:
     paths = {"bare": lambda: run_bare(args, frames), main_row: lambda: run_buffer(args, groups, args.fsync)}
     if args.fsync != "never":
         paths["buffer (fsync=never)"] = lambda: run_buffer(args, groups, "never")
-    paths["buffer inline"] = lambda: run_buffer(args, groups, args.fsync, by_ref=False)
+    paths[f"inline (fsync={args.fsync})"] = lambda: run_buffer(args, groups, args.fsync, by_ref=False)
     load_before = load_avg()[0]
     runs = {k: [] for k in paths}
     for _ in range(args.repeats):  # interleaved, so load from other processes hits all alike
@@ -324,6 +335,7 @@ def main() -> None:
         "buffer_groups_per_s": round(gps[main_row], 1), "bare_groups_per_s": round(gps["bare"], 1),
         "buffer_mb_per_s": round(mb / secs[main_row], 1), "bare_mb_per_s": round(mb / secs["bare"], 1),
         "ratio_fsync_never": round(never / gps["bare"], 3),
+        "ratio_inline": round(gps[f"inline (fsync={args.fsync})"] / gps["bare"], 3),
         "cpu_us_per_group": {k: _us_per_group(v, args.groups) for k, v in cpu.items()},
         "seconds": {k: [round(r["s"], 3) for r in v] for k, v in runs.items()},
         "disk_mb_per_s": round(disk_mb_s, 1), "ratio_ceiling_disk": round(disk_mb_s / (mb / secs["bare"]), 3),

@@ -365,6 +365,7 @@ class LearnerClient:
         self._sock = _dealer(self._ctx, cfg, cfg.net.buffer_learner_port, "learner", learner_id)
         self._unsent: collections.deque = collections.deque([encode(Hello("learner", learner_id))])
         self._req_id = 0
+        self._read_through = -1
         self._version = 0  # learner version of the latest sample() call
         self._request: SampleRequest | None = None
         self._sent_at: float | None = None
@@ -430,7 +431,8 @@ class LearnerClient:
         if not self._flush_unsent() or self._request is None:
             return
         if self._sent_at is None or now - self._sent_at >= self.resend_s:
-            if _try_send(self._sock, encode(self._request)):
+            req = msgspec.structs.replace(self._request, read_through=self._read_through)
+            if _try_send(self._sock, encode(req)):
                 self._sent_at = now
 
     def _receive(self, timeout_ms: int) -> None:
@@ -449,6 +451,7 @@ class LearnerClient:
                     msg = msgspec.structs.replace(msg, groups=groups, refs=[])
                 if self._request is not None and msg.request_id == self._request.request_id:
                     self._request = None
+                self._read_through = max(self._read_through, msg.request_id)  # its refs are read
                 self._ready.append(msg)
             elif isinstance(msg, Shutdown):
                 self.shutdown_reason = msg.reason

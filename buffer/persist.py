@@ -16,20 +16,21 @@ A group's record is written (and, per ``fsync``, synced) before its ack leaves, 
 group survives a crash of the buffer. Replay rebuilds the resident set -- groups with no later
 DONE record -- and the seen keys.
 
-Durability is tracked as a log sequence number (LSN): ``written`` counts the bytes appended,
-``durable`` how many of them are on disk per the ``fsync`` policy. The server tags every outgoing
-message with the LSN it depends on (the end of its group's record for an ``ok`` ack or a batch,
-everything written so far for the rest) and sends it once ``durable`` has reached it.
+Durability is tracked as a log sequence number (LSN): ``written`` counts the bytes appended (given
+to the log), ``durable`` how many of them are in the file and, per the ``fsync`` policy, on disk.
+The server tags every outgoing message with the LSN it depends on (the end of its group's record
+for an ``ok`` ack or a batch, everything appended so far for the rest) and sends it once
+``durable`` has reached it.
 
-* ``always``: fsync after every record, inline (``durable == written`` at all times).
-* ``batch``: group commit. :meth:`SegmentLog.commit` hands everything written so far to a
-  flusher thread (``os.fsync`` releases the GIL); the server keeps receiving, validating and
-  appending the next groups while the disk syncs, and each fsync covers every record written
+* ``always``: write and fsync every record inline (``durable == written`` at all times).
+* ``batch``: group commit. Records go to an I/O thread (:class:`_Flusher`) that writes them in
+  order and fsyncs (``os.writev``/``os.fsync`` release the GIL): the server keeps receiving,
+  validating and appending the next groups meanwhile, and each fsync covers every record written
   before it started -- one fsync per batch of acks, the batch being whatever arrived while the
-  previous fsync ran. The flusher also closes rolled segments after their last fsync and syncs
+  previous one ran. The thread also closes rolled segments after their last fsync and syncs
   the directory after a segment is created, so a new file's name is durable with its records.
-* ``never``: the page cache is trusted (survives a crash of the process, not of the machine);
-  the same thread only closes rolled segments and deletes old ones, off the loop.
+* ``never``: the same thread writes, and the page cache is trusted (it survives a crash of the
+  process, not of the machine).
 
 Disk stays bounded: segments roll at ``segment_bytes``. A deleted segment's file goes to a small
 pool of free files (``free-*.log``) that the next roll renames and overwrites from the start:
@@ -50,6 +51,7 @@ import logging
 import os
 import struct
 import threading
+import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -158,7 +160,6 @@ class _FreePool:
         self.dir = directory
         self._lock = threading.Lock()
         self.files: list[str] = []
-        self._n = 0
 
     def adopt(self, path: str) -> None:
         with self._lock:
@@ -174,8 +175,8 @@ class _FreePool:
     def retire(self, path: str) -> None:
         with self._lock:
             keep = len(self.files) < FREE_FILES
-            self._n += 1
-            name = os.path.join(self.dir, f"free-{os.getpid()}-{self._n}.log")
+        # a fresh name: a counter would collide with free files an earlier incarnation left
+        name = os.path.join(self.dir, f"free-{uuid.uuid4().hex}.log")
         if not keep:
             os.unlink(path)
             return
@@ -190,25 +191,33 @@ class _FreePool:
 
 
 class _Flusher:
-    """Group commit for ``fsync = batch``: a thread that fsyncs what the loop has written.
-    With ``sync=False`` (``fsync = never``) it only closes rolled segments and deletes old ones.
+    """The log's I/O thread (``fsync`` = batch or never): it writes the records the loop queues,
+    in order, then -- ``batch`` -- fsyncs them (group commit), closes rolled segments and retires
+    deleted ones, all off the loop.
 
-    The loop appends and calls :meth:`request` with its LSN; the flusher fsyncs every fd holding
-    requested bytes, publishes ``durable`` and writes a byte to ``wake_fd`` so the loop's poller
-    wakes to release what waited for it. A rolled segment's fd is handed over (:meth:`switch`),
-    never closed by the loop, so no fd is closed under a running fsync. Deleting a segment
-    (:meth:`unlink`, ~5 ms for 16 MB here) happens here too, off the loop. A failed fsync is fatal
+    The loop assigns each record its LSN and queues it (:meth:`write`); ``os.writev`` and
+    ``os.fsync`` release the GIL, so the copy into the page cache and the sync overlap the
+    loop's receiving and validating the next groups. ``written`` is the LSN up to which records
+    are in the page cache, ``durable`` the one up to which they are durable per the policy
+    (``never``: the same). After each round the thread writes a byte to ``wake_fd`` so the
+    loop's poller wakes to release what waited for it. A queued payload must stay valid until
+    ``written`` passes it: the server only acks a group once it has, and a staged group's slot
+    is reused only after its ack. A rolled segment's fd is handed over (:meth:`switch`), never
+    closed by the loop, so no fd is closed under a running write or fsync. Deleting a segment
+    (:meth:`unlink`, ~5 ms for 16 MB here) happens here too. A failed write or fsync is fatal
     (the kernel may have dropped the dirty pages): it is kept in ``error`` and re-raised by
-    :meth:`check` in the loop, which then stops the server the way an inline fsync error would.
+    :meth:`check` in the loop, which then stops the server the way an inline error would.
     """
 
     def __init__(self, directory: str, pool: _FreePool, sync: bool = True):
         self.dir, self.sync, self.pool = directory, sync, pool
-        self.durable = 0
+        self.durable = self.written = 0
         self.error: OSError | None = None
         self._cond = threading.Condition()
         self._target = 0
         self._fd = -1
+        self._writes: list[tuple] = []  # (fd, header, payload, lsn after it), in LSN order
+        self._queued = 0  # LSN after the last queued write
         self._sealed: list[int] = []
         self._unlink: list[str] = []
         self._dir_dirty = False
@@ -222,11 +231,18 @@ class _Flusher:
     def running(self) -> bool:
         return self._thread is not None
 
-    def start(self, fd: int, durable: int) -> None:
+    def start(self, fd: int, lsn: int) -> None:
+        """Take over ``fd`` with everything up to ``lsn`` already written (and synced, if due)."""
         self._fd, self._stop = fd, False
-        self.durable = self._target = durable
-        self._thread = threading.Thread(target=self._run, name="buffer-fsync", daemon=True)
+        self.durable = self.written = self._target = self._queued = lsn
+        self._thread = threading.Thread(target=self._run, name="buffer-log-io", daemon=True)
         self._thread.start()
+
+    def write(self, fd: int, header: bytes, payload, lsn: int) -> None:
+        with self._cond:
+            self._writes.append((fd, header, payload, lsn))
+            self._queued = lsn
+            self._cond.notify()
 
     def switch(self, fd: int) -> None:
         """The loop rolled to a new segment: sync and close the old fd, sync the directory."""
@@ -241,16 +257,16 @@ class _Flusher:
             self._unlink.append(path)
             self._cond.notify()
 
-
     def request(self, lsn: int) -> None:
         with self._cond:
             if lsn > self._target:
                 self._target = lsn
                 self._cond.notify()
 
-    def wait(self, lsn: int) -> None:
+    def wait(self, lsn: int, durable: bool = True) -> None:
+        """Block until ``lsn`` is durable (or, ``durable=False``, written)."""
         with self._cond:
-            while self.durable < lsn and self.error is None:
+            while (self.durable if durable else self.written) < lsn and self.error is None:
                 self._cond.wait()
         self.check()
 
@@ -259,7 +275,8 @@ class _Flusher:
             raise self.error
 
     def stop(self, lsn: int) -> int:
-        """Sync up to ``lsn``, close the handed-over fds, end the thread; returns the active fd."""
+        """Write and sync up to ``lsn``, close the handed-over fds, end the thread; returns the
+        active fd."""
         self.request(lsn)
         with self._cond:
             self._stop = True
@@ -278,7 +295,8 @@ class _Flusher:
             os.read(self.wake_fd, 4096)
 
     def _pending(self) -> bool:
-        return self._target > self.durable or bool(self._sealed) or self._dir_dirty or bool(self._unlink)
+        return bool(self._writes) or (self.sync and self._target > self.durable) or \
+            bool(self._sealed) or self._dir_dirty or bool(self._unlink)
 
     def _run(self) -> None:
         while True:
@@ -287,32 +305,44 @@ class _Flusher:
                     self._cond.wait()
                 if not self._pending():
                     return
-                # one consistent view: every byte up to target is in a sealed fd or the active one
+                # one consistent view: every byte queued so far is in a sealed fd or the active one
+                writes, self._writes = self._writes, []
                 target, sealed, fd, dir_dirty = self._target, self._sealed, self._fd, self._dir_dirty
                 unlink, self._unlink = self._unlink, []
                 self._sealed, self._dir_dirty = [], False
+            written = writes[-1][3] if writes else self.written
             try:
+                for wfd, header, payload, _ in writes:
+                    _write_all(wfd, header, payload)
+                del writes  # let go of the payloads (views into staging slots, frames) at once
+                if not self.sync:
+                    self._publish(written, written)
                 for old in sealed:
                     if self.sync:
                         _fsync(old)
                     os.close(old)
-                if self.sync and target > self.durable:
-                    _fsync(fd)
+                durable = self.durable
+                if self.sync and target > durable:
+                    _fsync(fd)  # everything written so far, which covers target
+                    durable = written
                 if self.sync and dir_dirty:
                     _fsync_dir(self.dir)
                 for path in unlink:  # in gc() order: the invariants of a synchronous gc() hold
                     self.pool.retire(path)
-            except OSError as e:
+            except Exception as e:  # noqa: BLE001 -- any failure here must stop the loop, not hang it
                 with self._cond:
-                    self.error = e
+                    self.error = e if isinstance(e, OSError) else OSError(f"buffer log I/O thread: {e!r}")
                     self._cond.notify_all()
                 self._wake()
                 return
-            with self._cond:
-                self.durable = target
-                self._cond.notify_all()
             if self.sync:
-                self._wake()
+                self._publish(written, durable)
+
+    def _publish(self, written: int, durable: int) -> None:
+        with self._cond:
+            self.written, self.durable = written, max(self.durable, durable)
+            self._cond.notify_all()
+        self._wake()
 
     def _wake(self) -> None:
         # a full pipe means the loop has wake-ups pending anyway
@@ -343,13 +373,13 @@ class SegmentLog:
 
     @property
     def durable(self) -> int:
-        """The LSN up to which records are durable per the fsync policy."""
-        return self._flusher.durable if self.fsync == "batch" and self._flusher else self.written
+        """The LSN up to which records are durable per the fsync policy (``never``: written)."""
+        return self._flusher.durable if self._flusher is not None else self.written
 
     @property
     def wake_fd(self) -> int | None:
-        """Readable after each background fsync (``batch``): poll it to release what waited."""
-        return self._flusher.wake_fd if self.fsync == "batch" and self._flusher else None
+        """Readable after each round of the I/O thread: poll it to release what waited."""
+        return self._flusher.wake_fd if self._flusher is not None else None
 
     def drain_wake(self) -> None:
         if self._flusher is not None:
@@ -446,6 +476,8 @@ class SegmentLog:
     def read(self, key) -> bytes:
         """A resident group's payload, read back from its segment (checked against its crc)."""
         num, offset, n = self.loc[key]
+        if self._flusher is not None and self._flusher.running:
+            self._flusher.wait(self.written, durable=False)  # it may still be in the write queue
         fd = self._read_fds.get(num)
         if fd is None:
             fd = self._read_fds[num] = os.open(self.segments[num].path, os.O_RDONLY)
@@ -458,11 +490,12 @@ class SegmentLog:
     def commit(self, wait: bool = True) -> None:
         """Make everything written so far durable; ``wait=False`` (the server loop, ``batch``)
         only hands it to the flusher and returns: watch ``durable`` / ``wake_fd``."""
-        if self.fsync != "batch":  # always: synced record by record; never: nothing to do
+        if self._flusher is None:  # always: written and synced record by record
             return
         self._flusher.check()
-        self._flusher.request(self.written)
-        if wait:
+        if self.fsync == "batch":
+            self._flusher.request(self.written)
+        if wait and self._flusher.running:
             self._flusher.wait(self.written)
 
     def close(self) -> None:
@@ -498,12 +531,16 @@ class SegmentLog:
         return sum(max(s.size, s.alloc) for s in self.segments.values()) + self.pool.nbytes()
 
     def _write(self, kind: int, payload, pcrc: int | None = None) -> None:
-        _write_all(self._fd, encode_record(kind, payload, self.active.num, pcrc), payload)
+        header = encode_record(kind, payload, self.active.num, pcrc)
         size = HEADER.size + len(payload)
         self.active.size += size
+        self.written += size
+        if self._flusher is not None and self._flusher.running:
+            self._flusher.write(self._fd, header, payload, self.written)
+            return
+        _write_all(self._fd, header, payload)
         if self.fsync == "always":
             _fsync(self._fd)
-        self.written += size
 
     def _place(self, key, seg: Segment, offset: int, n: int) -> None:
         old = self.loc.get(key)

@@ -235,20 +235,25 @@ class StagingReader:
 
 def staged_seqs(path: str) -> list[int]:
     """Seqs whose groups are staged (intact) in a staging file: a read-only look, for tools."""
-    if not os.path.exists(path):
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
         return []
-    with open(path, "rb") as f:
-        data = f.read()
-    if len(data) < FILE_HEAD.size or data[:8] != FILE_MAGIC:
-        return []
-    _, slot_bytes, nslots, _, _ = FILE_HEAD.unpack_from(data)
-    out = []
-    for slot in range(nslots):
-        off = PAGE + slot * slot_bytes
-        if off + SLOT_HEAD > len(data):
-            break
-        magic, c, seq, n = SLOT_HEAD_FMT.unpack_from(data, off)
-        if magic == SLOT_MAGIC and n <= slot_bytes - SLOT_HEAD and \
-                crc(memoryview(data)[off + SLOT_HEAD:off + SLOT_HEAD + n]) == c:
-            out.append(seq)
-    return sorted(out)
+    try:  # slot by slot: the file is sparse and mostly holes, never read it whole
+        head = os.pread(fd, FILE_HEAD.size, 0)
+        if len(head) < FILE_HEAD.size or head[:8] != FILE_MAGIC:
+            return []
+        _, slot_bytes, nslots, _, _ = FILE_HEAD.unpack(head)
+        out = []
+        for slot in range(nslots):
+            off = PAGE + slot * slot_bytes
+            h = os.pread(fd, SLOT_HEAD_FMT.size, off)
+            if len(h) < SLOT_HEAD_FMT.size:
+                break
+            magic, c, seq, n = SLOT_HEAD_FMT.unpack(h)
+            if magic == SLOT_MAGIC and n <= slot_bytes - SLOT_HEAD and \
+                    crc(os.pread(fd, n, off + SLOT_HEAD)) == c:
+                out.append(seq)
+        return sorted(out)
+    finally:
+        os.close(fd)

@@ -177,6 +177,9 @@ class SampleRequest(_Msg, tag="sample_req"):
     learner_version: int
     # the learner can read run_dir/buffer: answer with StoredRefs instead of the group bytes
     by_ref: bool = False
+    # the highest request_id whose batch the learner has received and read (-1: none yet);
+    # until it covers a by-ref batch, the buffer keeps that batch's records where they are
+    read_through: int = -1
 
 
 class StoredRef(msgspec.Struct, frozen=True, array_like=True):
