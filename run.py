@@ -11,6 +11,11 @@ Dataflow (DESIGN.md §1)::
                         └───────── weightsync (shared memory) ◀── publish(version) ────────┘
     every role ──MetricRecords──▶ launcher: rich view + run_dir/metrics.jsonl
 
+    On one host (``buffer.by_ref``) the group bytes go through run_dir, not the sockets: the
+    actor stages a group in its slot (buffer/staging/) and sends a GroupRef; the buffer
+    validates it and copies it into its segment log; the SampleBatch carries StoredRefs the
+    learner reads from that log.
+
 Who waits for whom:
 
     | role     | waits for                                 | unblocked by                          |

@@ -193,6 +193,32 @@ def test_by_ref_actor_and_inline_learner_reads_back_from_the_log(tmp_path):
             learner.close()
 
 
+def test_without_persistence_the_server_keeps_a_copy_and_serves_it_inline(tmp_path):
+    """buffer.persist=false: no log to copy into or to point at, so the server copies the staged
+    bytes before the ack frees the slot, and answers a by-ref request inline."""
+    cfg, run = cfg_small(persist=False), str(tmp_path)
+    with ServerThread(cfg, run) as srv:
+        actor = ActorClient(cfg, "a0", run_dir=run)
+        learner = LearnerClient(cfg, run_dir=run)
+        reads = spy_ref_reads(learner)
+        try:
+            assert actor.by_ref and learner.by_ref
+            sent = [small("a0", actor.next_seq()) for _ in range(8)]
+            actor.send_many(sent)
+            assert actor.flush(10)
+            wait_for(lambda: len(srv.store.resident) == 8)
+            assert all(raw_bytes(srv.store.resident[g.key].raw) == encode(g) for g in sent)
+            # the slots are free and may be overwritten: the server's copies must not change
+            actor.send_many([small("a0", actor.next_seq(), group_id="overwrites") for _ in range(8)])
+            assert actor.flush(10)
+            got = drain(learner, 8)
+            assert_same_groups(got, sent)
+            assert reads == []
+        finally:
+            actor.close()
+            learner.close()
+
+
 # ---- refs against real staging slots -------------------------------------------------------------
 
 
