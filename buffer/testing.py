@@ -1,5 +1,6 @@
 """Harness for the buffer's tests and benchmark: configs on free ports, a server in a thread or in
-a real subprocess (started and killed by pid, never by name)."""
+a real subprocess (started and killed by pid, never by name), a bare actor socket that shows every
+ack, and a segment log reopened the way the server recovers one."""
 
 from __future__ import annotations
 
@@ -11,10 +12,14 @@ import threading
 import time
 
 import msgspec
+import zmq
 
+from buffer.persist import Replay, SegmentLog
 from buffer.server import BufferServer
+from buffer.store import SeenKeys
 from core import config as C
 from core import net
+from core.messages import BUFFER_TO_ACTOR, Ack, Acks, decoder, encode
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -83,3 +88,45 @@ class ServerProcess:
         """SIGTERM, wait, and return what it logged."""
         self.kill(signal.SIGTERM)
         return self.proc.stderr.read()
+
+
+class RawActor:
+    """A bare DEALER speaking the wire format, to see every ack the server sends (the acks of one
+    ``Acks`` message are returned one by one, in order)."""
+
+    def __init__(self, cfg: C.Config):
+        self.ctx = zmq.Context()
+        self.sock = net.socket(self.ctx, zmq.DEALER)
+        net.connect(self.sock, cfg.net.host, cfg.net.buffer_actor_port)
+        self.dec = decoder(BUFFER_TO_ACTOR)
+        self._queued: list[Ack] = []
+
+    def send(self, msg) -> None:
+        self.sock.send(encode(msg) if not isinstance(msg, bytes) else msg)
+
+    def recv(self, timeout_ms: int = 5000) -> Ack:
+        if not self._queued:
+            assert self.sock.poll(timeout_ms), "no answer from the buffer"
+            msg = self.dec.decode(self.sock.recv())
+            self._queued = list(msg.acks) if isinstance(msg, Acks) else [msg]
+        return self._queued.pop(0)
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+def reopen_log(directory, segment_bytes: int, seen: SeenKeys | None = None, fsync: str = "batch",
+               done_keys_seen: bool = True) -> tuple[SegmentLog, Replay, SeenKeys]:
+    """Replay and reopen a segment log as the server recovers it: the snapshots, plus (with
+    ``done_keys_seen``) the keys of every record after them, make up the dedup memory."""
+    lg = SegmentLog(str(directory), segment_bytes, fsync=fsync)
+    rep = lg.replay()
+    seen = SeenKeys() if seen is None else seen
+    for snap in rep.seen:
+        seen.merge(snap)
+    if done_keys_seen:
+        for key in [*rep.done_keys, *rep.groups]:
+            seen.add(key)
+    lg.open(seen.snapshot)
+    return lg, rep, seen

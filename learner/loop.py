@@ -88,7 +88,7 @@ class LearnerLoop:
 
     def _fetch(self, t_start: float):
         """Block until a full batch of fresh-enough groups arrives (or the budget ends)."""
-        lc, want = self.cfg.learner, self.cfg.learner.groups_per_step
+        want = self.cfg.learner.groups_per_step
         groups: list = []
         while len(groups) < want and self.budget_left(t_start):
             batch = self.client.sample(want - len(groups), self.version, timeout_s=0.5)

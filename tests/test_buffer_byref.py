@@ -20,7 +20,7 @@ from buffer.server import MAX_REFS, BufferServer
 from buffer.staging import Staging, staged_seqs, staging_path
 from buffer.store import SeenKeys
 from buffer.synth import make_group
-from buffer.testing import ServerThread, make_config
+from buffer.testing import RawActor, ServerThread, make_config, reopen_log
 from core import net
 from core.messages import (BUFFER_TO_ACTOR, BUFFER_TO_LEARNER, Ack, Acks, GroupRef, GroupRefs, Hello,
                            SampleBatch, SampleRequest, decoder, encode, make_completion)
@@ -41,31 +41,6 @@ def wait_for(pred, timeout=10.0):
     while not pred():
         assert time.monotonic() < deadline, "condition not reached in time"
         time.sleep(0.005)
-
-
-class RawActor:
-    """A bare DEALER speaking the wire format, to see every ack (``Acks`` unpacked in order)."""
-
-    def __init__(self, cfg):
-        self.ctx = zmq.Context()
-        self.sock = net.socket(self.ctx, zmq.DEALER)
-        net.connect(self.sock, cfg.net.host, cfg.net.buffer_actor_port)
-        self.dec = decoder(BUFFER_TO_ACTOR)
-        self._queued = []
-
-    def send(self, msg):
-        self.sock.send(encode(msg))
-
-    def recv(self, timeout_ms=5000) -> Ack:
-        if not self._queued:
-            assert self.sock.poll(timeout_ms), "no answer from the buffer"
-            msg = self.dec.decode(self.sock.recv())
-            self._queued = list(msg.acks) if isinstance(msg, Acks) else [msg]
-        return self._queued.pop(0)
-
-    def close(self):
-        self.sock.close(linger=0)
-        self.ctx.term()
 
 
 def stage(st: Staging, group) -> GroupRef:
@@ -350,15 +325,7 @@ def test_actor_restarts_from_its_slots_while_the_buffer_was_down(tmp_path):
 
 
 def open_log(d, seen, segment_bytes=4096):
-    """As the server recovers: the snapshots, plus the keys of every record after them."""
-    lg = SegmentLog(str(d), segment_bytes, fsync="never")
-    rep = lg.replay()
-    for s in rep.seen:
-        seen.merge(s)
-    for key in [*rep.done_keys, *rep.groups]:
-        seen.add(key)
-    lg.open(seen.snapshot)
-    return lg, rep
+    return reopen_log(d, segment_bytes, seen, fsync="never")[:2]
 
 
 def settle(lg):

@@ -15,7 +15,7 @@ from buffer.client import ActorClient
 from buffer.persist import SegmentLog
 from buffer.store import SeenKeys
 from buffer.synth import make_group
-from buffer.testing import ServerThread, make_config
+from buffer.testing import ServerThread, make_config, reopen_log
 from core import net
 from core.messages import BUFFER_TO_ACTOR, BUFFER_TO_LEARNER, Ack, Acks, Hello, SampleRequest, decoder, encode
 
@@ -70,15 +70,7 @@ def wait_for(pred, timeout=10.0):
 
 
 def open_log(d, segment_bytes, seen):
-    """As the server recovers: the snapshots, plus the keys of every record after them."""
-    lg = SegmentLog(str(d), segment_bytes, fsync="batch")
-    rep = lg.replay()
-    for s in rep.seen:
-        seen.merge(s)
-    for key in [*rep.done_keys, *rep.groups]:
-        seen.add(key)
-    lg.open(seen.snapshot)
-    return lg
+    return reopen_log(d, segment_bytes, seen)[0]
 
 
 def test_ack_waits_for_the_background_fsync_while_the_next_groups_are_appended(tmp_path, gate):

@@ -9,6 +9,7 @@ from buffer import persist
 from buffer.persist import SegmentLog
 from buffer.store import SeenKeys
 from buffer.synth import make_group
+from buffer.testing import reopen_log
 from core.messages import encode
 
 
@@ -17,13 +18,7 @@ def raw(seq, actor="a", tokens=16):
 
 
 def open_log(d, segment_bytes=1 << 20, seen=None):
-    lg = SegmentLog(str(d), segment_bytes, fsync="batch")
-    rep = lg.replay()
-    seen = SeenKeys() if seen is None else seen
-    for s in rep.seen:
-        seen.merge(s)
-    lg.open(seen.snapshot)
-    return lg, rep
+    return reopen_log(d, segment_bytes, seen, done_keys_seen=False)[:2]
 
 
 def test_replay_rebuilds_resident_set_in_arrival_order(tmp_path):

@@ -12,9 +12,9 @@ import zmq
 
 from buffer.client import ActorClient, LearnerClient
 from buffer.synth import make_group
-from buffer.testing import ROOT, ServerThread, make_config
+from buffer.testing import ROOT, RawActor, ServerThread, make_config
 from core import net
-from core.messages import (BUFFER_TO_ACTOR, LEARNER_TO_BUFFER, Ack, Acks, Consumed, Hello, SampleBatch,
+from core.messages import (LEARNER_TO_BUFFER, Ack, Consumed, Hello, SampleBatch,
                            SampleRequest, decoder, encode)
 
 
@@ -27,31 +27,6 @@ def wait_for(pred, timeout=10.0):
     while not pred():
         assert time.monotonic() < deadline, "condition not reached in time"
         time.sleep(0.01)
-
-
-class RawActor:
-    """A bare DEALER speaking the wire format, to see every ack the server sends."""
-
-    def __init__(self, cfg):
-        self.ctx = zmq.Context()
-        self.sock = net.socket(self.ctx, zmq.DEALER)
-        net.connect(self.sock, cfg.net.host, cfg.net.buffer_actor_port)
-        self.dec = decoder(BUFFER_TO_ACTOR)
-        self._queued = []  # acks that arrived together in one Acks message
-
-    def send(self, msg):
-        self.sock.send(encode(msg) if not isinstance(msg, bytes) else msg)
-
-    def recv(self, timeout_ms=5000) -> Ack:
-        if not self._queued:
-            assert self.sock.poll(timeout_ms), "no answer from the buffer"
-            msg = self.dec.decode(self.sock.recv())
-            self._queued = list(msg.acks) if isinstance(msg, Acks) else [msg]
-        return self._queued.pop(0)
-
-    def close(self):
-        self.sock.close()
-        self.ctx.term()
 
 
 def test_stream_sample_consume_and_metrics(tmp_path):
