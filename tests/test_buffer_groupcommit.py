@@ -13,9 +13,10 @@ import zmq
 from buffer import persist
 from buffer.client import ActorClient
 from buffer.persist import SegmentLog
+from buffer.server import BufferServer
 from buffer.store import SeenKeys
 from buffer.synth import make_group
-from buffer.testing import ServerThread, make_config, reopen_log
+from buffer.testing import RawActor, ServerThread, make_config, reopen_log
 from core import net
 from core.messages import BUFFER_TO_ACTOR, BUFFER_TO_LEARNER, Ack, Acks, Hello, SampleRequest, decoder, encode
 
@@ -170,6 +171,30 @@ def test_a_failed_background_fsync_is_raised_in_the_loop(tmp_path, monkeypatch):
         lg.commit(wait=False)
     assert lg.durable < lg.written
     lg.close()
+
+
+@pytest.mark.parametrize("fsync", ["batch", "never"])
+def test_a_failed_write_on_the_io_thread_stops_the_server_loop(tmp_path, monkeypatch, fsync):
+    """Records are written by the log's I/O thread: a write error there (a full disk, say) must
+    surface in the loop -- never a hung thread, never an ack for a group not in the file."""
+    cfg = make_config(fsync=fsync)
+    srv = BufferServer(cfg, str(tmp_path))
+    try:
+        def full(fd, header, payload):
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(persist, "_write_all", full)
+        actor = RawActor(cfg)
+        actor.send(small("a", 0))
+        with pytest.raises(OSError, match="No space left"):
+            for _ in range(200):
+                srv.step(10)
+        assert srv.log.durable < srv.log.written
+        assert not actor.sock.poll(100), "an ack left for a group whose record was never written"
+        actor.close()
+    finally:
+        monkeypatch.undo()
+        srv.close()
 
 
 def test_group_commit_survives_compaction_and_close(tmp_path):
