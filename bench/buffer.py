@@ -31,6 +31,7 @@ each path costs the machine per group, not just how fast it went. Then each step
 is timed alone on one core. The last line is one JSON object: {"bench": "buffer", "ratio": ...}.
 
     python bench/buffer.py [--groups 5000] [--window 64] [--batch 16] [--repeats 5]
+    python bench/buffer.py --disk-check     # synced writes of group-sized records alone
 
 BENCH_PROFILE_DIR=DIR runs every subprocess under cProfile, writing DIR/*.prof.
 """
@@ -267,6 +268,39 @@ def stage_costs(groups, window: int) -> dict:
     return {k: round(v, 1) for k, v in out.items()}
 
 
+def disk_check(group_bytes: int, n: int = 2000, turn: int = 64) -> dict:
+    """Synced writes of group-sized records on this disk, two ways: buffered + fdatasync per turn
+    (what the segment log does) and O_DIRECT (no page cache), plus the CPU to read O_DIRECT
+    records back (they are not cached). ``--disk-check`` prints it; the run is ~1 s."""
+    import mmap
+
+    size = -(-group_bytes // 4096) * 4096  # O_DIRECT wants block-aligned lengths and offsets
+    buf = mmap.mmap(-1, size)  # page-aligned memory, as O_DIRECT wants
+    buf.write(os.urandom(size))
+    out = {}
+    with tempfile.TemporaryDirectory(dir=ROOT) as d:  # the disk runs live on, not a tmpfs
+        for name, flags in (("buffered", 0), ("o_direct", os.O_DIRECT)):
+            path = os.path.join(d, name)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | flags, 0o644)
+            os.posix_fallocate(fd, 0, n * size)
+            t0, cpu0 = time.perf_counter(), _self_cpu()
+            for i in range(n):
+                os.pwrite(fd, buf, i * size)
+                if i % turn == turn - 1:
+                    os.fdatasync(fd)
+            os.fdatasync(fd)
+            secs, cpu = time.perf_counter() - t0, _self_cpu() - cpu0
+            os.close(fd)
+            out[name] = {"mb_per_s": round(n * size / secs / 1e6), "cpu_us_per_group": round(cpu / n * 1e6, 1)}
+        fd = os.open(os.path.join(d, "o_direct"), os.O_RDONLY)
+        cpu0 = _self_cpu()
+        for i in range(n):
+            os.pread(fd, size, i * size)
+        out["o_direct"]["read_back_cpu_us_per_group"] = round((_self_cpu() - cpu0) / n * 1e6, 1)
+        os.close(fd)
+    return out
+
+
 # ---- main ---------------------------------------------------------------------------------------
 
 
@@ -287,6 +321,8 @@ def main() -> None:
     ap.add_argument("--completions", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--fsync", default="batch", choices=["always", "batch", "never"])
+    ap.add_argument("--disk-check", action="store_true",
+                    help="only measure synced writes of group-sized records: buffered vs O_DIRECT")
     ap.add_argument("--config")
     ap.add_argument("--port", type=int)
     ap.add_argument("--run-dir")
@@ -296,6 +332,13 @@ def main() -> None:
         return consumer(args.config, args.groups, args.batch, args.run_dir, bool(args.by_ref))
     if args.role == "puller":
         return puller(args.port, args.groups)
+    if args.disk_check:
+        size = len(encode(make_group("bench", 0, completions=args.completions, tokens=args.tokens, ragged=False)))
+        res = disk_check(size)
+        for k, v in res.items():
+            print(f"{k:<10}" + "  ".join(f"{a} {b}" for a, b in v.items()))
+        print(json.dumps({"bench": "buffer_disk", "group_bytes": size, **res}))
+        return None
 
     groups = [make_group("bench", i, completions=args.completions, tokens=args.tokens, ragged=False)
               for i in range(TEMPLATES)]
