@@ -21,7 +21,8 @@ the buffer restarted) and never returns a group key twice: after a buffer restar
 A batch arrives as a header frame plus one frame per group (see :mod:`buffer.server`) and is
 returned as one ``SampleBatch`` holding ``RolloutGroup`` objects, as if it were one message. With
 ``run_dir`` it asks ``by_ref`` and reads the groups from the buffer's segment log itself, before
-it returns the batch (the buffer relies on that: see its docstring), checking each record's crc.
+it returns the batch (the buffer relies on that: see its docstring), checking each record's header
+(its own crc, segment number and length) against the ref.
 """
 
 from __future__ import annotations
@@ -42,8 +43,7 @@ from buffer import persist
 from buffer.staging import Staging, staging_path
 from core import net
 from core.messages import (BUFFER_TO_ACTOR, BUFFER_TO_LEARNER, Ack, Acks, Consumed, GroupRef, GroupRefs, Hello,
-                           RolloutGroup,
-                           SampleBatch, SampleRequest, Shutdown, StoredRef, decoder, encode)
+                           RolloutGroup, SampleBatch, SampleRequest, Shutdown, StoredRef, decoder, encode)
 
 log = logging.getLogger("driftrl.buffer.client")
 

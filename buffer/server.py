@@ -5,8 +5,9 @@ Actor port (DEALERs): ``Hello`` -> ``Ack(status="hello", seq=next unused seq)``;
 accepted group dropped as stale -> ``Ack(status="dropped", reason="stale")`` to its actor's last
 identity. A ``GroupRef`` comes from an actor on this host: the group's bytes wait in its
 staging slot (:mod:`buffer.staging`); a resend of a key already accepted is answered from the
-key alone, anything else is read from the slot, checked against the ref (seq, length, crc32c),
-decoded and validated exactly like a group off the socket, and copied into the segment log.
+key alone, anything else is read from the slot, its header checked against the ref (seq, length,
+the crc32c the actor recorded), decoded and validated exactly like a group off the socket, and
+copied into the segment log.
 Learner port (DEALERs): ``SampleRequest`` is held until ``num_groups`` fresh groups exist, then
 answered with a ``SampleBatch`` whose groups are leased to that learner; ``Consumed`` retires
 them; a learner ``Hello`` releases what an earlier incarnation of that learner id still held.
@@ -64,11 +65,9 @@ from buffer.staging import StagingError, StagingReader
 from buffer.store import Entry, Store, entry_from_group
 from core import config as C
 from core import net
-from core.messages import (ACTOR_TO_BUFFER_VIEW, LEARNER_TO_BUFFER, SCHEMA_VERSION, Ack, Consumed, GroupRef,
-                           GroupRefs,
-                           Acks, Heartbeat, Hello, InvalidMessage, RolloutGroupView, SampleBatch,
-                           SampleRequest,
-                           StoredRef, decoder, encode, validate_group)
+from core.messages import (ACTOR_TO_BUFFER_VIEW, LEARNER_TO_BUFFER, SCHEMA_VERSION, Ack, Acks, Consumed,
+                           GroupRef, GroupRefs, Heartbeat, Hello, InvalidMessage, RolloutGroupView,
+                           SampleBatch, SampleRequest, StoredRef, decoder, encode, validate_group)
 
 log = logging.getLogger("driftrl.buffer")
 
@@ -88,7 +87,7 @@ MAX_BATCH_GROUPS = 16
 ZERO_COPY_BYTES = 64 << 10  # below this, pyzmq's zero-copy bookkeeping costs more than a copy
 POLL_MS = 100  # upper bound on reaction time to stop_event; arrivals wake the poll at once
 METRICS_EVERY_S = 1.0
-UNREAD_REFS_S = 30.0  # a learner that has not asked again by then is taken to have read its refs
+UNREAD_REFS_S = 30.0  # a learner silent about its refs this long is taken to have read them (or died)
 
 
 @dataclass
