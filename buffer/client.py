@@ -28,6 +28,7 @@ it returns the batch (the buffer relies on that: see its docstring), checking ea
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import mmap
 import os
@@ -74,10 +75,9 @@ def _try_send(sock: zmq.Socket, payload: bytes) -> bool:
 
 
 def _unmap(mm: mmap.mmap) -> None:
-    try:
+    # a view still alive (an exception's traceback) keeps the mapping: it is unmapped when that dies
+    with contextlib.suppress(BufferError):
         mm.close()
-    except BufferError:  # a view is still alive (an exception traceback): unmapped when it dies
-        pass
 
 
 class _Pending:

@@ -516,9 +516,9 @@ class SegmentLog:
             os.close(self._fd)
             self._fd = -1
 
-    def _close_read_fds(self, keep=()) -> None:
-        for num in [n for n in self._read_fds if n not in keep]:
-            os.close(self._read_fds.pop(num))
+    def _close_read_fds(self) -> None:
+        while self._read_fds:
+            os.close(self._read_fds.popitem()[1])
 
     @property
     def disk_bytes(self) -> int:

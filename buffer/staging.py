@@ -25,6 +25,7 @@ shrank would fault on read.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import mmap
 import os
@@ -113,10 +114,6 @@ class Staging:
         taken = {slot for _, slot, _ in out}
         self._free = [s for s in self._free if s not in taken]
         return sorted(out)
-
-    @property
-    def free_slots(self) -> int:
-        return len(self._free)
 
     def put(self, seq: int, payload: bytes) -> tuple[int, int]:
         """Stage ``payload``; returns ``(slot, crc)``. The caller keeps at most ``nslots`` pending."""
@@ -223,10 +220,10 @@ class StagingReader:
     def _drop(self, actor_id: str) -> None:
         m = self._maps.pop(actor_id, None)
         if m is not None:
-            try:
+            # a view still alive (a queued log write holds one until written) keeps the mapping
+            # until that view dies; the GC unmaps it then
+            with contextlib.suppress(BufferError):
                 m[0].close()
-            except BufferError:  # a view of it is still alive somewhere: the GC unmaps it later
-                pass
 
     def close(self) -> None:
         for a in list(self._maps):
