@@ -1,0 +1,71 @@
+"""The one place driftrl makes a file or a directory appear atomically and durably.
+
+A reader (a restarted role, ``transformers``, an operator) sees either the old content or the new,
+never a half-written file: data goes to a temporary name in the same directory, is fsynced, and
+is renamed into place; the directory is fsynced so the rename itself survives a power cut.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+
+def fsync_path(path: str) -> None:
+    """fsync a file or a directory by path (a directory fsync makes renames inside it durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: str) -> None:
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            fsync_path(os.path.join(root, name))
+        fsync_path(root)
+
+
+def atomic_write(path: str, data: bytes, durable: bool = True) -> None:
+    """Write ``data`` to ``path`` through a temporary file and a rename (fsynced if ``durable``)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+    if durable:
+        fsync_path(os.path.dirname(os.path.abspath(path)))
+
+
+def atomic_dir(final: str, write, marker: str | None = None) -> str:
+    """Call ``write(tmp_dir)``, then make its result appear at ``final`` atomically.
+
+    An existing ``final`` is kept (renamed aside) until the new one is in place, so a crash in
+    between leaves a complete copy. ``marker``, if given, is written last inside ``final``: a
+    reader that requires it never picks up a directory whose rename did not finish.
+    """
+    parent = os.path.dirname(os.path.abspath(final))
+    os.makedirs(parent, exist_ok=True)
+    base = os.path.basename(final)
+    tmp = os.path.join(parent, f".tmp-{base}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        write(tmp)
+        fsync_tree(tmp)
+        old = None
+        if os.path.exists(final):
+            old = os.path.join(parent, f".old-{base}-{os.getpid()}")
+            os.rename(final, old)
+        os.rename(tmp, final)
+        if old:
+            shutil.rmtree(old, ignore_errors=True)
+        if marker:
+            atomic_write(os.path.join(final, marker), b"ok\n")
+        fsync_path(parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
