@@ -354,3 +354,13 @@ def make_completion(tokens, logprobs, versions, finish_reason: str, reward: floa
         finish_reason=finish_reason,
         reward=float(reward),
     )
+
+
+def group_from_samples(samples, rewards, *, actor_id: str, seq: int, group_id: str, task: str, tier: str,
+                       prompt, start_version: int, created_at: float = 0.0) -> RolloutGroup:
+    """The one way a prompt and its G engine samples (objects with ``tokens``, ``logprobs``,
+    ``versions``, ``finish_reason``) become a RolloutGroup; ``rewards`` are one per sample."""
+    comps = [make_completion(s.tokens, s.logprobs, s.versions, s.finish_reason, r) for s, r in zip(samples, rewards)]
+    return RolloutGroup(actor_id=actor_id, seq=seq, group_id=group_id, task=task, tier=tier,
+                        prompt_tokens=np.asarray(prompt, dtype=TOKEN_DTYPE).tobytes(), completions=comps,
+                        start_version=start_version, created_at=created_at)
