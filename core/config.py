@@ -36,6 +36,7 @@ class RunSection(_Section):
     ckpt_every: NonNegInt = 0  # learner steps between checkpoints; 0 = final only
     # a crashed actor or buffer is restarted (its data survives: spool / segment log) this often
     max_restarts: NonNegInt = 3
+    launcher: Literal["local"] = "local"  # core/launchers/: how roles are started and watched
 
 
 class ModelSection(_Section):
@@ -56,14 +57,14 @@ class ModelSection(_Section):
 
 
 class TaskSection(_Section):
-    name: Literal["arith"] = "arith"
+    name: Literal["arith"] = "arith"  # actor/tasks/
     digits: Annotated[int, Meta(ge=1, le=6)] = 2
     eval_frac: Annotated[float, Meta(gt=0, lt=1)] = 0.1
 
 
 class ActorSection(_Section):
     num_actors: PosInt = 1
-    engine: Literal["torch"] = "torch"  # the SGLang engine arrives with the GPU path
+    engine: Literal["torch"] = "torch"  # actor/engines/ (the SGLang engine arrives with the GPU path)
     group_size: Annotated[int, Meta(ge=2)] = 8
     groups_per_batch: PosInt = 16  # prompts decoded together by one engine batch
     max_new_tokens: PosInt = 8
@@ -89,6 +90,7 @@ class BufferSection(_Section):
 
 
 class LearnerSection(_Section):
+    backend: Literal["torch"] = "torch"  # learner/backends/
     groups_per_step: PosInt = 16
     lr: PosFloat = 1e-4
     weight_decay: NonNegFloat = 0.0
