@@ -58,6 +58,8 @@ from typing import Callable, Iterable
 import crc32c
 import msgspec
 
+from core.files import fsync_path
+
 log = logging.getLogger("driftrl.buffer.persist")
 
 HEADER = struct.Struct("<IIIBI")  # hcrc, pcrc, length, kind, seg
@@ -67,9 +69,9 @@ FREE_FILES = 4  # deleted segments kept for reuse
 _crc = crc32c.crc32c
 
 
-def encode_record(kind: int, payload, seg: int, pcrc: int | None = None) -> bytes:
-    """The header of ``payload``; ``pcrc`` when the caller already holds its crc32c."""
-    rest = _REST.pack(_crc(payload) if pcrc is None else pcrc, len(payload), kind, seg)
+def encode_record(kind: int, payload, seg: int) -> bytes:
+    """The header of ``payload`` in segment ``seg``."""
+    rest = _REST.pack(_crc(payload), len(payload), kind, seg)
     return struct.pack("<I", _crc(rest)) + rest
 
 
@@ -104,11 +106,6 @@ def scan(data, seg: int | None = None):
         out.append((pos, kind, payload))
 
 
-def iter_records(data, seg: int | None = None):
-    """Yield ``(offset_after, kind, payload_view)`` of this life's records (see :func:`scan`)."""
-    yield from scan(data, seg)[0]
-
-
 def _write_all(fd: int, header: bytes, payload) -> None:
     """One writev for header + payload (no concatenation copy), finishing a short write."""
     n = os.writev(fd, [header, payload])
@@ -138,18 +135,10 @@ class Replay:
     corrupt: int  # segments whose last record was torn
 
 
-# the one way this module syncs: tests gate it to see what waits for the disk. fdatasync: the
-# data and what is needed to read it back (a grown size), without the mtime; a recycled segment
-# does not grow, so its syncs write no inode and commit no journal transaction
+# how this module syncs segment files: tests gate it to see what waits for the disk. fdatasync:
+# the data and what is needed to read it back (a grown size), without the mtime; a recycled
+# segment does not grow, so its syncs write no inode and commit no journal transaction
 _fsync = os.fdatasync
-
-
-def _fsync_dir(path: str) -> None:
-    dfd = os.open(path, os.O_RDONLY)
-    try:
-        _fsync(dfd)
-    finally:
-        os.close(dfd)
 
 
 class _FreePool:
@@ -200,9 +189,8 @@ class _Flusher:
     loop's receiving and validating the next groups. ``written`` is the LSN up to which records
     are in the page cache, ``durable`` the one up to which they are durable per the policy
     (``never``: the same). After each round the thread writes a byte to ``wake_fd`` so the
-    loop's poller wakes to release what waited for it. A queued payload must stay valid until
-    ``written`` passes it: the server only acks a group once it has, and a staged group's slot
-    is reused only after its ack. A rolled segment's fd is handed over (:meth:`switch`), never
+    loop's poller wakes to release what waited for it. A queued payload is the received frame
+    itself, kept alive by the write queue until it is written. A rolled segment's fd is handed over (:meth:`switch`), never
     closed by the loop, so no fd is closed under a running write or fsync. Deleting a segment
     (:meth:`unlink`, ~5 ms for 16 MB here) happens here too. A failed write or fsync is fatal
     (the kernel may have dropped the dirty pages): it is kept in ``error`` and re-raised by
@@ -263,10 +251,10 @@ class _Flusher:
                 self._target = lsn
                 self._cond.notify()
 
-    def wait(self, lsn: int, durable: bool = True) -> None:
-        """Block until ``lsn`` is durable (or, ``durable=False``, written)."""
+    def wait(self, lsn: int) -> None:
+        """Block until ``lsn`` is durable."""
         with self._cond:
-            while (self.durable if durable else self.written) < lsn and self.error is None:
+            while self.durable < lsn and self.error is None:
                 self._cond.wait()
         self.check()
 
@@ -314,7 +302,7 @@ class _Flusher:
             try:
                 for wfd, header, payload, _ in writes:
                     _write_all(wfd, header, payload)
-                del writes  # let go of the payloads (views into staging slots, frames) at once
+                del writes  # let go of the payloads (received frames) at once
                 if not self.sync:
                     self._publish(written, written)
                 for old in sealed:
@@ -326,7 +314,7 @@ class _Flusher:
                     _fsync(fd)  # everything written so far, which covers target
                     durable = written
                 if self.sync and dir_dirty:
-                    _fsync_dir(self.dir)
+                    fsync_path(self.dir)
                 for path in unlink:  # in gc() order: the invariants of a synchronous gc() hold
                     self.pool.retire(path)
             except Exception as e:  # noqa: BLE001 -- any failure here must stop the loop, not hang it
@@ -358,7 +346,7 @@ class SegmentLog:
         self.segment_bytes = segment_bytes
         self.fsync = fsync
         self.segments: dict[int, Segment] = {}
-        self.loc: dict = {}  # resident key -> (segment number, record offset, payload length)
+        self.loc: dict = {}  # resident key -> (segment number, payload length)
         self.live_bytes = 0
         self.active: Segment | None = None
         self._fd = -1
@@ -368,7 +356,6 @@ class SegmentLog:
         self._flusher = None if fsync == "always" else _Flusher(directory, self.pool, sync=fsync == "batch")
         self.compactions = 0
         self.recycled = 0  # rolls that reused a free file
-        self._read_fds: dict[int, int] = {}
         os.makedirs(directory, exist_ok=True)
 
     @property
@@ -411,14 +398,14 @@ class SegmentLog:
             with open(path, "rb") as f:
                 data = f.read()
             records, end, torn = scan(data, num)
-            for after, kind, payload in records:
+            for _after, kind, payload in records:
                 if kind == GROUP:
                     key = _group_key(payload)
                     if key is None:
                         continue
                     groups.pop(key, None)  # a compaction copy supersedes the original
                     groups[key] = bytes(payload)
-                    self._place(key, seg, after - len(payload) - HEADER.size, len(payload))
+                    self._place(key, seg, len(payload))
                 elif kind == DONE:
                     _reason, keys = msgspec.msgpack.decode(payload)
                     keys = [(a, s) for a, s in keys]
@@ -456,36 +443,17 @@ class SegmentLog:
         if self.active.size > 0 and self.active.size + HEADER.size + nbytes > self.segment_bytes:
             self._roll()
 
-    def append_group(self, key, raw, pcrc: int | None = None) -> None:
-        """Append ``raw`` (``pcrc``: its crc32c when the caller already checked it)."""
+    def append_group(self, key, raw) -> None:
+        """Append the encoded group ``raw`` (bytes or a received frame, written as is)."""
         self.make_room(len(raw))
-        offset = self.active.size
-        self._write(GROUP, raw, pcrc)
-        self._place(key, self.active, offset, len(raw))
+        self._write(GROUP, raw)
+        self._place(key, self.active, len(raw))
 
     def append_done(self, keys: list, reason: str) -> None:
         if not keys:
             return
         self._write(DONE, msgspec.msgpack.encode([reason, keys]))
         self._cancel(keys, self.active)
-
-    def where(self, key) -> tuple[int, int, int] | None:
-        """``(segment, record offset, payload length)`` of a resident group's record."""
-        return self.loc.get(key)
-
-    def read(self, key) -> bytes:
-        """A resident group's payload, read back from its segment (checked against its crc)."""
-        num, offset, n = self.loc[key]
-        if self._flusher is not None and self._flusher.running:
-            self._flusher.wait(self.written, durable=False)  # it may still be in the write queue
-        fd = self._read_fds.get(num)
-        if fd is None:
-            fd = self._read_fds[num] = os.open(self.segments[num].path, os.O_RDONLY)
-        data = os.pread(fd, HEADER.size + n, offset)
-        h = parse_header(data, 0, num)
-        if h is None or h[1] != n or _crc(memoryview(data)[HEADER.size:]) != h[0]:
-            raise OSError(f"record of {key} in {self.segments[num].path} at {offset} does not read back")
-        return data[HEADER.size:]
 
     def commit(self, wait: bool = True) -> None:
         """Make everything written so far durable; ``wait=False`` (the server loop, ``batch``)
@@ -507,7 +475,6 @@ class SegmentLog:
             self._flusher.close()
             self._flusher = None
         self._close_fd(sync=not failed)
-        self._close_read_fds()
 
     def _close_fd(self, sync: bool = True) -> None:
         if self._fd >= 0:
@@ -515,10 +482,6 @@ class SegmentLog:
                 _fsync(self._fd)
             os.close(self._fd)
             self._fd = -1
-
-    def _close_read_fds(self) -> None:
-        while self._read_fds:
-            os.close(self._read_fds.popitem()[1])
 
     @property
     def disk_bytes(self) -> int:
@@ -530,8 +493,8 @@ class SegmentLog:
         """What the log occupies on disk: the segment files, recycled ones whole, and the pool."""
         return sum(max(s.size, s.alloc) for s in self.segments.values()) + self.pool.nbytes()
 
-    def _write(self, kind: int, payload, pcrc: int | None = None) -> None:
-        header = encode_record(kind, payload, self.active.num, pcrc)
+    def _write(self, kind: int, payload) -> None:
+        header = encode_record(kind, payload, self.active.num)
         size = HEADER.size + len(payload)
         self.active.size += size
         self.written += size
@@ -542,12 +505,12 @@ class SegmentLog:
         if self.fsync == "always":
             _fsync(self._fd)
 
-    def _place(self, key, seg: Segment, offset: int, n: int) -> None:
+    def _place(self, key, seg: Segment, n: int) -> None:
         old = self.loc.get(key)
         if old is not None:  # replay of a compaction copy
             self.segments[old[0]].live -= 1
-            self.live_bytes -= HEADER.size + old[2]
-        self.loc[key] = (seg.num, offset, n)
+            self.live_bytes -= HEADER.size + old[1]
+        self.loc[key] = (seg.num, n)
         seg.live += 1
         self.live_bytes += HEADER.size + n
 
@@ -557,7 +520,7 @@ class SegmentLog:
             if where is None:
                 continue
             origin = where[0]
-            self.live_bytes -= HEADER.size + where[2]
+            self.live_bytes -= HEADER.size + where[1]
             self.segments[origin].live -= 1
             if origin != seg.num:
                 seg.refs.add(origin)
@@ -592,7 +555,7 @@ class SegmentLog:
         if self.fsync == "never":
             return
         _fsync(self._fd)
-        _fsync_dir(self.dir)
+        fsync_path(self.dir)
 
     # ---- bounding the disk -------------------------------------------------------------------
 
@@ -610,9 +573,6 @@ class SegmentLog:
                 self._flusher.unlink(seg.path)
             else:
                 self.pool.retire(seg.path)
-            fd = self._read_fds.pop(num, None)
-            if fd is not None:
-                os.close(fd)
             del self.segments[num]
             removed += 1
         return removed
@@ -632,7 +592,7 @@ class SegmentLog:
         return True
 
     def compact(self, resident: Callable[[], Iterable[tuple]]) -> None:
-        """``resident()`` yields ``(key, payload or None)``; None: read it back from the log."""
+        """``resident()`` yields ``(key, encoded group)`` for every resident group."""
         background = self._flusher is not None and self._flusher.running
         if background:  # rare: do it synchronously, with every earlier record already on disk
             self._fd = self._flusher.stop(self.written)
@@ -642,11 +602,13 @@ class SegmentLog:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         new = Segment(num, path)
         placed = []
+        records = [(SEEN, None, msgspec.msgpack.encode(self._snapshot()))]
+        records += [(GROUP, key, raw) for key, raw in resident()]
         try:
-            for kind, key, payload in self._compact_records(resident):
+            for kind, key, payload in records:
                 _write_all(fd, encode_record(kind, payload, num), payload)
                 if kind == GROUP:
-                    placed.append((key, new.size, len(payload)))
+                    placed.append((key, len(payload)))
                 new.size += HEADER.size + len(payload)
             if self.fsync != "never":
                 _fsync(fd)
@@ -654,13 +616,12 @@ class SegmentLog:
             os.close(fd)
         os.replace(tmp, path)
         self._close_fd()
-        self._close_read_fds()
         old = list(self.segments.values())
         self.segments = {num: new}
         self.loc.clear()
         self.live_bytes = 0
-        for key, offset, n in placed:
-            self._place(key, new, offset, n)
+        for key, n in placed:
+            self._place(key, new, n)
         self.active = new
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND)
         self._sync_new_file()  # the rename is durable before the originals go
@@ -670,11 +631,6 @@ class SegmentLog:
             self._flusher.start(self._fd, self.written)
         self.compactions += 1
         log.info("compacted %d segments into %s (%d resident groups)", len(old), path, len(placed))
-
-    def _compact_records(self, resident):
-        yield SEEN, None, msgspec.msgpack.encode(self._snapshot())
-        for key, raw in resident():
-            yield GROUP, key, raw if raw is not None else self.read(key)
 
 
 def seg_name(num: int) -> str:

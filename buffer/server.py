@@ -1,37 +1,29 @@
 """The replay-buffer process: two ROUTER sockets around a :class:`buffer.store.Store`.
 
 Actor port (DEALERs): ``Hello`` -> ``Ack(status="hello", seq=next unused seq)``;
-``RolloutGroup`` or ``GroupRef`` -> ``Ack`` ok | duplicate | busy | rejected(reason); later, an
-accepted group dropped as stale -> ``Ack(status="dropped", reason="stale")`` to its actor's last
-identity. A ``GroupRef`` comes from an actor on this host: the group's bytes wait in its
-staging slot (:mod:`buffer.staging`); a resend of a key already accepted is answered from the
-key alone, anything else is read from the slot, its header checked against the ref (seq, length,
-the crc32c the actor recorded), decoded and validated exactly like a group off the socket, and
-copied into the segment log.
+``RolloutGroup`` -> ``Ack`` ok | duplicate | busy | rejected(reason); later, an accepted group
+dropped as stale -> ``Ack(status="dropped", reason="stale")`` to its actor's last identity.
 Learner port (DEALERs): ``SampleRequest`` is held until ``num_groups`` fresh groups exist, then
 answered with a ``SampleBatch`` whose groups are leased to that learner; ``Consumed`` retires
 them; a learner ``Hello`` releases what an earlier incarnation of that learner id still held.
-A batch travels as one multipart message: frame 0 is the encoded ``SampleBatch`` with an empty
-``groups`` list, frames 1..n are the groups, each the exact frame its actor sent, forwarded
-without a copy (ZeroMQ shares the received buffer); :class:`buffer.client.LearnerClient`
-reassembles the ``SampleBatch``. Groups never get re-encoded on their way through the buffer.
-A learner on this host asks ``by_ref``: its batch is one frame whose ``refs`` locate each
-group's record in the segment log, which the learner reads itself (the bytes cross no socket).
-A segment is never recycled while it holds a leased group, and a compaction (which moves
-records) waits until every learner that was sent refs has said it read them (a later
-``SampleRequest`` whose ``read_through`` covers that batch: ``LearnerClient`` reads a batch as
-it receives it) or ``UNREAD_REFS_S`` has passed.
+
+Group bytes travel inside the ZeroMQ frames and are never re-encoded on their way through: the
+buffer decodes a group only to validate it, keeps the received frame, appends it to the segment
+log as is and forwards it to the learner. A batch is one multipart message: frame 0 is the
+encoded ``SampleBatch`` with an empty ``groups`` list, frames 1..n are the groups, each the exact
+frame its actor sent (ZeroMQ shares the buffer, no copy); :class:`buffer.client.LearnerClient`
+reassembles the ``SampleBatch``.
 
 One loop turn: poll -> learner messages, serve held requests -> a bounded batch of actor
 messages (each accepted group appended to the segment log), serve again -> hand the log to its
 flusher (``buffer.fsync = batch``: group commit in a background thread) -> send what has become
-durable. Every outgoing message is
-queued with the log position (LSN) it depends on -- the end of its group's record for an ``ok``
-ack or a batch, everything written so far for the rest -- and leaves, in order per socket, only
-once the log is durable up to there: no ack and no batch ever leaves before the records it
-depends on are durable, while the next groups are received, validated and appended during the
-fsync. The learner goes first so that its round trip, which paces the whole pipeline, does not
-queue behind a flood of actor messages.
+durable -> compact the log when due. Every outgoing message is queued with the log position
+(LSN) it depends on -- the end of its group's record for an ``ok`` ack or a batch, everything
+written so far for the rest -- and leaves, in order per socket, only once the log is durable up
+to there: no ack and no batch ever leaves before the records it depends on are durable, while
+the next groups are received, validated and appended during the fsync. The learner goes first
+so that its round trip, which paces the whole pipeline, does not queue behind a flood of actor
+messages.
 
 Hostile input: frames above ``buffer.max_frame_bytes`` are counted as ``oversize`` without
 being decoded (ZeroMQ's own MAXMSGSIZE sits a little higher, as a memory guard that drops the
@@ -61,13 +53,13 @@ import msgspec
 import zmq
 
 from buffer.persist import SegmentLog
-from buffer.staging import StagingError, StagingReader
 from buffer.store import Entry, Store, entry_from_group
 from core import config as C
 from core import net
-from core.messages import (ACTOR_TO_BUFFER_VIEW, LEARNER_TO_BUFFER, SCHEMA_VERSION, Ack, Acks, Consumed,
-                           GroupRef, GroupRefs, Heartbeat, Hello, InvalidMessage, RolloutGroupView,
-                           SampleBatch, SampleRequest, StoredRef, decoder, encode, validate_group)
+from core.files import atomic_write
+from core.messages import (ACTOR_TO_BUFFER, LEARNER_TO_BUFFER, SCHEMA_VERSION, Ack, Acks, Consumed, Hello,
+                           InvalidMessage, RolloutGroup, SampleBatch, SampleRequest, decoder, encode,
+                           validate_group)
 
 log = logging.getLogger("driftrl.buffer")
 
@@ -80,14 +72,9 @@ ZMQ_SLACK_BYTES = 64 << 10
 MAX_BATCH_MSGS = 8
 MAX_BATCH_BYTES = 4 << 20
 MAX_ID_CHARS = 128
-MAX_REFS = 1024  # GroupRefs per message
-# groups per turn, a GroupRefs message counting each: a turn stays ~0.5 ms, so a waiting learner is
-# served often (16 measured ~10% faster than 32 in bench/buffer.py, 8 no better)
-MAX_BATCH_GROUPS = 16
 ZERO_COPY_BYTES = 64 << 10  # below this, pyzmq's zero-copy bookkeeping costs more than a copy
 POLL_MS = 100  # upper bound on reaction time to stop_event; arrivals wake the poll at once
 METRICS_EVERY_S = 1.0
-UNREAD_REFS_S = 30.0  # a learner silent about its refs this long is taken to have read them (or died)
 
 
 @dataclass
@@ -108,15 +95,11 @@ class BufferServer:
         self.learner_version: int | None = None  # latest the learner told us
         self.corrupt_segments = 0
         self.send_failed = 0
-        # zero-copy: the arrays stay views into the frame, which the buffer keeps or logs as is
-        self._actor_dec = decoder(ACTOR_TO_BUFFER_VIEW)
+        self._actor_dec = decoder(ACTOR_TO_BUFFER)
         self._learner_dec = decoder(LEARNER_TO_BUFFER)
-        self._group_dec = decoder(RolloutGroupView)
+        self._group_dec = decoder(RolloutGroup)
         self._actor_ident: dict[str, bytes] = {}  # actor id -> socket identity, for late acks
         self._learners: dict[bytes, _Learner] = {}
-        self._staging = StagingReader(run_dir)
-        # learner ident -> (request id, when) of a by-ref batch it has not yet said it read
-        self._unread: dict[bytes, tuple[int, float]] = {}
         # per socket, in queueing order: (frames, log position they wait for)
         self._outbox: dict[str, deque[tuple[list, int]]] = {"actor": deque(), "learner": deque()}
         self._next_metrics = 0.0
@@ -197,7 +180,6 @@ class BufferServer:
             self.log.drain_wake()
         if self.learner_sock in ready:  # first: see the module docstring
             self._drain(self.learner_sock, self._on_learner)
-            self._maybe_compact()  # here, between a learner's new request and its next refs
             self._serve_requests()
             self._flush_outbox()
         if self.actor_sock in ready:
@@ -213,7 +195,7 @@ class BufferServer:
             self._report()
 
     def _drain(self, sock: zmq.Socket, handle) -> None:
-        nbytes = groups = 0
+        nbytes = 0
         for _ in range(MAX_BATCH_MSGS):
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -225,74 +207,30 @@ class BufferServer:
                 continue
             payload = frames[1]  # a zmq.Frame: decoded, logged and forwarded without a copy
             nbytes += len(payload)
-            groups += handle(ident, payload) or 1
-            if nbytes >= MAX_BATCH_BYTES or groups >= MAX_BATCH_GROUPS:
+            handle(ident, payload)
+            if nbytes >= MAX_BATCH_BYTES:
                 return
 
     # ---- actors ------------------------------------------------------------------------------
 
-    def _on_actor(self, ident: bytes, data) -> int:
-        """Handle one actor message; returns how many groups it carried (the turn's budget)."""
+    def _on_actor(self, ident: bytes, data) -> None:
         msg = self._decode(self._actor_dec, data, ident, actor=True)
-        if msg is None:
-            return 1
-        if isinstance(msg, GroupRefs):
-            if len(msg.refs) > MAX_REFS:
-                self.invalid["too_many_refs"] += 1
-                return 1
-            for ref in msg.refs:
-                self._on_ref(ident, ref)
-            return len(msg.refs)
-        if isinstance(msg, GroupRef):
-            self._on_ref(ident, msg)
-        elif isinstance(msg, RolloutGroupView):
+        if isinstance(msg, RolloutGroup):
             self._on_group(ident, msg, data)
         elif isinstance(msg, Hello):
-            if msg.schema_version != SCHEMA_VERSION or len(msg.id) > MAX_ID_CHARS:
-                reason = "schema_version" if msg.schema_version != SCHEMA_VERSION else "bad_actor_id"
-                self.invalid[reason] += 1
-                self._ack(ident, Ack(msg.id[:MAX_ID_CHARS], -1, "rejected", reason))
-                return
-            self._actor_ident[msg.id] = ident
-            # tells an actor that lost its local counter where its seq numbering resumes
-            self._ack(ident, Ack(msg.id, self.store.seen.next_seq(msg.id), "hello"))
-        elif isinstance(msg, Heartbeat) and len(msg.id) <= MAX_ID_CHARS:
-            self._actor_ident[msg.id] = ident
-        return 1
+            self._on_actor_hello(ident, msg)
 
-    def _on_ref(self, ident: bytes, ref: GroupRef) -> None:
-        actor, seq = ref.actor_id, ref.seq
-        if len(actor) > MAX_ID_CHARS or seq < 0:
-            self._reject(ident, actor, seq, "bad_actor_id" if len(actor) > MAX_ID_CHARS else "negative_id")
+    def _on_actor_hello(self, ident: bytes, msg: Hello) -> None:
+        if msg.schema_version != SCHEMA_VERSION or len(msg.id) > MAX_ID_CHARS:
+            reason = "schema_version" if msg.schema_version != SCHEMA_VERSION else "bad_actor_id"
+            self.invalid[reason] += 1
+            self._ack(ident, Ack(msg.id[:MAX_ID_CHARS], -1, "rejected", reason))
             return
-        self._actor_ident[actor] = ident
-        if self.store.duplicate((actor, seq)):  # a resend: its slot may already hold another group
-            self._ack(ident, Ack(actor, seq, "duplicate"), self._durable_lsn((actor, seq)))
-            return
-        if ref.length > self.max_frame:
-            self._reject(ident, actor, seq, "oversize")
-            return
-        try:
-            view = self._staging.read(actor, seq, ref.slot, ref.length, ref.crc)
-        except StagingError as e:
-            self._reject(ident, actor, seq, e.reason)
-            return
-        try:
-            g = self._group_dec.decode(view)
-        except msgspec.ValidationError:
-            self._reject(ident, actor, seq, "bad_fields")
-            return
-        except msgspec.DecodeError:
-            self._reject(ident, actor, seq, "decode_error")
-            return
-        if g.key != (actor, seq):
-            self._reject(ident, actor, seq, "ref_mismatch")
-            return
-        # the slot is the actor's until the ack: keep a copy only where no log will hold one
-        self._on_group(ident, g, view, ref.crc, keep=self.log is None)
+        self._actor_ident[msg.id] = ident
+        # tells an actor that lost its local counter where its seq numbering resumes
+        self._ack(ident, Ack(msg.id, self.store.seen.next_seq(msg.id), "hello"))
 
-    def _on_group(self, ident: bytes, g: RolloutGroupView, raw, pcrc: int | None = None,
-                  keep: bool = True) -> None:
+    def _on_group(self, ident: bytes, g: RolloutGroup, raw) -> None:
         try:
             if len(g.actor_id) > MAX_ID_CHARS:
                 raise InvalidMessage("bad_actor_id")
@@ -306,11 +244,9 @@ class BufferServer:
             self.log.make_room(len(raw))  # before offer() marks the key seen: see make_room
         status, reason = self.store.offer(entry, self.learner_version)
         lsn = 0  # busy / rejected promise nothing about the disk
-        if status == "ok":
-            entry.raw = (raw if isinstance(raw, (bytes, zmq.Frame)) else bytes(raw)) if keep else None
-            if self.log is not None:
-                self.log.append_group(entry.key, raw, pcrc)
-                entry.lsn = lsn = self.log.written
+        if status == "ok" and self.log is not None:
+            self.log.append_group(entry.key, raw)
+            entry.lsn = lsn = self.log.written
         elif status == "duplicate":
             lsn = self._durable_lsn(entry.key)
         self._ack(ident, Ack(g.actor_id, g.seq, status, reason), lsn)
@@ -350,9 +286,6 @@ class BufferServer:
             elif msg.request_id > st.answered:  # else: a resend of one already answered
                 st.pending = msg
                 self.learner_version = msg.learner_version
-                unread = self._unread.get(ident)
-                if unread is not None and msg.read_through >= unread[0]:
-                    del self._unread[ident]  # it has read the refs of that batch
         elif isinstance(msg, Consumed):
             self.learner_version = msg.learner_version
             done = self.store.consume(msg.keys)
@@ -365,7 +298,6 @@ class BufferServer:
             # a (re)started learner: whatever an earlier incarnation held but never consumed
             # was not trained on, so it is available again
             st.name, st.pending, st.answered = msg.id, None, -1
-            self._unread.pop(ident, None)
             released = self.store.release(msg.id)
             if released:
                 log.info("learner %s (re)connected: %d leased groups released", msg.id, released)
@@ -388,13 +320,8 @@ class BufferServer:
             if not taken:
                 continue
             st.pending, st.answered = None, req.request_id
-            if req.by_ref and self.log is not None:
-                refs = [StoredRef(*self.log.where(e.key)) for e in taken]
-                frames = [ident, encode(SampleBatch(req.request_id, [], len(store.resident), refs))]
-                self._unread[ident] = (req.request_id, time.monotonic())
-            else:
-                head = encode(SampleBatch(req.request_id, [], len(store.resident)))
-                frames = [ident, head, *[e.raw if e.raw is not None else self.log.read(e.key) for e in taken]]
+            head = encode(SampleBatch(req.request_id, [], len(store.resident)))
+            frames = [ident, head, *[e.raw for e in taken]]
             # it depends only on its groups' records, not on the DONE records written since
             self._queue("learner", frames, max(e.lsn for e in taken))
 
@@ -450,19 +377,8 @@ class BufferServer:
         return ((k, e.raw) for k, e in self.store.resident.items())
 
     def _maybe_compact(self) -> None:
-        """Compact when due, unless a learner may still be reading refs into the old segments."""
-        if self.log is None:
-            return
-        now = time.monotonic()
-        for ident in [i for i, (_, t) in self._unread.items() if now - t > UNREAD_REFS_S]:
-            del self._unread[ident]
-        if self._unread:
-            self.log.gc()  # deleting (recycling) segments without resident groups is always safe
-            return
-        if not self.log.compaction_due():
-            return
-        self.log.compact(self._resident_records)
-        self._flush_outbox()  # a compaction leaves everything durable
+        if self.log is not None and self.log.maybe_compact(self._resident_records):
+            self._flush_outbox()  # a compaction leaves everything durable
 
     def stats(self) -> dict[str, float]:
         out = self.store.stats()
@@ -497,7 +413,6 @@ class BufferServer:
         if self.log is not None:
             self.log.close()
             self.log = None
-        self._staging.close()
         for s in (self.actor_sock, self.learner_sock):
             if s is not None:
                 s.close(linger=0)
@@ -564,10 +479,8 @@ def _write_ports(run_dir: str, server: BufferServer) -> None:
     """Publish the bound ports (they differ from the config when it asked for port 0)."""
     d = os.path.join(run_dir, "buffer")
     os.makedirs(d, exist_ok=True)
-    tmp = os.path.join(d, "ports.json.tmp")
-    with open(tmp, "w") as f:
-        json.dump({"actor": server.actor_port, "learner": server.learner_port, "pid": os.getpid()}, f)
-    os.replace(tmp, os.path.join(d, "ports.json"))
+    ports = {"actor": server.actor_port, "learner": server.learner_port, "pid": os.getpid()}
+    atomic_write(os.path.join(d, "ports.json"), json.dumps(ports).encode(), durable=False)
 
 
 if __name__ == "__main__":

@@ -21,10 +21,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-import numpy as np
-
 from buffer import policies
-from core.messages import TOKEN_DTYPE, VERSION_DTYPE
+from core.messages import TOKEN_DTYPE
 
 Key = tuple[str, int]
 
@@ -53,17 +51,11 @@ class Entry:
 
 
 def entry_from_group(group, raw=None, min_version: int | None = None) -> Entry:
-    """The store's view of a validated group (equal-length per-token arrays).
-
-    Same values as ``group.min_version()`` and the longest ``num_tokens``, but with one numpy
-    reduction over all completions' versions joined instead of one per completion; none at all
-    when the caller passes ``min_version`` (``validate_group`` returns it).
-    """
-    comps = group.completions
+    """The store's view of a validated group; ``min_version`` when the caller already has it
+    (``validate_group`` returns it), else ``group.min_version()``."""
     if min_version is None:
-        versions = b"".join([c.versions for c in comps])
-        min_version = int(np.frombuffer(versions, VERSION_DTYPE).min()) if versions else group.start_version
-    length = max([len(c.tokens) for c in comps], default=0) // TOKEN_DTYPE.itemsize
+        min_version = group.min_version()
+    length = max([len(c.tokens) for c in group.completions], default=0) // TOKEN_DTYPE.itemsize
     return Entry(group.key, min_version, len(raw) if raw is not None else group.nbytes(), length, raw)
 
 
@@ -122,11 +114,6 @@ class SeenKeys:
             theirs = [tuple(g) for g in gaps] + ([(hwm + 1, top)] if top > hwm else [])
             self._hwm[actor] = top
             self._gaps[actor] = _intersect(mine, theirs)
-
-    def count(self) -> int:
-        """How many keys are remembered (not ``__len__``: an empty memory must not be falsy)."""
-        return sum(h + 1 - sum(hi - lo + 1 for lo, hi in self._gaps.get(a, []))
-                   for a, h in self._hwm.items())
 
 
 def _intersect(a: list, b: list) -> list[tuple[int, int]]:
@@ -198,14 +185,6 @@ class Store:
         c.accepted += 1
         return "ok", ""
 
-    def duplicate(self, key: Key) -> bool:
-        """True (and counted) when ``key`` was accepted before: what :meth:`offer` would answer
-        first, without building an entry (a resent ``GroupRef`` is answered from this alone)."""
-        if key in self.seen:
-            self.counters.duplicates += 1
-            return True
-        return False
-
     def restore(self, entry: Entry) -> None:
         """Re-insert a group recovered from disk (it was accepted by an earlier incarnation)."""
         if entry.key in self.resident:
@@ -226,17 +205,14 @@ class Store:
     def available(self) -> int:
         return len(self.resident) - self.leased
 
-    def take(self, n: int, learner_version: int, max_staleness: int | None = None,
-             policy: str | None = None, lessee: str = "learner", at_least: int = 1):
+    def take(self, n: int, learner_version: int, lessee: str = "learner", at_least: int = 1):
         """Lease up to ``n`` fresh groups to ``lessee``; returns ``(taken, dropped)``.
 
         Stale groups the policy discards are removed and returned in ``dropped`` even when
         fewer than ``at_least`` fresh groups exist, in which case nothing is leased.
         """
-        bound = self.max_staleness if max_staleness is None else max_staleness
-        fn = policies.get(policy or self.policy)
         avail = [e for e in self.resident.values() if e.lessee is None]
-        take, drops = fn(avail, learner_version, bound, n)
+        take, drops = policies.get(self.policy)(avail, learner_version, self.max_staleness, n)
         for e in drops:
             self._remove(e)
             self.counters.dropped["stale"] += 1
@@ -262,21 +238,11 @@ class Store:
             done.append(e)
         return done
 
-    def drop(self, keys: Iterable[Key], reason: str) -> list[Entry]:
-        out = []
-        for key in keys:
-            e = self.resident.get(key)
-            if e is not None:
-                self._remove(e)
-                self.counters.dropped[reason] += 1
-                out.append(e)
-        return out
-
-    def release(self, lessee: str | None = None) -> int:
-        """Make leased groups available again (all, or those of one learner)."""
+    def release(self, lessee: str) -> int:
+        """Make the groups leased to ``lessee`` available again (that learner restarted)."""
         n = 0
         for e in self.resident.values():
-            if e.lessee is not None and (lessee is None or e.lessee == lessee):
+            if e.lessee == lessee:
                 e.lessee = None
                 n += 1
         self.leased -= n

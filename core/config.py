@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from core import net
+
 PosInt = Annotated[int, Meta(ge=1)]
 NonNegInt = Annotated[int, Meta(ge=0)]
 PosFloat = Annotated[float, Meta(gt=0)]
@@ -84,9 +86,6 @@ class BufferSection(_Section):
     persist: bool = True
     fsync: Literal["always", "batch", "never"] = "batch"
     segment_bytes: PosInt = 16 * 1024 * 1024
-    # actors and learner on the buffer's host pass groups through run_dir (staging slots, the
-    # segment log) and send only references on the sockets; remote ones always send bytes
-    by_ref: bool = True
 
 
 class LearnerSection(_Section):
@@ -206,8 +205,7 @@ def validate(cfg: Config) -> None:
         )
     if cfg.run.max_steps == 0 and cfg.run.max_time_s == 0:
         raise ConfigError("set `$.run.max_steps` or `$.run.max_time_s`: a run needs a budget")
-    loopback = cfg.net.host in ("127.0.0.1", "localhost", "::1") or cfg.net.host.startswith("127.")
-    if not loopback and not (cfg.net.curve_server_public and cfg.net.curve_server_secret):
+    if not net.is_loopback(cfg.net.host) and not (cfg.net.curve_server_public and cfg.net.curve_server_secret):
         raise ConfigError(
             f"`$.net.host` = {cfg.net.host!r} is not loopback: set the CURVE keys "
             "`$.net.curve_server_public/secret` (see core/net.py: make_curve_keys)"

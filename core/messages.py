@@ -4,8 +4,9 @@ Every message is a frozen, tagged, ``array_like`` msgspec Struct. Each socket de
 typed decoder built by :func:`decoder` for exactly the messages it may receive, so a malformed
 frame raises ``msgspec.ValidationError``/``DecodeError`` at the socket and never reaches training.
 
-Fields are append-only: new fields go at the end with a default. ``SCHEMA_VERSION`` is checked in
-the ``Hello`` handshake and carried by every ``RolloutGroup``.
+Fields are append-only within a schema version: new fields go at the end with a default; removing
+or retyping one bumps ``SCHEMA_VERSION``, which is checked in the ``Hello`` handshake and carried
+by every ``RolloutGroup`` (2: the by-reference fields of ``SampleRequest``/``SampleBatch`` went).
 
 Per-token arrays travel as raw little-endian bytes (``tokens``/``versions`` int32,
 ``logprobs`` float32): decoding a list of 8k Python floats costs ~50x more than a bytes copy.
@@ -19,7 +20,7 @@ from typing import Union
 import msgspec
 import numpy as np
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 TOKEN_DTYPE = np.dtype("<i4")
 LOGPROB_DTYPE = np.dtype("<f4")
@@ -52,8 +53,15 @@ class Shutdown(_Msg, tag="shutdown"):
 # ---- trajectories ---------------------------------------------------------------------------
 
 
-class _CompletionMethods:
-    __slots__ = ()
+class Completion(msgspec.Struct, frozen=True, array_like=True):
+    # per-token arrays, equal lengths: sampled ids, behaviour log-probs of the distribution
+    # actually sampled from (after temperature), and the policy version that produced each token
+    tokens: bytes
+    logprobs: bytes
+    versions: bytes
+    # "stop" (EOS sampled) or "length" (hit max_new_tokens)
+    finish_reason: str
+    reward: float
 
     @property
     def num_tokens(self) -> int:
@@ -69,36 +77,7 @@ class _CompletionMethods:
         return np.frombuffer(self.versions, dtype=VERSION_DTYPE)
 
 
-class Completion(_CompletionMethods, msgspec.Struct, frozen=True, array_like=True):
-    # per-token arrays, equal lengths: sampled ids, behaviour log-probs of the distribution
-    # actually sampled from (after temperature), and the policy version that produced each token
-    tokens: bytes
-    logprobs: bytes
-    versions: bytes
-    # "stop" (EOS sampled) or "length" (hit max_new_tokens)
-    finish_reason: str
-    reward: float
-
-
-class _GroupMethods:
-    __slots__ = ()
-
-    @property
-    def key(self) -> tuple[str, int]:
-        return (self.actor_id, self.seq)
-
-    def min_version(self) -> int:
-        """Oldest policy version among the group's tokens (DESIGN §2 staleness anchor)."""
-        mins = [int(c.version_array().min()) for c in self.completions if c.num_tokens]
-        return min(mins) if mins else self.start_version
-
-    def nbytes(self) -> int:
-        return len(self.prompt_tokens) + sum(
-            len(c.tokens) + len(c.logprobs) + len(c.versions) for c in self.completions
-        )
-
-
-class RolloutGroup(_GroupMethods, _Msg, tag="group"):
+class RolloutGroup(_Msg, tag="group"):
     # exactly-once identity: (actor_id, seq) is unique per run; seq counts from 0 per actor
     actor_id: str
     seq: int
@@ -114,53 +93,31 @@ class RolloutGroup(_GroupMethods, _Msg, tag="group"):
     created_at: float
     schema_version: int = SCHEMA_VERSION
 
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.actor_id, self.seq)
 
-# The same two messages decoded without copying their arrays: ``memoryview`` fields point into
-# the received frame. The buffer only checks and stores the encoded bytes, so it decodes these.
-# Field for field the twins of the classes above (tests/test_messages.py holds them to that).
+    def min_version(self) -> int:
+        """Oldest policy version among the group's tokens (DESIGN §2 staleness anchor); the
+        start version when no completion has a token. One numpy reduction over all completions'
+        versions joined: ~5x cheaper than one per completion (4 us instead of 21 for 8 x 1,024)."""
+        versions = b"".join([c.versions for c in self.completions])
+        n = len(versions) // VERSION_DTYPE.itemsize
+        return int(np.frombuffer(versions, VERSION_DTYPE, n).min()) if n else self.start_version
 
-
-class CompletionView(_CompletionMethods, msgspec.Struct, frozen=True, array_like=True):
-    tokens: memoryview
-    logprobs: memoryview
-    versions: memoryview
-    finish_reason: str
-    reward: float
-
-
-class RolloutGroupView(_GroupMethods, _Msg, tag="group"):
-    actor_id: str
-    seq: int
-    group_id: str
-    task: str
-    tier: str
-    prompt_tokens: memoryview
-    completions: list[CompletionView]
-    start_version: int
-    created_at: float
-    schema_version: int = SCHEMA_VERSION
-
-
-class GroupRef(_Msg, tag="gref"):
-    # actor -> buffer, same host: "group (actor_id, seq) is staged in my slot ``slot``"; the
-    # buffer reads it from run_dir/buffer/staging (see buffer.staging) instead of the socket
-    actor_id: str
-    seq: int
-    slot: int
-    length: int
-    crc: int  # crc32c of the staged bytes
-
-
-class GroupRefs(_Msg, tag="grefs"):
-    # several GroupRefs in one message: the groups an actor finished together
-    refs: list[GroupRef]
+    def nbytes(self) -> int:
+        return len(self.prompt_tokens) + sum(
+            len(c.tokens) + len(c.logprobs) + len(c.versions) for c in self.completions
+        )
 
 
 class Ack(_Msg, tag="ack"):
     actor_id: str
     seq: int
     # "ok": accepted (durable if persistence is on) · "duplicate": already accepted earlier ·
-    # "busy": buffer full, resend later · "rejected": invalid or stale, never resend
+    # "busy": buffer full, resend later · "rejected": invalid or stale, never resend ·
+    # "dropped": accepted earlier, since discarded as stale · "hello": answer to Hello, ``seq`` is
+    # the actor's next unused seq
     status: str
     reason: str = ""
 
@@ -175,18 +132,6 @@ class SampleRequest(_Msg, tag="sample_req"):
     request_id: int
     num_groups: int
     learner_version: int
-    # the learner can read run_dir/buffer: answer with StoredRefs instead of the group bytes
-    by_ref: bool = False
-    # the highest request_id whose batch the learner has received and read (-1: none yet);
-    # until it covers a by-ref batch, the buffer keeps that batch's records where they are
-    read_through: int = -1
-
-
-class StoredRef(msgspec.Struct, frozen=True, array_like=True):
-    # a group's record in the buffer's segment log: run_dir/buffer/seg-<seg>.log at ``offset``
-    seg: int
-    offset: int
-    length: int
 
 
 class SampleBatch(_Msg, tag="sample_batch"):
@@ -194,8 +139,6 @@ class SampleBatch(_Msg, tag="sample_batch"):
     groups: list[RolloutGroup]
     # buffer state when the batch was cut, for the dashboard
     depth: int = 0
-    # groups to read from the buffer's segment log (answer to a by_ref request), after ``groups``
-    refs: list[StoredRef] = []
 
 
 class Consumed(_Msg, tag="consumed"):
@@ -205,11 +148,6 @@ class Consumed(_Msg, tag="consumed"):
 
 
 # ---- weights ----------------------------------------------------------------------------------
-
-
-class PolicyVersion(_Msg, tag="version"):
-    version: int
-    published_at: float
 
 
 class Bucket(msgspec.Struct, frozen=True, array_like=True):
@@ -243,11 +181,10 @@ class MetricRecords(_Msg, tag="metrics"):
 
 # ---- socket codecs ----------------------------------------------------------------------------
 
-ACTOR_TO_BUFFER = Union[Hello, RolloutGroup, GroupRef, GroupRefs, Heartbeat]
-ACTOR_TO_BUFFER_VIEW = Union[Hello, RolloutGroupView, GroupRef, GroupRefs, Heartbeat]  # what the buffer decodes
-BUFFER_TO_ACTOR = Union[Ack, Acks, PolicyVersion, Shutdown]
-LEARNER_TO_BUFFER = Union[Hello, SampleRequest, Consumed, Heartbeat]
-BUFFER_TO_LEARNER = Union[SampleBatch, Shutdown]
+ACTOR_TO_BUFFER = Union[Hello, RolloutGroup]
+BUFFER_TO_ACTOR = Union[Ack, Acks]
+LEARNER_TO_BUFFER = Union[Hello, SampleRequest, Consumed]
+BUFFER_TO_LEARNER = SampleBatch
 TO_MONITOR = Union[MetricRecords, Heartbeat, Hello]
 
 _encoder = msgspec.msgpack.Encoder()
@@ -277,7 +214,7 @@ _MAX_LOGPROB = 1e-4  # float32 rounding may push log(1) a hair above 0; anything
 assert TOKEN_DTYPE.itemsize == LOGPROB_DTYPE.itemsize == VERSION_DTYPE.itemsize
 
 
-def validate_group(g: RolloutGroup | RolloutGroupView) -> int:
+def validate_group(g: RolloutGroup) -> int:
     """Semantic checks a typed decoder cannot express. Raises InvalidMessage; returns the
     group's :meth:`RolloutGroup.min_version` (computed on the way, the buffer needs it).
 
@@ -294,17 +231,18 @@ def validate_group(g: RolloutGroup | RolloutGroupView) -> int:
         raise InvalidMessage("negative_id")
     if len(g.prompt_tokens) % TOKEN_DTYPE.itemsize:
         raise InvalidMessage("ragged_bytes", "prompt_tokens")
-    min_version = _completions_pass(g.completions)
+    min_version = _completions_pass(g)
     if min_version is None:
         _explain_completions(g.completions)
         raise AssertionError("fast path and reference checks disagree")  # unreachable
-    return g.start_version if min_version < 0 else min_version
+    return min_version
 
 
-def _completions_pass(comps: list[Completion]) -> int | None:
+def _completions_pass(g: RolloutGroup) -> int | None:
     """None unless every per-completion check of :func:`_explain_completions` would pass; then
-    the oldest token version (-1 when there are no tokens)."""
+    the group's min_version."""
     item = TOKEN_DTYPE.itemsize
+    comps = g.completions
     for c in comps:
         n = len(c.tokens)
         if n % item or len(c.logprobs) != n or len(c.versions) != n \
@@ -312,12 +250,12 @@ def _completions_pass(comps: list[Completion]) -> int | None:
             return None
     lp = np.frombuffer(b"".join([c.logprobs for c in comps]), dtype=LOGPROB_DTYPE)
     if not lp.size:
-        return -1
+        return g.start_version
     # max() propagates NaN and NaN <= x is False, so one comparison rejects NaN and positives;
     # +inf is caught by the same test, -inf by min()
     if not (lp.max() <= _MAX_LOGPROB and lp.min() > -math.inf):
         return None
-    oldest = int(np.frombuffer(b"".join([c.versions for c in comps]), dtype=VERSION_DTYPE).min())
+    oldest = g.min_version()
     return oldest if oldest >= 0 else None
 
 

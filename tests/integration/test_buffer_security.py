@@ -9,10 +9,10 @@ import zmq
 
 from buffer.client import ActorClient, LearnerClient
 from buffer.server import BufferServer
-from buffer.synth import make_group
-from buffer.testing import ServerThread, make_config
 from core import net
 from core.messages import Hello, encode
+from tests.support.buffer import ServerThread, make_config
+from tests.support.synth import make_group
 
 
 def test_default_bind_is_loopback(tmp_path):

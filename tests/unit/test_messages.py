@@ -25,7 +25,6 @@ ALL = [
     M.SampleRequest(request_id=1, num_groups=8, learner_version=3),
     M.SampleBatch(request_id=1, groups=[_group()], depth=4),
     M.Consumed(keys=[("a0", 1), ("a1", 2)], learner_version=4),
-    M.PolicyVersion(version=3, published_at=2.0),
     M.WeightUpdateHeader(version=1, names=["w"], dtypes=["float32"], shapes=[[2, 3]],
                          buckets=[M.Bucket(dtype="float32", names=["w"], offsets=[0], nbytes=24)]),
     M.MetricRecords(role="learner", id="l", step=3, time=1.0, values={"ratio/p99": 1.2, "staleness/hist": [3.0, 1.0]}),
@@ -43,6 +42,15 @@ def test_every_message_round_trips(msg):
 def test_socket_decoder_rejects_messages_not_meant_for_it():
     with pytest.raises(msgspec.ValidationError):
         M.decoder(M.ACTOR_TO_BUFFER).decode(M.encode(M.SampleRequest(request_id=1, num_groups=1, learner_version=0)))
+    with pytest.raises(msgspec.ValidationError):
+        M.decoder(M.BUFFER_TO_ACTOR).decode(M.encode(M.Shutdown(reason="not the buffer's")))
+
+
+def test_a_schema_1_group_is_refused_by_validation():
+    # schema 1 frames carried by-reference fields; a peer still speaking it must be refused
+    assert M.SCHEMA_VERSION == 2
+    with pytest.raises(M.InvalidMessage, match="schema_version"):
+        M.validate_group(_group(schema_version=1))
 
 
 def test_completion_arrays_and_min_version():
@@ -52,7 +60,19 @@ def test_completion_arrays_and_min_version():
     assert c.token_array().tolist() == [5, 6, 2]
     assert np.allclose(c.logprob_array(), [-0.1, -0.2, -0.3])
     assert g.min_version() == 3 and g.key == ("a0", 7)
-    M.validate_group(g)
+    assert M.validate_group(g) == 3
+
+
+def test_min_version_is_the_oldest_token_version_or_the_start_version():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        comps = []
+        for _ in range(int(rng.integers(1, 6))):
+            n = int(rng.integers(0, 20))
+            comps.append(M.make_completion(rng.integers(0, 9, n), -rng.random(n), rng.integers(2, 9, n), "stop", 0.0))
+        g = _group(completions=comps, start_version=2)
+        per = [int(c.version_array().min()) for c in comps if c.num_tokens]  # the definition
+        assert g.min_version() == (min(per) if per else 2) == M.validate_group(g)
 
 
 @pytest.mark.parametrize("bad, reason", [

@@ -2,27 +2,21 @@
 
 1. The buffer process is SIGKILLed mid-stream (with groups in flight and a batch leased to the
    learner) and restarted on the same run_dir and ports.
-2. The actor process is SIGKILLed mid-stream, and again while the buffer is down (so its
-   staging slots certainly hold unacked groups), and restarted each time from them.
-
-Both run over each transport: ``inline`` (group bytes on the sockets, the actor's slots in a
-private spool directory, as for a remote actor) and ``by_ref`` (the actor's slots in the run
-directory, only refs on the sockets, the learner reading the segment log).
+2. The actor process is SIGKILLed mid-stream, and again while the buffer is down (so its spool
+   certainly holds unacked groups), and restarted each time: the next incarnation resends them.
 """
 
 import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
-from buffer.client import WINDOW, ActorClient, LearnerClient
-from buffer.staging import staged_seqs, staging_path
-from buffer.synth import make_group
-from buffer.testing import ROOT, ServerProcess, ServerThread, make_config
+from buffer.client import WINDOW, ActorClient, LearnerClient, spool_path
 from core import config as C
+from tests.support.buffer import ROOT, ServerProcess, ServerThread, make_config, wait_for
+from tests.support.synth import make_group
 
 
 def small(seq, group_id):
@@ -32,8 +26,8 @@ def small(seq, group_id):
 class Drain:
     """The learner side: every group returned by sample(), in order."""
 
-    def __init__(self, cfg, run_dir=None):
-        self.client = LearnerClient(cfg, resend_s=0.5, run_dir=run_dir)
+    def __init__(self, cfg):
+        self.client = LearnerClient(cfg, resend_s=0.5)
         self.groups = []
 
     def take(self, n, consume=True):
@@ -56,17 +50,15 @@ class Drain:
         assert self.client.sample(1, 0, timeout_s=0.5) is None, "something left over"
 
 
-@pytest.mark.parametrize("by_ref", [False, True], ids=["inline", "by_ref"])
-def test_buffer_sigkill_mid_stream(tmp_path, by_ref):
+def test_buffer_sigkill_mid_stream(tmp_path):
     cfg = make_config(fsync="batch", segment_bytes=16 << 10)
     run = str(tmp_path / "run")
     srv = ServerProcess(cfg, run)
     acked = set()
     group_ids = {}
-    actor = ActorClient(cfg, "a0", resend_s=0.5, run_dir=run if by_ref else None,
+    actor = ActorClient(cfg, "a0", resend_s=0.5, run_dir=run,
                         on_ack=lambda a: a.status in ("ok", "duplicate") and acked.add((a.actor_id, a.seq)))
-    assert actor.by_ref == by_ref
-    learner = Drain(cfg, run if by_ref else None)
+    learner = Drain(cfg)
 
     def send(n):
         for _ in range(n):
@@ -116,12 +108,12 @@ def test_server_process_stops_cleanly_on_signal(tmp_path, sig):
 
 
 ACTOR_SCRIPT = r"""
-import sys, time
+import sys
 from core import config as C
 from buffer.client import ActorClient
-from buffer.synth import make_group
+from tests.support.synth import make_group
 
-cfg_path, spool, incarnation, count, log_path, run_dir = sys.argv[1:7]
+cfg_path, incarnation, count, log_path, run_dir = sys.argv[1:6]
 with open(cfg_path, "rb") as f:
     cfg = C.from_json(f.read())
 log = open(log_path, "a", buffering=1)  # line-buffered: a SIGKILL loses no written line
@@ -132,11 +124,7 @@ def on_ack(a):
         log.write(f"ack {a.seq}\n")
 
 
-if run_dir == "-":  # a remote actor: a private spool, bytes inline
-    client = ActorClient(cfg, "a0", spool_dir=spool, on_ack=on_ack, resend_s=0.5)
-else:  # on the buffer's host: slots in the run dir, refs on the socket
-    client = ActorClient(cfg, "a0", run_dir=run_dir, on_ack=on_ack, resend_s=0.5)
-    assert client.by_ref
+client = ActorClient(cfg, "a0", run_dir=run_dir, on_ack=on_ack, resend_s=0.5)
 log.write(f"start {incarnation} {client.outstanding}\n")
 n, i = int(count), 0
 while n < 0 or i < n:
@@ -144,7 +132,7 @@ while n < 0 or i < n:
     gid = f"inc{incarnation}-{seq}"
     log.write(f"intent {seq} {gid}\n")
     client.send(make_group("a0", seq, completions=2, tokens=16, group_id=gid))
-    log.write(f"sent {seq}\n")
+    log.write(f"sent {seq} {gid}\n")
     i += 1
     client.poll(5)
 log.write(f"flushed {client.flush(30)}\n")
@@ -168,24 +156,19 @@ def start_actor(tmp_path, cfg_path, incarnation, count, log, run_dir):
     script = tmp_path / "actor.py"
     script.write_text(ACTOR_SCRIPT)
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    return subprocess.Popen([sys.executable, str(script), cfg_path, str(tmp_path / "spool"), str(incarnation),
-                             str(count), log.path, run_dir or "-"], env=env, cwd=ROOT)
+    return subprocess.Popen([sys.executable, str(script), cfg_path, str(incarnation), str(count), log.path,
+                             run_dir], env=env, cwd=ROOT)
 
 
-def wait_for(pred, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.02)
+def spooled_seqs(run):
+    d = spool_path(run, "a0")
+    return sorted(int(n.split(".")[0]) for n in os.listdir(d) if n.endswith(".group")) if os.path.isdir(d) else []
 
 
-@pytest.mark.parametrize("by_ref", [False, True], ids=["inline", "by_ref"])
-def test_actor_sigkill_and_restart_from_its_slots(tmp_path, by_ref):
+def test_actor_sigkill_and_restart_from_its_spool(tmp_path):
     cfg = make_config(fsync="batch")
     run = str(tmp_path / "run")
     os.makedirs(run)
-    slots = staging_path(run, "a0") if by_ref else str(tmp_path / "spool" / "slots")
-    actor_run = run if by_ref else None
     cfg_path = os.path.join(run, "config.json")
     with open(cfg_path, "wb") as f:
         f.write(C.to_json(cfg))
@@ -196,37 +179,37 @@ def test_actor_sigkill_and_restart_from_its_slots(tmp_path, by_ref):
     try:
         server.__enter__()
         # 1. killed mid-stream, buffer up
-        procs.append(start_actor(tmp_path, cfg_path, 1, -1, log, actor_run))
-        wait_for(lambda: log.count("ack") >= 25)
+        procs.append(start_actor(tmp_path, cfg_path, 1, -1, log, run))
+        wait_for(lambda: log.count("ack") >= 25, timeout=30)
         procs[-1].send_signal(signal.SIGKILL)
         procs[-1].wait(10)
         # 2. restarted, streaming; killed while the buffer is down, so its window is unacked
-        procs.append(start_actor(tmp_path, cfg_path, 2, -1, log, actor_run))
-        wait_for(lambda: log.count("ack") >= 45)
+        procs.append(start_actor(tmp_path, cfg_path, 2, -1, log, run))
+        wait_for(lambda: log.count("ack") >= 45, timeout=30)
         server.stop()
         # no acks any more: the actor fills its window of unacked groups and blocks in send()
-        wait_for(lambda: len(staged_seqs(slots)) >= WINDOW)
+        wait_for(lambda: len(spooled_seqs(run)) >= WINDOW, timeout=30)
         procs[-1].send_signal(signal.SIGKILL)
         procs[-1].wait(10)
-        spooled = staged_seqs(slots)
+        spooled = spooled_seqs(run)
         acked_before = {int(s) for (s,) in log.lines("ack")}
         assert spooled and not set(spooled) & acked_before
         # 3. buffer back; the actor's next life resends its spool, sends 10 more and exits cleanly
         server = ServerThread(cfg, run)
         srv = server.__enter__()
-        procs.append(start_actor(tmp_path, cfg_path, 3, 10, log, actor_run))
+        procs.append(start_actor(tmp_path, cfg_path, 3, 10, log, run))
         assert procs[-1].wait(60) == 0
         assert log.lines("flushed")[-1] == ["True"]
         assert [ln for ln in log.lines("start")][-1] == ["3", str(len(spooled))]
 
-        intents = log.lines("intent")
-        seqs = [int(s) for s, _ in intents]
-        assert len(seqs) == len(set(seqs)), "a seq was reused for another group"
-        group_ids = {("a0", int(s)): gid for s, gid in intents}
-        sent = {("a0", int(s)) for (s,) in log.lines("sent")}
+        # a seq comes back only when its group never reached the spool (killed before it was
+        # sent): then the buffer never saw it either, and the later group owns the seq
+        group_ids = {("a0", int(s)): gid for s, gid in log.lines("intent")}  # the last intent per seq
+        sent = {("a0", int(s)): gid for s, gid in log.lines("sent")}
+        assert all(group_ids[k] == gid for k, gid in sent.items()), "a seq was reused after its group was sent"
         acked = {("a0", int(s)) for (s,) in log.lines("ack")}
-        learner = Drain(cfg, actor_run)
-        learner.until(sent | acked)
+        learner = Drain(cfg)
+        learner.until(set(sent) | acked)
         learner.check_exactly_once(group_ids)
         assert srv.store.invariant_ok() and not srv.store.resident
         learner.client.close()

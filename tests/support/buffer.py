@@ -1,6 +1,7 @@
 """Harness for the buffer's tests and benchmark: configs on free ports, a server in a thread or in
 a real subprocess (started and killed by pid, never by name), a bare actor socket that shows every
-ack, and a segment log reopened the way the server recovers one."""
+ack, a segment log reopened the way the server recovers one, and a gate in front of the log's
+fsync."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ import threading
 import time
 
 import msgspec
+import pytest
 import zmq
 
+from buffer import persist
 from buffer.persist import Replay, SegmentLog
 from buffer.server import BufferServer
 from buffer.store import SeenKeys
@@ -21,7 +24,7 @@ from core import config as C
 from core import net
 from core.messages import BUFFER_TO_ACTOR, Ack, Acks, decoder, encode
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def make_config(net_overrides: dict | None = None, **buffer_overrides) -> C.Config:
@@ -130,3 +133,41 @@ def reopen_log(directory, segment_bytes: int, seen: SeenKeys | None = None, fsyn
             seen.add(key)
     lg.open(seen.snapshot)
     return lg, rep, seen
+
+
+def wait_for(pred, timeout: float = 10.0, every: float = 0.01) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(every)
+
+
+class FsyncGate:
+    """Stands in for the log's fsync: passes through while open, blocks the caller while closed."""
+
+    def __init__(self):
+        self._open = threading.Event()
+        self._open.set()
+        self.blocked = threading.Event()  # set while some fsync is held at the gate
+
+    def __call__(self, fd):
+        if not self._open.is_set():
+            self.blocked.set()
+            self._open.wait()
+        os.fsync(fd)
+
+    def close(self):
+        self.blocked.clear()
+        self._open.clear()
+
+    def open(self):
+        self._open.set()
+
+
+@pytest.fixture
+def gate(monkeypatch):
+    """``buffer.persist._fsync`` replaced by an open :class:`FsyncGate` (import this fixture)."""
+    g = FsyncGate()
+    monkeypatch.setattr(persist, "_fsync", g)
+    yield g
+    g.open()  # never leave a flusher thread stuck behind the gate

@@ -6,7 +6,7 @@ import pytest
 
 from buffer import policies
 from buffer.store import Entry, SeenKeys, Store, entry_from_group, length_bucket
-from buffer.synth import make_group
+from tests.support.synth import make_group
 
 
 def entry(actor="a", seq=0, version=0, nbytes=100, length=10):
@@ -27,7 +27,6 @@ def test_seen_keys_matches_a_plain_set_under_random_inserts():
     for a in "abc":
         for s in range(450):
             assert ((a, s) in seen) == ((a, s) in ref)
-    assert seen.count() == len(ref)
 
 
 def test_seen_keys_is_compact_for_in_order_actors_and_survives_snapshot_merge():
@@ -57,11 +56,11 @@ def test_seen_keys_huge_seq_jump_costs_one_interval():
 
 
 def test_offer_is_idempotent_even_after_consumption_and_drop():
-    st = Store(capacity_groups=10, capacity_bytes=10**6, max_staleness=1)
+    st = Store(capacity_groups=10, capacity_bytes=10**6, max_staleness=1, policy="oldest_first")
     assert st.offer(entry(seq=0)) == ("ok", "")
     assert st.offer(entry(seq=0)) == ("duplicate", "")
     st.offer(entry(seq=1, version=0))
-    taken, _ = st.take(1, learner_version=0, policy="oldest_first")
+    taken, _ = st.take(1, learner_version=0)
     st.consume([taken[0].key])
     assert st.offer(entry(seq=0)) == ("duplicate", "")  # consumed keys stay remembered
     _, dropped = st.take(5, learner_version=9)  # seq 1 is now stale: dropped
