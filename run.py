@@ -11,10 +11,10 @@ Dataflow (DESIGN.md §1)::
                         └───────── weightsync (shared memory) ◀── publish(version) ────────┘
     every role ──MetricRecords──▶ launcher: rich view + run_dir/metrics.jsonl
 
-    On one host (``buffer.by_ref``) the group bytes go through run_dir, not the sockets: the
-    actor stages a group in its slot (buffer/staging/) and sends a GroupRef; the buffer
-    validates it and copies it into its segment log; the SampleBatch carries StoredRefs the
-    learner reads from that log.
+Seams (ARCHITECTURE.md): engine (actor/engines/), backend (learner/backends/), task
+(actor/tasks/), launcher (core/launchers/), weight transport (weightsync/); each a registry
+keyed by its config value. This module is the only one that wires them together: it resolves the
+model, runs the actor-vs-learner contract check, launches the roles and evaluates the result.
 
 Who waits for whom:
 
@@ -38,8 +38,10 @@ import signal
 import sys
 import time
 
+import msgspec
+
 from core import config as C
-from core import launch
+from core import launchers
 
 
 def parse(argv):
@@ -71,21 +73,62 @@ def load_config(toml_path, resume_dir, overrides) -> C.Config:
     return C.from_dict(tree)
 
 
+def resolve_model(cfg: C.Config) -> C.Config:
+    """``model.path`` set: the base model (the built-in task's tiny model, built on first use)."""
+    if cfg.model.path:
+        if not os.path.exists(os.path.join(cfg.model.path, "config.json")):
+            raise C.ConfigError(f"`$.model.path` = {cfg.model.path!r} has no config.json")
+        return cfg
+    from actor.tasks.arith import base_model
+
+    t0 = time.time()
+    path = base_model(cfg)
+    logging.getLogger("driftrl").info("base model ready in %.1fs: %s", time.time() - t0, path)
+    return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=path))
+
+
+def _engine_and_task(cfg: C.Config, model_dir: str):
+    from actor.engines import make_engine
+    from actor.tasks import make_task
+    from model.tokenizer import Tokenizer
+
+    return make_engine(cfg.actor, model_dir, seed=cfg.run.seed), make_task(cfg.task, Tokenizer.from_dir(model_dir))
+
+
+def contract_check(cfg: C.Config, run_dir: str | None) -> dict:
+    """Engine and backend, built as the roles build them, score one fixed batch alike
+    (learner/contract.py); the weights are the newest checkpoint's when resuming."""
+    import torch
+
+    from learner import checkpoint, contract
+    from learner.backends import make_backend
+    from model.sampling import SamplingSpec
+
+    torch.set_num_threads(1)
+    ck = checkpoint.latest(os.path.join(run_dir, "checkpoints")) if run_dir else None
+    model_dir = os.path.join(ck, "model") if ck else cfg.model.path
+    engine, task = _engine_and_task(cfg, model_dir)
+    lc = cfg.learner
+    return contract.check(make_backend(cfg, model_dir), engine, task, SamplingSpec.of(cfg.actor),
+                          lc.contract_max_abs_logp_diff, lc.contract_max_kl_k3)
+
+
+def train(cfg: C.Config, run_dir: str | None = None, monitor=None, on_ready=None) -> launchers.RunResult:
+    """Resolve the model, check the contract, launch every role until the budget is spent."""
+    cfg = resolve_model(cfg)
+    report = contract_check(cfg, run_dir)
+    logging.getLogger("driftrl").info("contract check passed: %s", report)
+    return launchers.launch(cfg, run_dir, monitor, on_ready)
+
+
 def final_eval(cfg: C.Config, run_dir: str) -> dict:
     """Held-out reward of the final checkpoint, appended to metrics.jsonl."""
     import torch
 
-    from actor.engine import TorchEngine
-    from actor.tasks import EOS, PAD, make_task
     from actor.worker import evaluate
-    from learner.model import load_pretrained
 
     torch.set_num_threads(1)
-    task = make_task(cfg.task)
-    a = cfg.actor
-    engine = TorchEngine(load_pretrained(os.path.join(run_dir, "final_model")), temperature=a.temperature,
-                         top_k=a.top_k, top_p=a.top_p, max_new_tokens=a.max_new_tokens, eos_id=EOS, pad_id=PAD,
-                         seed=cfg.run.seed)
+    engine, task = _engine_and_task(cfg, os.path.join(run_dir, "final_model"))
     reward, length = evaluate(engine, task, task.eval_set(cfg.run.eval_prompts))
     rec = {"step": -1, "time": time.time(), "role": "launcher", "id": "final_eval",
            "eval/reward": reward, "eval/length": length, "eval/final": 1.0}
@@ -104,6 +147,8 @@ def first_eval(run_dir: str) -> float | None:
 
 
 def main(argv=None) -> int:
+    from learner.contract import ContractError
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s launcher %(levelname)s: %(message)s")
     toml_path, resume_dir, overrides = parse(sys.argv[1:] if argv is None else argv)
     try:
@@ -114,8 +159,8 @@ def main(argv=None) -> int:
     # SIGTERM (e.g. from a job scheduler) stops the run exactly like Ctrl-C
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
-        result = launch.run(cfg, resume_dir)
-    except launch.RoleFailed as e:
+        result = train(cfg, resume_dir)
+    except (launchers.RoleFailed, ContractError) as e:
         print(f"run failed: {e}", file=sys.stderr)
         return 1
     if result.interrupted:

@@ -1,6 +1,6 @@
 """Rollout worker: sample G completions per prompt, score them, stream RolloutGroups to the buffer.
 
-Loop: adopt the newest weights -> wait for admission (core/admission.py) -> generate a batch of
+Loop: adopt the newest weights (the engine's ``refresh_weights``) -> wait for admission (core/admission.py) -> generate a batch of
 groups (weights may change between decode steps) -> score -> send (the buffer client keeps every
 group until acknowledged) -> emit metrics. Actor 0 also runs the held-out evaluation every
 ``run.eval_every`` policy versions.
@@ -18,15 +18,15 @@ import time
 import numpy as np
 import torch
 
-from actor.engine import TorchEngine
-from actor.tasks import EOS, PAD, make_task
+from actor.engines import Engine, make_engine
+from actor.tasks import Task, make_task
 from buffer.client import ActorClient
 from core import config as C
 from core import messages as M
 from core.admission import Admission
 from core.metrics import MetricsSink
 from core.proc import die_with_parent, setup_logging, stop_event
-from learner.model import load_pretrained
+from model.tokenizer import Tokenizer
 from weightsync.base import make_subscriber
 
 
@@ -35,15 +35,10 @@ class RolloutWorker:
         self.cfg, self.run_dir, self.index = cfg, run_dir, index
         self.actor_id = f"actor{index}"
         self.stop = stop
-        self.task = make_task(cfg.task)
+        self.task = make_task(cfg.task, Tokenizer.from_dir(cfg.model.path))
         a = cfg.actor
-        self.engine = TorchEngine(load_pretrained(cfg.model.path), temperature=a.temperature, top_k=a.top_k,
-                                  top_p=a.top_p, max_new_tokens=a.max_new_tokens, eos_id=EOS, pad_id=PAD,
-                                  dtype=a.dtype, seed=cfg.run.seed * 1000 + index)
-        self.params = self.engine.params()
-        self.weights = make_subscriber(cfg, run_dir)
-        self.version = -1
-        self._adopt()
+        self.engine = make_engine(a, cfg.model.path, make_subscriber(cfg, run_dir), seed=cfg.run.seed * 1000 + index)
+        self.engine.refresh_weights()
         self.client = ActorClient(cfg, self.actor_id, run_dir=run_dir)
         share = cfg.learner.groups_per_step // a.num_actors
         self.admission = Admission.resumed(share, cfg.buffer.max_staleness, max(self.version, 0),
@@ -53,18 +48,14 @@ class RolloutWorker:
         self.last_eval = -1
         self.eval_set = self.task.eval_set(cfg.run.eval_prompts) if index == 0 and cfg.run.eval_every else []
 
-    # ---- weights ---------------------------------------------------------------------------
-
-    def _adopt(self) -> int:
-        """Apply the newest complete weights if any; the version every next token is tagged with."""
-        applied = self.weights.apply(self.params)
-        if applied is not None:
-            self.version = applied
-        return self.version
+    @property
+    def version(self) -> int:
+        """The version every next token is tagged with (-1 before the learner's first publish)."""
+        return self.engine.version
 
     def _wait_for_weights(self, timeout_s: float = 120.0) -> None:
         t0 = time.time()
-        while self._adopt() < 0:
+        while self.engine.refresh_weights() < 0:
             if self._stopped() or time.time() - t0 > timeout_s:
                 raise TimeoutError("no weights published by the learner")
             time.sleep(0.05)
@@ -83,7 +74,7 @@ class RolloutWorker:
         t0 = time.time()
         while True:
             self._return_quota()
-            n = min(self.cfg.actor.groups_per_batch, self.admission.allowed(self._adopt()))
+            n = min(self.cfg.actor.groups_per_batch, self.admission.allowed(self.engine.refresh_weights()))
             if n > 0 or self._stopped():
                 return n, time.time() - t0
             time.sleep(0.005)
@@ -104,28 +95,20 @@ class RolloutWorker:
         self.client.flush(timeout_s=5.0)
 
     def generate_groups(self, n: int) -> list[M.RolloutGroup]:
-        G = self.cfg.actor.group_size
         start_version = self.version
-        problems = [self.task.sample(self.rng, "train") for _ in range(n)]
-        prompts = [self.task.encode_prompt(p) for p in problems]
-        samples = self.engine.generate([p for p in prompts for _ in range(G)], before_step=self._adopt)
+        prompts = [self.task.sample(self.rng, "train") for _ in range(n)]
         groups = []
-        for i, (p, prompt) in enumerate(zip(problems, prompts)):
-            comps = [
-                M.make_completion(s.tokens, s.logprobs, s.versions, s.finish_reason, self.task.reward(p, s.tokens))
-                for s in samples[i * G:(i + 1) * G]
-            ]
-            groups.append(M.RolloutGroup(
-                actor_id=self.actor_id, seq=self.client.next_seq(), group_id=f"{self.actor_id}-{p.key}",
-                task=self.task.name, tier="default", prompt_tokens=np.asarray(prompt, dtype=M.TOKEN_DTYPE).tobytes(),
-                completions=comps, start_version=start_version, created_at=time.time(),
-            ))
+        for p, samples in zip(prompts, sample_groups(self.engine, prompts, self.cfg.actor.group_size)):
+            groups.append(M.group_from_samples(
+                samples, [self.task.reward(p, s.tokens) for s in samples], actor_id=self.actor_id,
+                seq=self.client.next_seq(), group_id=f"{self.actor_id}-{p.id}", task=self.task.name, tier=p.tier,
+                prompt=p.tokens, start_version=start_version, created_at=time.time()))
         return groups
 
     def _emit(self, groups, gen_s: float, waited: float) -> None:
         rewards = [c.reward for g in groups for c in g.completions]
         lengths = [c.num_tokens for g in groups for c in g.completions]
-        ws = self.weights.metrics()
+        ws = self.engine.weights.metrics()
         self.metrics.emit(self.version, {
             "actor/tokens_per_s": sum(lengths) / max(gen_s, 1e-9),
             "actor/groups_per_s": len(groups) / max(gen_s + waited, 1e-9),
@@ -149,10 +132,16 @@ class RolloutWorker:
                                          "eval/version": float(self.version)})
 
 
-def evaluate(engine: TorchEngine, task, problems) -> tuple[float, float]:
+def sample_groups(engine: Engine, prompts, group_size: int) -> list[list]:
+    """``group_size`` samples of every prompt, decoded together in one engine batch."""
+    flat = engine.generate([list(p.tokens) for p in prompts for _ in range(group_size)])
+    return [flat[i * group_size:(i + 1) * group_size] for i in range(len(prompts))]
+
+
+def evaluate(engine: Engine, task: Task, prompts) -> tuple[float, float]:
     """Mean reward and length on a fixed held-out set, sampled exactly as training samples."""
-    samples = engine.generate([task.encode_prompt(p) for p in problems])
-    rewards = [task.reward(p, s.tokens) for p, s in zip(problems, samples)]
+    samples = engine.generate([list(p.tokens) for p in prompts])
+    rewards = [task.reward(p, s.tokens) for p, s in zip(prompts, samples)]
     return float(np.mean(rewards)), float(np.mean([len(s.tokens) for s in samples]))
 
 
@@ -173,7 +162,7 @@ def main(argv=None) -> None:
         worker.run()
     finally:
         worker.client.close()
-        worker.weights.close()
+        worker.engine.close()
         worker.metrics.close()
         log.info("actor %d stopped", args.index)
 

@@ -20,30 +20,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-
-@torch.no_grad()
-def truncation_mask(logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
-    """Boolean ``[n, V]`` mask of the tokens a top-k / top-p sampler may draw from.
-
-    Order and tie rules are the usual sampler ones (HF ``generate``): logits are already divided
-    by the temperature; top-k keeps every token whose logit ties the k-th largest; top-p then keeps
-    the smallest prefix, by descending probability of the top-k-renormalised distribution, whose
-    mass reaches ``top_p`` (the most likely token is always kept). An actor that samples through
-    this same function draws from exactly the support the learner renormalises over.
-    """
-    keep = torch.ones_like(logits, dtype=torch.bool)
-    vocab = logits.shape[-1]
-    if 0 < top_k < vocab:
-        kth = logits.topk(top_k, dim=-1).values[..., -1:]
-        keep &= logits >= kth
-    if top_p < 1.0:
-        masked = logits.masked_fill(~keep, float("-inf"))
-        sorted_logits, order = masked.sort(dim=-1, descending=True)
-        probs = sorted_logits.to(torch.promote_types(logits.dtype, torch.float32)).softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
-        keep_sorted = mass_before < top_p
-        keep &= torch.zeros_like(keep).scatter(-1, order, keep_sorted)
-    return keep
+from model.sampling import truncation_mask
 
 
 def _chunk_logprobs(

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import copy
 import json
 import logging
 import os
@@ -25,57 +24,35 @@ from core import config as C
 from core.metrics import MetricsSink
 from core.proc import die_with_parent, setup_logging, stop_event
 from core.stats import dense_histogram
-from learner import checkpoint, contract
+from learner import checkpoint
+from learner.backends import NonFiniteError, make_backend
 from learner.batching import collate
-from learner.model import load_pretrained
-from learner.trainer import NonFiniteError, Trainer
 from weightsync.base import make_publisher
 
 log = logging.getLogger("driftrl.learner")
 
 
-def run_contract_check(cfg: C.Config, trainer: Trainer) -> dict:
-    """Actor engine vs learner on one fixed batch with the current weights (learner/contract.py)."""
-    from actor.engine import TorchEngine
-    from actor.tasks import EOS, PAD, make_task
-
-    a, lc = cfg.actor, cfg.learner
-    model = copy.deepcopy(trainer.model)
-    engine = TorchEngine(model, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
-                         max_new_tokens=a.max_new_tokens, eos_id=EOS, pad_id=PAD, dtype=a.dtype, seed=cfg.run.seed)
-    spec = contract.Sampling(a.temperature, a.top_k, a.top_p)
-    return contract.check(trainer, engine, make_task(cfg.task), spec, spec,
-                          lc.contract_max_abs_logp_diff, lc.contract_max_kl_k3)
-
-
 class LearnerLoop:
     def __init__(self, cfg: C.Config, run_dir: str, stop=None):
         self.cfg, self.run_dir, self.stop = cfg, run_dir, stop
-        model = load_pretrained(cfg.model.path)
-        ref = copy.deepcopy(model) if cfg.learner.kl_beta > 0 else None
-        self.trainer = Trainer(cfg, model, ref)
+        self.backend = make_backend(cfg, cfg.model.path)
         self.step, self.version, self.consumed_groups = 0, 0, 0
         self.ckpt_root = os.path.join(run_dir, "checkpoints")
         resume_from = checkpoint.latest(self.ckpt_root)
         if resume_from:
-            meta = checkpoint.load(resume_from, self.trainer.model, self.trainer.opt)
+            meta = checkpoint.load(resume_from, self.backend)
             self.step, self.version = meta["step"], meta["version"]
             self.consumed_groups = meta.get("consumed_groups", 0)
             log.info("resumed from %s at step %d version %d", resume_from, self.step, self.version)
-        self.contract = run_contract_check(cfg, self.trainer)
-        log.info("contract check passed: %s", self.contract)
-        self.publisher = make_publisher(cfg, run_dir, self._weights())
+        self.publisher = make_publisher(cfg, run_dir, self.backend.named_tensors())
         self.client = LearnerClient(cfg, run_dir=run_dir)
         self.metrics = MetricsSink(cfg.net.host, cfg.net.metrics_port, "learner", "learner0")
         self.stale_hist: list[float] = []
         self.dropped_stale = 0
         self.window = collections.deque(maxlen=10)  # (wait_s, busy_s) of recent steps
 
-    def _weights(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach() for k, v in self.trainer.model.state_dict().items()}
-
     def publish(self) -> dict[str, float]:
-        stats = self.publisher.publish(self.version, self._weights())
+        stats = self.publisher.publish(self.version, self.backend.named_tensors())
         return {k: float(v) for k, v in self.publisher.metrics().items()} if stats is not None else {}
 
     def budget_left(self, t_start: float) -> bool:
@@ -114,7 +91,7 @@ class LearnerLoop:
             t1 = time.time()
             batch = collate(groups, self.version)
             try:
-                m = self.trainer.step(batch)
+                m = self.backend.step(batch)
             except NonFiniteError as e:
                 log.warning("step skipped: %s", e)
                 self.client.consumed(batch.keys, self.version)
@@ -131,7 +108,7 @@ class LearnerLoop:
             if self.cfg.run.ckpt_every and self.step % self.cfg.run.ckpt_every == 0:
                 self.save()
         self.save()
-        checkpoint.save_model(self.trainer.model, os.path.join(self.run_dir, "final_model"), self.cfg.model.path)
+        checkpoint.save_model(self.backend, os.path.join(self.run_dir, "final_model"))
         log.info("learner finished at step %d version %d", self.step, self.version)
 
     def _audit(self, keys) -> None:
@@ -142,8 +119,7 @@ class LearnerLoop:
     def save(self) -> str:
         meta = {"version": self.version, "stage": "rl", "consumed_groups": self.consumed_groups,
                 "data_position": self.consumed_groups}
-        return checkpoint.save(self.ckpt_root, self.step, self.trainer.model, self.trainer.opt,
-                               self.cfg.model.path, meta)
+        return checkpoint.save(self.ckpt_root, self.step, self.backend, meta)
 
     def _emit(self, m: dict, batch, wait_s: float, busy_s: float, t_start: float) -> None:
         st = batch.staleness.tolist()
@@ -162,7 +138,7 @@ class LearnerLoop:
             "learner/step_s": busy_s,
             "learner/wait_s": wait_s,
             "learner/dropped_stale": float(self.dropped_stale),
-            "learner/skipped_nonfinite": float(self.trainer.skipped_nonfinite),
+            "learner/skipped_nonfinite": float(self.backend.skipped_nonfinite),
             "staleness/mean": sum(st) / len(st),
             "staleness/max": float(max(st)),
             "staleness/hist": list(self.stale_hist),

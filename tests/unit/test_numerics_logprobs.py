@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from learner.logprobs import token_logprobs, truncation_mask
+from learner.logprobs import token_logprobs
+from model.sampling import truncation_mask
 
 torch.set_num_threads(1)
 

@@ -355,7 +355,7 @@ def test_shm_reader_liveness_rules():
 
 
 def _qwen3(seed: int):
-    from learner.model import ArchConfig, Qwen3
+    from model.decoder import ArchConfig, Qwen3
 
     torch.manual_seed(seed)
     return Qwen3(ArchConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -367,32 +367,30 @@ def test_shm_drives_a_real_engine(tmp_path, dtype):
     """The actor's path: engine.params() into apply() called between decode steps, inside the
     engine's inference_mode. fp32 actors map the published weights, bf16 actors copy them; either
     way generation must equal an engine built from the same weights."""
-    from actor.engine import TorchEngine
+    from actor.engines.torch import TorchEngine
+    from model.sampling import SamplingSpec
 
-    def engine(model):
-        return TorchEngine(model, eos_id=47, pad_id=0, dtype=dtype, max_new_tokens=5)
+    def engine(model, weights=None):
+        return TorchEngine(model, SamplingSpec(), eos_ids=[47], pad_id=0, dtype=dtype, max_new_tokens=5,
+                           weights=weights)
 
     learner = _qwen3(seed=1)
     weights = {k: v.detach() for k, v in learner.state_dict().items()}
     pub = shm.ShmPublisher(str(tmp_path), weights, max_readers=1)
-    actor = engine(_qwen3(seed=2))  # other initial weights: the update must reach the module
-    params = actor.params()
-    assert all(p is q for p, q in zip(params.values(), actor.model.parameters()))
     with torch.inference_mode():  # as if (re)attached mid-generation: its views must stay normal
         sub = shm.ShmSubscriber(str(tmp_path), timeout_s=5)
+    actor = engine(_qwen3(seed=2), sub)  # other initial weights: the update must reach the module
+    params = actor.params()
+    assert all(p is q for p, q in zip(params.values(), actor.model.parameters()))
     prompts = [[1, 5, 9, 3], [2, 7], [4, 4, 4, 8, 1]]
 
-    def adopt():
-        sub.apply(params)
-        return sub.stats.last_version
-
-    stale = actor.generate(prompts, before_step=adopt, greedy=True)
+    stale = actor.generate(prompts, greedy=True)
     assert {v for s in stale for v in s.versions} == {-1}  # nothing published yet
     for version, seed in [(0, 1), (1, 3)]:
         if seed != 1:
             weights = {k: v.detach() for k, v in _qwen3(seed).state_dict().items()}
         pub.publish(version, weights)
-        got = actor.generate(prompts, before_step=adopt, greedy=True)
+        got = actor.generate(prompts, greedy=True)
         ref_model = _qwen3(seed=0)
         ref_model.load_state_dict(weights)
         want = engine(ref_model).generate(prompts, greedy=True)

@@ -1,4 +1,4 @@
-"""Trainer on a tiny real model: the log-prob numerator, one learning step, NaN containment."""
+"""The torch backend on a tiny real model: the log-prob numerator, one learning step, NaN containment."""
 
 import copy
 import random
@@ -6,23 +6,27 @@ import random
 import pytest
 import torch
 
-from actor.engine import TorchEngine, sampling_logprobs
-from actor.tasks import EOS, PAD, ArithTask, Problem
-from helpers_tiny import groups_from_samples, make_group, tiny_cfg, tiny_model
+from actor.tasks import Prompt
+from learner.backends import NonFiniteError
+from learner.backends.torch import TorchBackend
 from learner.batching import collate
-from learner.trainer import NonFiniteError, Trainer
+from model.sampling import sampling_logprobs
+from tests.support.tiny import groups_from_samples, make_group, tiny_cfg, tiny_engine, tiny_model, tiny_task
 
 torch.set_num_threads(1)
+
+
+def Trainer(cfg, model):
+    return TorchBackend(cfg, "", model=model)
 
 
 @pytest.fixture(scope="module")
 def engine_batch():
     """8 prompts x 4 completions sampled by the engine (FP32, T=1): behaviour log-probs are exact."""
-    task = ArithTask()
+    task = tiny_task()
     rng = random.Random(0)
-    prompts = [task.encode_prompt(task.sample(rng)) for _ in range(8)]
-    engine = TorchEngine(tiny_model(), eos_id=EOS, pad_id=PAD, max_new_tokens=8, seed=0)
-    samples = engine.generate([p for p in prompts for _ in range(4)])
+    prompts = [list(task.sample(rng).tokens) for _ in range(8)]
+    samples = tiny_engine().generate([p for p in prompts for _ in range(4)])
     return collate(groups_from_samples(prompts, samples, 4), learner_version=0)
 
 
@@ -76,13 +80,14 @@ def test_bf16_body_is_close_to_fp32_behaviour_but_not_equal(engine_batch):
 def _on_policy_group(model, temperature=1.0):
     """One prompt, four distinct answers (the first correct), behaviour log-probs from a full FP32
     forward of the same weights: exactly on-policy, ratio 1."""
-    task = ArithTask()
-    p = Problem(47, 38)
-    prompt = task.encode_prompt(p)
+    task = tiny_task()
+    tok = task.tok
+    prompt = [tok.bos_id, *tok.encode("47+38=")]
+    p = Prompt("47+38", tuple(prompt), answer="85")
     answers = ["85", "12", "30", "64"]  # wrong answers share no digit with the right one
     comps = []
     for text in answers:
-        toks = task.encode_text(text) + [EOS]
+        toks = tok.encode(text) + [tok.eos_id]
         ids = torch.tensor([prompt + toks])
         n = ids.shape[1]
         with torch.no_grad():
@@ -100,15 +105,18 @@ def _sample_logp(trainer, batch):
 
 
 def test_positive_advantage_raises_that_samples_logprob():
-    trainer = Trainer(tiny_cfg("learner.body_dtype=float32"), tiny_model())
+    """Direction, with margins that hold on any CPU: one Adam step of lr 1e-4 moves log p by
+    ~1e-4, the size of cross-CPU rounding differences in the tiny model itself, so the test
+    takes five steps of lr 1e-3 on the same group and asks for a gain 10x that noise."""
+    trainer = Trainer(tiny_cfg("learner.body_dtype=float32", "learner.lr=1e-3"), tiny_model())
     batch = collate([_on_policy_group(trainer.model)], learner_version=0)
     before = _sample_logp(trainer, batch)
-    metrics = trainer.step(batch)
+    grad_norms = [trainer.step(batch)["learner/grad_norm"] for _ in range(5)]
     after = _sample_logp(trainer, batch)
-    assert metrics["learner/grad_norm"] > 0
+    assert min(grad_norms) > 0
     gain = after - before
-    assert gain[0] > 1e-3  # the rewarded answer became more likely
-    assert gain[1:].max() < gain[0] and gain[1:].sum() < 0  # the unrewarded ones, together, less
+    assert gain[0] > 1e-2  # the rewarded answer became more likely
+    assert gain[1:].max() < gain[0] and gain[1:].sum() < -1e-2  # the unrewarded ones, together, less
 
 
 def _params(model):

@@ -6,11 +6,15 @@ import random
 import pytest
 import torch
 
-from actor.tasks import ArithTask, Problem
-from helpers_tiny import make_group, tiny_cfg, tiny_model, tiny_model_dir
+from core.files import atomic_dir
 from learner import checkpoint as ck
+from learner.backends.torch import TorchBackend
 from learner.batching import collate
-from learner.trainer import Trainer
+from tests.support.tiny import make_group, tiny_cfg, tiny_model, tiny_model_dir, tiny_task
+
+
+def Trainer(cfg, model):
+    return TorchBackend(cfg, tiny_model_dir(), model=model)
 
 torch.set_num_threads(1)
 
@@ -37,12 +41,12 @@ def test_round_trip_is_exact(tmp_path):
     root = str(tmp_path / "checkpoints")
     random.seed(123)
     torch.manual_seed(321)
-    path = ck.save(root, 2, src.model, src.opt, tiny_model_dir(), {"version": 2, "consumed_groups": 16})
+    path = ck.save(root, 2, src, {"version": 2, "consumed_groups": 16})
     next_torch, next_py = torch.rand(4), random.random()  # what the run would draw next
     torch.rand(100), random.random()  # ...then the "crash" moves both generators on
 
     dst = _fresh()
-    meta = ck.load(path, dst.model, dst.opt)
+    meta = ck.load(path, dst)
     assert torch.equal(torch.rand(4), next_torch) and random.random() == next_py
     assert (meta["step"], meta["version"], meta["consumed_groups"]) == (2, 2, 16)
 
@@ -66,7 +70,7 @@ def test_round_trip_is_exact(tmp_path):
 def test_incomplete_directory_is_never_latest(tmp_path):
     root = str(tmp_path / "checkpoints")
     trainer = _trained(1)
-    good = ck.save(root, 1, trainer.model, trainer.opt, tiny_model_dir(), {"version": 1})
+    good = ck.save(root, 1, trainer, {"version": 1})
     partial = os.path.join(root, "step_000009")  # a newer step that died before COMPLETE
     os.makedirs(os.path.join(partial, "model"))
     with open(os.path.join(partial, "meta.json"), "w") as f:
@@ -74,7 +78,7 @@ def test_incomplete_directory_is_never_latest(tmp_path):
     assert ck.latest(root) == good
     assert ck.complete_checkpoints(root) == [good]
     with pytest.raises(FileNotFoundError, match="COMPLETE"):
-        ck.load(partial, trainer.model, trainer.opt)
+        ck.load(partial, trainer)
     assert ck.latest(str(tmp_path / "nothing-here")) is None
 
 
@@ -87,7 +91,7 @@ def test_crash_inside_write_leaves_nothing_behind(tmp_path):
         raise OSError("disk full")
 
     with pytest.raises(OSError, match="disk full"):
-        ck.atomic_dir(str(final), dies_half_way)
+        atomic_dir(str(final), dies_half_way, marker=ck.MARKER)
     assert not final.exists()
     assert os.listdir(final.parent) == []  # no .tmp-* left over
     assert ck.latest(str(final.parent)) is None
@@ -95,14 +99,14 @@ def test_crash_inside_write_leaves_nothing_behind(tmp_path):
 
 def test_crash_while_rewriting_keeps_the_previous_copy(tmp_path):
     final = tmp_path / "export"
-    ck.atomic_dir(str(final), lambda tmp: open(os.path.join(tmp, "a.json"), "w").write("1"))
+    atomic_dir(str(final), lambda tmp: open(os.path.join(tmp, "a.json"), "w").write("1"), marker=ck.MARKER)
 
     def dies(tmp):
         open(os.path.join(tmp, "a.json"), "w").write("2")
         raise RuntimeError("killed")
 
     with pytest.raises(RuntimeError):
-        ck.atomic_dir(str(final), dies)
+        atomic_dir(str(final), dies, marker=ck.MARKER)
     assert (final / "a.json").read_text() == "1" and (final / ck.MARKER).exists()
     assert sorted(os.listdir(tmp_path)) == ["export"]
 
@@ -110,7 +114,7 @@ def test_crash_while_rewriting_keeps_the_previous_copy(tmp_path):
 def test_only_newest_are_kept(tmp_path):
     root = str(tmp_path / "checkpoints")
     trainer = _trained(1)
-    paths = [ck.save(root, s, trainer.model, trainer.opt, tiny_model_dir(), {"version": s}) for s in (1, 2, 3, 10)]
+    paths = [ck.save(root, s, trainer, {"version": s}) for s in (1, 2, 3, 10)]
     assert ck.complete_checkpoints(root) == paths[-ck.KEEP:]
     assert sorted(os.listdir(root)) == sorted(os.path.basename(p) for p in paths[-ck.KEEP:])
     assert ck.latest(root) == paths[-1]
@@ -119,7 +123,7 @@ def test_only_newest_are_kept(tmp_path):
 def test_model_dir_loads_in_transformers_with_same_logits(tmp_path):
     transformers = pytest.importorskip("transformers")
     trainer = _trained(2)
-    path = ck.save(str(tmp_path), 2, trainer.model, trainer.opt, tiny_model_dir(), {"version": 2})
+    path = ck.save(str(tmp_path), 2, trainer, {"version": 2})
     hf = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(path, "model"),
                                                            dtype=torch.float32).eval()
     ids = _batch().ids
@@ -129,22 +133,22 @@ def test_model_dir_loads_in_transformers_with_same_logits(tmp_path):
         theirs = hf(ids).logits
     torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-4)
     tok = transformers.AutoTokenizer.from_pretrained(os.path.join(path, "model"))
-    assert tok("<s>47+38=", add_special_tokens=False)["input_ids"] == ArithTask().encode_prompt(Problem(47, 38))
+    assert tok("<s>47+38=", add_special_tokens=False)["input_ids"] == [tiny_task().tok.bos_id, *tiny_task().tok.encode("47+38=")]
 
 
 def test_save_model_exports_an_hf_dir(tmp_path):
     model = tiny_model()
-    out = ck.save_model(model, str(tmp_path / "final"), tiny_model_dir())
+    out = ck.save_model(Trainer(tiny_cfg(), model), str(tmp_path / "final"))
     assert sorted(os.listdir(out)) == sorted(
         ["COMPLETE", "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"])
-    from learner.model import load_pretrained
+    from model.hf import load_pretrained
     back = load_pretrained(out)
     assert all(torch.equal(v, back.state_dict()[k]) for k, v in model.state_dict().items())
 
 
 def test_nothing_is_pickled(tmp_path):
     trainer = _trained(1)
-    path = ck.save(str(tmp_path), 1, trainer.model, trainer.opt, tiny_model_dir(), {"version": 1})
+    path = ck.save(str(tmp_path), 1, trainer, {"version": 1})
     files = [os.path.join(r, f) for r, _, fs in os.walk(path) for f in fs]
     assert len(files) >= 7
     for f in files:

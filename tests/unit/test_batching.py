@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers_tiny import make_group
+from tests.support.tiny import make_group
 from learner.batching import collate
 
 PAD = 0

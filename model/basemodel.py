@@ -25,16 +25,16 @@ import time
 import torch
 import torch.nn.functional as F
 
-from actor.tasks import BOS, EOS, PAD, make_task, tokenizer_files, vocab_size
-from learner.model import ArchConfig, Qwen3, save_pretrained
+from model.decoder import ArchConfig, Qwen3
+from model.hf import save_pretrained
 
 log = logging.getLogger("driftrl.basemodel")
 BUILD_VERSION = 3  # bump when the recipe below changes
 
 
-def _arch(mc) -> ArchConfig:
+def _arch(mc, vocab_size: int, special_ids: dict) -> ArchConfig:
     return ArchConfig(
-        vocab_size=vocab_size(),
+        vocab_size=vocab_size,
         hidden_size=mc.hidden_size,
         intermediate_size=mc.intermediate_size,
         num_hidden_layers=mc.num_layers,
@@ -42,9 +42,7 @@ def _arch(mc) -> ArchConfig:
         num_key_value_heads=mc.num_kv_heads,
         head_dim=mc.hidden_size // mc.num_heads,
         max_position_embeddings=128,
-        bos_token_id=BOS,
-        eos_token_id=EOS,
-        pad_token_id=PAD,
+        **special_ids,
     )
 
 
@@ -59,16 +57,16 @@ def recipe_key(cfg) -> str:
 
 
 def _corpus_batch(task, rng: random.Random, n: int, correct_frac: float):
-    """Token rows ``<s>a+b=ANSWER</s>`` (right-padded) and a mask over the answer tokens."""
+    """Token rows ``prompt ANSWER EOS`` (right-padded) and a mask over the answer tokens."""
     rows, starts = [], []
+    tok = task.tok
     for _ in range(n):
         p = task.sample(rng, "train")
         ans = p.answer if rng.random() < correct_frac else p.answer[::-1]
-        prompt = task.encode_prompt(p)
-        rows.append(prompt + task.encode_text(ans) + [EOS])
-        starts.append(len(prompt))
+        rows.append([*p.tokens, *tok.encode(ans), tok.eos_id])
+        starts.append(len(p.tokens))
     width = max(map(len, rows))
-    ids = torch.full((n, width), PAD, dtype=torch.long)
+    ids = torch.full((n, width), tok.pad_id, dtype=torch.long)
     mask = torch.zeros(n, width)
     for i, (r, s) in enumerate(zip(rows, starts)):
         ids[i, : len(r)] = torch.tensor(r)
@@ -76,12 +74,13 @@ def _corpus_batch(task, rng: random.Random, n: int, correct_frac: float):
     return ids, mask
 
 
-def pretrain(cfg, out_dir: str) -> dict:
+def pretrain(cfg, task, files: dict[str, bytes], special_ids: dict, out_dir: str) -> dict:
+    """Pre-train on ``task``'s prompts and answers (its tokenizer: ``task.tok``); write the model,
+    ``files`` (the tokenizer's) and a build record into ``out_dir``."""
     mc = cfg.model
     torch.manual_seed(cfg.run.seed)
     rng = random.Random(cfg.run.seed)
-    task = make_task(cfg.task)
-    model = Qwen3(_arch(mc))
+    model = Qwen3(_arch(mc, task.tok.vocab_size, special_ids))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2:
@@ -93,7 +92,7 @@ def pretrain(cfg, out_dir: str) -> dict:
     for step in range(mc.pretrain_steps):
         ids, mask = _corpus_batch(task, rng, mc.pretrain_batch, mc.pretrain_correct_frac)
         pos = torch.arange(ids.shape[1]).expand_as(ids)
-        hidden = model(ids[:, :-1], pos[:, :-1], ids[:, :-1] != PAD)
+        hidden = model(ids[:, :-1], pos[:, :-1], ids[:, :-1] != task.tok.pad_id)
         logits = model.logits(hidden)
         nll = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
         loss = (nll * mask[:, 1:]).sum() / mask[:, 1:].sum()
@@ -106,12 +105,13 @@ def pretrain(cfg, out_dir: str) -> dict:
         if step % 200 == 0:
             log.info("pretrain step %d/%d loss %.3f", step, mc.pretrain_steps, loss_v)
     info = {"pretrain_loss": loss_v, "pretrain_s": time.time() - t0, "recipe": recipe_key(cfg)}
-    save_pretrained(model, out_dir, {**tokenizer_files(), "driftrl_base.json": json.dumps(info).encode()})
+    save_pretrained(model, out_dir, {**files, "driftrl_base.json": json.dumps(info).encode()})
     return info
 
 
-def ensure_base_model(cfg) -> str:
-    """Path of the HF-format base model: ``cfg.model.path`` if set, else the cached tiny model."""
+def ensure_base_model(cfg, build=None) -> str:
+    """Path of the HF-format base model: ``cfg.model.path`` if set, else the cached tiny model,
+    built on first use by ``build(out_dir)`` (the built-in task's :func:`pretrain` call)."""
     if cfg.model.path:
         if not os.path.exists(os.path.join(cfg.model.path, "config.json")):
             raise FileNotFoundError(f"model.path={cfg.model.path!r} has no config.json")
@@ -123,7 +123,7 @@ def ensure_base_model(cfg) -> str:
     tmp = tempfile.mkdtemp(prefix=".build-", dir=os.path.dirname(final))
     try:
         log.info("building the tiny base model into %s (first use only)", final)
-        pretrain(cfg, tmp)
+        build(tmp)
         try:
             os.rename(tmp, final)
         except OSError:

@@ -1,21 +1,20 @@
-"""A compact Qwen3 decoder that reads and writes HF-format checkpoints, plus the precision policy.
+"""A compact Qwen3 decoder with a KV cache, plus the body's precision policy (HF load/save: model/hf.py).
 
 Why our own module instead of ``transformers.Qwen3ForCausalLM``: the actor needs a KV cache whose
 weights can be swapped between decode steps, and the learner needs the attention softmax and the
 LM head precision under its control (DESIGN §4). Parameter names, shapes and numerics follow the
-HF implementation exactly (``tests/test_model.py`` compares against transformers), so checkpoints
+HF implementation exactly (``tests/unit/test_model.py`` compares against transformers), so checkpoints
 load in both directions and real Qwen3 checkpoints plug in unchanged.
 
 Precision policy (learner): master weights FP32; the body's matmuls run in ``body_dtype`` under
 autocast; the attention softmax runs in FP32 when ``fp32_attn_softmax``; RMSNorm statistics are
-FP32 as in HF; the LM head and log-softmax live in ``learner/logprobs.py``.
+FP32 as in HF; the LM head and log-softmax live in ``learner/logprobs.py``; the sampler's truncation rule, which
+both sides share, in ``model/sampling.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -247,44 +246,3 @@ def body_autocast(dtype_name: str, device: str = "cpu"):
     if dtype_name == "float32":
         return contextlib.nullcontext()
     return torch.autocast(device, dtype=DTYPES[dtype_name])
-
-
-# ---- HF-format checkpoints --------------------------------------------------------------------
-
-
-def load_pretrained(path: str, dtype: str = "float32") -> Qwen3:
-    from safetensors.torch import load_file
-
-    with open(os.path.join(path, "config.json")) as f:
-        cfg = ArchConfig.from_hf(json.load(f))
-    model = Qwen3(cfg)
-    files = sorted(x for x in os.listdir(path) if x.endswith(".safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {path}")
-    state = {}
-    for name in files:
-        state.update(load_file(os.path.join(path, name)))
-    if cfg.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"checkpoint {path} does not match qwen3: missing={missing} unexpected={unexpected}")
-    return model.to(DTYPES[dtype])
-
-
-def save_pretrained(model: Qwen3, path: str, extra_files: dict[str, bytes] | None = None) -> None:
-    """Write config.json + model.safetensors (+ extra files such as tokenizer.json) into ``path``.
-
-    Plain writes: callers that need atomicity write into a temporary directory and rename it
-    (learner/checkpoint.py).
-    """
-    from safetensors.torch import save_file
-
-    os.makedirs(path, exist_ok=True)
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(model.cfg.to_hf(), f, indent=2)
-    for name, data in (extra_files or {}).items():
-        with open(os.path.join(path, name), "wb") as f:
-            f.write(data)

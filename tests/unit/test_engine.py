@@ -10,29 +10,36 @@ import random
 import pytest
 import torch
 
-from actor.engine import TorchEngine
-from actor.tasks import EOS, PAD, ArithTask, Problem
-from helpers_tiny import tiny_model
-from learner.model import KVCache
+from model.decoder import KVCache
+from tests.support.tiny import tiny_engine, tiny_model, tiny_task, tiny_tokenizer
 
 torch.set_num_threads(1)
+TOK = tiny_tokenizer()
+EOS, PAD = TOK.eos_id, TOK.pad_id
 
 
 @pytest.fixture(scope="module")
 def task():
-    return ArithTask()
+    return tiny_task()
+
+
+def _prompt(a: int, b: int) -> list[int]:
+    return [TOK.bos_id, *TOK.encode(f"{a}+{b}=")]
 
 
 def _prompts(task, n, seed=0):
     rng = random.Random(seed)
-    out = [task.encode_prompt(task.sample(rng)) for _ in range(n)]
-    out.append(task.encode_prompt(Problem(3, 4)))  # a short prompt: real left padding
+    out = [list(task.sample(rng).tokens) for _ in range(n)]
+    out.append(_prompt(3, 4))  # a short prompt: real left padding
     return out
 
 
-def _engine(model=None, **kw):
-    kw.setdefault("max_new_tokens", 6)
-    return TorchEngine(model if model is not None else tiny_model(), eos_id=EOS, pad_id=PAD, **kw)
+def _engine(model=None, max_new_tokens=6, seed=0, weights=None, **spec):
+    engine = tiny_engine(model, seed=seed, **spec)
+    engine.max_new_tokens = max_new_tokens
+    if weights is not None:
+        engine.weights, engine.version = weights, -1
+    return engine
 
 
 def _full_logits(model, ids):
@@ -152,25 +159,30 @@ def _hybrid_logp(old, new, prompt, tokens, temperature):
 
 def test_in_flight_update_versions_and_logprobs(task):
     temperature = 1.0
-    engine = _engine(temperature=temperature, max_new_tokens=6, seed=4)
     old = tiny_model()
     new_state = _perturbed_state(old)
     new = tiny_model()
     new.load_state_dict(new_state)
-    params = engine.params()
-    calls = []
 
-    def before_step():
-        calls.append(1)
-        if len(calls) == 3:  # weights land between decode step 1 and decode step 2
-            for k, v in new_state.items():
-                params[k].copy_(v)
-        return 0 if len(calls) < 3 else 1
+    class Source:
+        """A weight source whose version 1 lands between decode step 1 and decode step 2."""
 
+        calls = 0
+
+        def apply(self, params):
+            self.calls += 1
+            if self.calls == 1:
+                return 0
+            if self.calls == 3:
+                for k, v in new_state.items():
+                    params[k].copy_(v)
+                return 1
+            return None
+
+    engine = _engine(temperature=temperature, max_new_tokens=6, seed=4, weights=Source())
     # 3-digit sums: a correct answer is 4 tokens long, so most rows decode past the switch
-    prompts = [task.encode_prompt(Problem(a, b))
-               for a, b in [(47, 88), (99, 99), (75, 50), (60, 61), (8, 95), (55, 55)]]
-    samples = engine.generate(prompts, before_step=before_step)
+    prompts = [_prompt(a, b) for a, b in [(47, 88), (99, 99), (75, 50), (60, 61), (8, 95), (55, 55)]]
+    samples = engine.generate(prompts)
     long_rows = 0
     for prompt, s in zip(prompts, samples):
         assert s.versions == [0, 0, 1, 1, 1, 1][: len(s.tokens)]

@@ -5,27 +5,25 @@ import copy
 import pytest
 import torch
 
-from actor.engine import TorchEngine
-from actor.tasks import EOS, PAD, ArithTask
-from helpers_tiny import tiny_cfg, tiny_model
-from learner.contract import ContractError, Sampling, check, sample_fixed_batch
-from learner.trainer import Trainer
+from learner.backends.torch import TorchBackend
+from learner.contract import ContractError, check, sample_fixed_batch
+from model.sampling import SamplingSpec as Sampling
+from tests.support.tiny import tiny_cfg, tiny_engine, tiny_model, tiny_task
 
 torch.set_num_threads(1)
 BOUNDS = dict(max_abs=0.05, max_k3=0.01)  # the config defaults
 
 
 def _setup(temperature=1.0, top_k=0, body="bfloat16"):
-    trainer = Trainer(tiny_cfg(f"learner.body_dtype={body}"), tiny_model())
-    engine = TorchEngine(copy.deepcopy(trainer.model), temperature=temperature, top_k=top_k, eos_id=EOS,
-                         pad_id=PAD, max_new_tokens=8, seed=0)
-    return trainer, engine, ArithTask()
+    backend = TorchBackend(tiny_cfg(f"learner.body_dtype={body}"), "", model=tiny_model())
+    engine = tiny_engine(copy.deepcopy(backend.model), temperature=temperature, top_k=top_k)
+    return backend, engine, tiny_task()
 
 
 def test_identical_settings_pass():
     trainer, engine, task = _setup()
     same = Sampling(1.0, 0, 1.0)
-    report = check(trainer, engine, task, same, same, **BOUNDS)
+    report = check(trainer, engine, task, same, **BOUNDS)
     assert report["tokens"] > 0
     assert 0 < report["abs_logp_diff_mean"] <= BOUNDS["max_abs"]  # bf16 body: close, not identical
     assert report["kl_k3"] <= BOUNDS["max_k3"]
@@ -34,7 +32,7 @@ def test_identical_settings_pass():
 def test_mismatched_temperature_is_rejected_and_named():
     trainer, engine, task = _setup(temperature=1.0)
     with pytest.raises(ContractError) as err:
-        check(trainer, engine, task, Sampling(1.0, 0, 1.0), Sampling(0.7, 0, 1.0), **BOUNDS)
+        check(trainer, engine, task, Sampling(0.7, 0, 1.0), **BOUNDS)
     msg = str(err.value)
     assert "temperature" in msg and "actor=1.0" in msg and "learner=0.7" in msg
     assert "top_k" not in msg and "top_p" not in msg  # only the setting that differs is blamed
@@ -43,7 +41,7 @@ def test_mismatched_temperature_is_rejected_and_named():
 def test_mismatched_top_k_is_rejected_and_named():
     trainer, engine, task = _setup(top_k=3)
     with pytest.raises(ContractError, match="top_k: actor=3 learner=0"):
-        check(trainer, engine, task, Sampling(1.0, 3, 1.0), Sampling(1.0, 0, 1.0), **BOUNDS)
+        check(trainer, engine, task, Sampling(1.0, 0, 1.0), **BOUNDS)
 
 
 def test_agreeing_settings_with_numeric_gap_point_at_precision():
@@ -52,9 +50,9 @@ def test_agreeing_settings_with_numeric_gap_point_at_precision():
     trainer, engine, task = _setup()
     same = Sampling(1.0, 0, 1.0)
     with pytest.raises(ContractError, match="body_dtype"):
-        check(trainer, engine, task, same, same, max_abs=1e-7, max_k3=1e-9)
+        check(trainer, engine, task, same, max_abs=1e-7, max_k3=1e-9)
     fp32_trainer, fp32_engine, _ = _setup(body="float32")
-    report = check(fp32_trainer, fp32_engine, task, same, same, max_abs=1e-4, max_k3=1e-6)
+    report = check(fp32_trainer, fp32_engine, task, same, max_abs=1e-4, max_k3=1e-6)
     assert report["abs_logp_diff_mean"] < 1e-5  # same numerics on both sides: agreement to rounding
 
 

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from learner.model import ArchConfig, KVCache, Qwen3, load_pretrained, save_pretrained
+from model.decoder import ArchConfig, KVCache, Qwen3
+from model.hf import load_pretrained, save_pretrained
 
 transformers = pytest.importorskip("transformers")
 

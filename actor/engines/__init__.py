@@ -1,0 +1,77 @@
+"""The ``Engine`` seam: generate completions with behaviour log-probs and per-token versions.
+
+Weights: an engine holds a weight *source* (a ``weightsync`` Subscriber, or None for fixed
+weights) and :meth:`Engine.refresh_weights` adopts the newest complete version from it. Who calls
+it, and when, is the only difference between the two kinds of engine:
+
+- in process (``torch``): the engine calls it itself before every decode step, so an update lands
+  between two tokens of a running sequence and each token records the version that produced it;
+- out of process (an inference server such as SGLang, which cannot run a Python callback between
+  its decode steps): it pushes the update through the server's own API (HTTP load-from-disk, or
+  an NCCL broadcast into the server) when the worker calls it between batches, and tags tokens
+  with the version the server reports having applied.
+
+The worker never touches weights directly: it calls ``refresh_weights`` and reads ``version``.
+One file per engine, one line in :data:`ENGINES` (``actor.engine`` selects it).
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+from core.registry import resolve
+from model.sampling import SamplingSpec
+
+
+@dataclass
+class Sample:
+    tokens: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str  # "stop" | "length"
+
+
+class Engine(abc.ABC):
+    name = ""
+
+    def __init__(self, weights=None):
+        self.weights = weights
+        self.version = 0 if weights is None else -1  # fixed weights are the initial ones, version 0
+
+    @classmethod
+    @abc.abstractmethod
+    def from_config(cls, actor_cfg, model_dir: str, weights=None, seed: int = 0) -> "Engine":
+        """Build from ``cfg.actor`` and an HF-format model directory (weights and tokenizer)."""
+
+    @abc.abstractmethod
+    def generate(self, prompts: list[list[int]], *, max_new_tokens: int | None = None,
+                 greedy: bool = False) -> list[Sample]:
+        """One Sample per prompt, in order; sampled as configured unless ``greedy``."""
+
+    @abc.abstractmethod
+    def sampling(self) -> SamplingSpec:
+        """The distribution the behaviour log-probs describe (checked against the learner's)."""
+
+    @abc.abstractmethod
+    def _apply_weights(self) -> int | None:
+        """Apply the newest version from ``self.weights`` if newer than ``self.version``."""
+
+    def refresh_weights(self) -> int:
+        """Adopt the newest complete weights, if any; returns the version now in effect."""
+        if self.weights is not None:
+            applied = self._apply_weights()
+            if applied is not None:
+                self.version = applied
+        return self.version
+
+    def close(self) -> None:
+        if self.weights is not None:
+            self.weights.close()
+
+
+ENGINES = {"torch": "actor.engines.torch:TorchEngine"}
+
+
+def make_engine(actor_cfg, model_dir: str, weights=None, seed: int = 0) -> Engine:
+    return resolve(ENGINES, actor_cfg.engine, "engine").from_config(actor_cfg, model_dir, weights, seed)

@@ -1,0 +1,64 @@
+"""The ``Task`` seam: where prompts come from and how a completion is scored.
+
+A task tokenises through the model's own tokenizer (``model.tokenizer``), so special ids are the
+checkpoint's. One file per task, one line in :data:`TASKS` (``task.name`` selects it)::
+
+    class MyTask(Task):                      # actor/tasks/mine.py
+        name = "mine"
+        def sample(self, rng, split="train") -> Prompt: ...
+        def reward(self, prompt, completion_ids) -> float: ...
+
+    TASKS["mine"] = "actor.tasks.mine:MyTask"
+"""
+
+from __future__ import annotations
+
+import abc
+import random
+from dataclasses import dataclass
+
+from core.registry import resolve
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str  # stable across runs: group ids and eval sets are built from it
+    tokens: tuple[int, ...]
+    tier: str = "default"
+    difficulty: float = 0.0
+    answer: str = ""  # the reference answer, where the task has one (reward, pre-training text)
+
+
+class Task(abc.ABC):
+    """Prompts (train/eval splits) and a verifiable reward, tokenised by ``tokenizer``."""
+
+    name = ""
+
+    def __init__(self, cfg_task, tokenizer):
+        self.cfg, self.tok = cfg_task, tokenizer
+
+    @abc.abstractmethod
+    def sample(self, rng: random.Random, split: str = "train") -> Prompt:
+        """One prompt of ``split`` ("train" or "eval"; the two never overlap)."""
+
+    @abc.abstractmethod
+    def reward(self, prompt: Prompt, completion_ids) -> float:
+        """The verifiable reward of one completion (token ids as sampled, EOS included)."""
+
+    def eval_set(self, n: int, seed: int = 1234) -> list[Prompt]:
+        """A fixed held-out set: the same n prompts for every evaluation of a run."""
+        rng = random.Random(seed)
+        return [self.sample(rng, "eval") for _ in range(n)]
+
+    def completion_text(self, completion_ids) -> str | None:
+        """Text before the first EOS, or None when no EOS was sampled (a truncated answer)."""
+        ids = [int(i) for i in completion_ids]
+        end = next((i for i, t in enumerate(ids) if t in self.tok.eos_ids), None)
+        return None if end is None else self.tok.decode(ids[:end])
+
+
+TASKS = {"arith": "actor.tasks.arith:ArithTask"}
+
+
+def make_task(cfg_task, tokenizer) -> Task:
+    return resolve(TASKS, cfg_task.name, "task")(cfg_task, tokenizer)

@@ -1,0 +1,243 @@
+"""The ``Launcher`` seam: start every role, watch them, restart what crashed, stop them all.
+
+:meth:`Launcher.run` is the same for every launcher: prepare the run directory (ports, resolved
+config), start the buffer, the learner and the actors, feed the live view from the metrics
+collector, restart a crashed actor or buffer (accepted data survives in the segment log) up to
+``run.max_restarts``, and stop the roles in order when the learner has finished its budget
+(learner first, so it checkpoints; then actors; the buffer last, so in-flight acknowledgements
+land). A launcher implements only how one role process is started, polled and signalled: one
+file per launcher, one line in :data:`LAUNCHERS` (``run.launcher`` selects it).
+
+The model must already be resolved (``cfg.model.path`` set): building or locating it is the
+caller's job (``run.py``), so this package needs nothing above ``core``.
+"""
+
+from __future__ import annotations
+
+import abc
+import datetime as _dt
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+
+from core import config as C
+from core import net
+from core.files import atomic_write
+from core.registry import resolve
+
+log = logging.getLogger("driftrl.launch")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@dataclass
+class Role:
+    name: str
+    argv: list[str]
+    handle: object = None  # the launcher's own handle of the running role (a Popen, ...)
+    log_path: str = ""
+
+    @property
+    def pid(self) -> int | None:
+        return getattr(self.handle, "pid", None)
+
+
+@dataclass
+class RunResult:
+    run_dir: str
+    returncodes: dict[str, int | None] = field(default_factory=dict)
+    summary: dict = field(default_factory=dict)
+    wall_s: float = 0.0
+    interrupted: bool = False
+
+
+class RoleFailed(RuntimeError):
+    """A role exited unexpectedly (or crashed more often than run.max_restarts)."""
+
+
+def new_run_dir(base: str = "runs") -> str:
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    path = os.path.abspath(os.path.join(base, stamp))
+    n = 1
+    while os.path.exists(path):
+        path = os.path.abspath(os.path.join(base, f"{stamp}-{n}"))
+        n += 1
+    return path
+
+
+def _point_latest(run_dir: str) -> None:
+    link = os.path.join(os.path.dirname(run_dir), "latest")
+    tmp = f"{link}.{os.getpid()}"
+    try:
+        os.symlink(os.path.basename(run_dir), tmp)
+        os.replace(tmp, link)
+    except OSError:
+        pass  # runs/latest is a convenience; a filesystem without symlinks still runs
+
+
+def prepare(cfg: C.Config, run_dir: str | None = None) -> tuple[C.Config, str]:
+    """Fill in what the roles must agree on (run_dir, ports) and write ``config.json``."""
+    if not cfg.model.path:
+        raise ValueError("cfg.model.path is empty: resolve the model before launching (run.py)")
+    run_dir = os.path.abspath(run_dir or cfg.run.run_dir or new_run_dir())
+    os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
+    host = cfg.net.host
+    ports = {k: getattr(cfg.net, k) or net.free_port(host if net.is_loopback(host) else "0.0.0.0")
+             for k in ("buffer_actor_port", "buffer_learner_port", "metrics_port")}
+    cfg = msgspec.structs.replace(cfg, run=msgspec.structs.replace(cfg.run, run_dir=run_dir),
+                                  net=msgspec.structs.replace(cfg.net, **ports))
+    atomic_write(os.path.join(run_dir, "config.json"), C.to_json(cfg))
+    _point_latest(run_dir)
+    return cfg, run_dir
+
+
+def roles(cfg: C.Config, run_dir: str) -> list[Role]:
+    py = sys.executable
+    out = [
+        Role("buffer", [py, "-m", "buffer.server", "--config", os.path.join(run_dir, "config.json"),
+                        "--run-dir", run_dir]),
+        Role("learner", [py, "-m", "learner.loop", "--run-dir", run_dir]),
+    ]
+    out += [Role(f"actor{i}", [py, "-m", "actor.worker", "--run-dir", run_dir, "--index", str(i)])
+            for i in range(cfg.actor.num_actors)]
+    return out
+
+
+def _tail(path: str, n: int = 15) -> str:
+    try:
+        with open(path, "rb") as f:
+            return b"".join(f.readlines()[-n:]).decode(errors="replace")
+    except OSError:
+        return ""
+
+
+class Launcher(abc.ABC):
+    name = ""
+
+    def __init__(self, cfg: C.Config):
+        self.cfg = cfg
+
+    # ---- what an implementation provides ------------------------------------------------------
+
+    @abc.abstractmethod
+    def spawn(self, role: Role, run_dir: str) -> None:
+        """Start ``role.argv`` with its output appended to ``role.log_path``; set ``role.handle``."""
+
+    @abc.abstractmethod
+    def returncode(self, role: Role) -> int | None:
+        """None while the role runs, else its exit code."""
+
+    @abc.abstractmethod
+    def signal(self, role: Role, sig: int) -> None:
+        """Send ``sig`` to the role (nothing if it is gone)."""
+
+    def close(self) -> None:
+        """Release what the launcher itself holds (a cluster connection, ...)."""
+
+    # ---- shared: start, watch, restart, stop --------------------------------------------------
+
+    def start(self, role: Role, run_dir: str) -> None:
+        role.log_path = os.path.join(run_dir, "logs", f"{role.name}.log")
+        self.spawn(role, run_dir)
+
+    def stop_all(self, procs: list[Role], grace_s: float = 20.0) -> None:
+        """SIGTERM in the given order, wait, then SIGKILL whatever is left."""
+        for role in procs:
+            if role.handle is None or self.returncode(role) is not None:
+                continue
+            self.signal(role, signal.SIGTERM)
+            deadline = time.time() + grace_s
+            while self.returncode(role) is None and time.time() < deadline:
+                time.sleep(0.05)
+            if self.returncode(role) is None:
+                log.warning("%s did not stop in %.0fs: SIGKILL", role.name, grace_s)
+                self.signal(role, signal.SIGKILL)
+                while self.returncode(role) is None:
+                    time.sleep(0.05)
+
+    def _write_pids(self, run_dir: str, procs: list[Role]) -> None:
+        """Every live pid of the run, for operators and for the tests that check nothing is left."""
+        with open(os.path.join(run_dir, "pids.json"), "w") as f:
+            json.dump({"launcher": os.getpid(), **{r.name: r.pid for r in procs if r.pid}}, f)
+
+    def _restart(self, role: Role, procs: list[Role], run_dir: str, restarts: int) -> int:
+        """Restart a crashed actor or buffer: accepted data survives in the segment log."""
+        limit = self.cfg.run.max_restarts
+        if restarts >= limit:
+            raise RoleFailed(f"{role.name} exited with {self.returncode(role)} after {restarts} restarts:\n"
+                             f"{_tail(role.log_path)}")
+        log.warning("%s exited with %s; restarting (%d/%d)", role.name, self.returncode(role), restarts + 1, limit)
+        self.start(role, run_dir)
+        self._write_pids(run_dir, procs)
+        return restarts + 1
+
+    def _watch(self, procs: list[Role], run_dir: str, monitor, collector) -> None:
+        """Until the learner exits: feed the view, restart crashed actors and the buffer."""
+        restarts = 0
+        learner = next(r for r in procs if r.name == "learner")
+        while True:
+            monitor.update(collector.poll(timeout_ms=200))
+            monitor.refresh()
+            code = self.returncode(learner)
+            if code is not None:
+                if code != 0:
+                    raise RoleFailed(f"learner exited with {code}:\n{_tail(learner.log_path)}")
+                return
+            for role in procs:
+                if role is not learner and self.returncode(role) is not None:
+                    restarts = self._restart(role, procs, run_dir, restarts)
+
+    def run(self, run_dir: str | None = None, monitor=None, on_ready=None) -> RunResult:
+        """Prepare, start, watch until the learner finishes its budget, then stop everything."""
+        from core.metrics import MetricsCollector
+        from core.monitor import Monitor
+
+        t0 = time.time()
+        cfg, run_dir = prepare(self.cfg, run_dir)
+        self.cfg = cfg
+        collector = MetricsCollector(run_dir, cfg.net.host, cfg.net.metrics_port, curve=net.curve_from_config(cfg.net))
+        monitor = monitor or Monitor(cfg)
+        procs = roles(cfg, run_dir)
+        by_name = {r.name: r for r in procs}
+        actors = [r for r in procs if r.name.startswith("actor")]
+        result = RunResult(run_dir)
+        try:
+            for role in procs:
+                self.start(role, run_dir)
+            self._write_pids(run_dir, procs)
+            if on_ready:
+                on_ready(run_dir, procs)
+            with monitor:
+                self._watch(procs, run_dir, monitor, collector)
+                self.stop_all(actors + [by_name["buffer"]])
+                monitor.update(collector.poll(timeout_ms=200))
+                monitor.refresh(force=True)
+        except KeyboardInterrupt:
+            result.interrupted = True
+        finally:
+            self.stop_all([by_name["learner"], *actors, by_name["buffer"]])
+            try:
+                monitor.update(collector.poll(timeout_ms=100))
+            finally:
+                collector.close()
+                self.close()
+            result.returncodes = {r.name: (self.returncode(r) if r.handle else None) for r in procs}
+            result.wall_s = time.time() - t0
+            result.summary = monitor.summary()
+        return result
+
+
+LAUNCHERS = {"local": "core.launchers.local:LocalLauncher"}
+
+
+def make_launcher(cfg: C.Config) -> Launcher:
+    return resolve(LAUNCHERS, cfg.run.launcher, "launcher")(cfg)
+
+
+def launch(cfg: C.Config, run_dir: str | None = None, monitor=None, on_ready=None) -> RunResult:
+    return make_launcher(cfg).run(run_dir, monitor, on_ready)

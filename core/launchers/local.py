@@ -1,0 +1,46 @@
+"""Local launcher: every role a child process of this one, on this host.
+
+Children run in their own sessions, so a terminal Ctrl-C reaches only the launcher, which then
+stops the roles in order by process id. Each child also asks the kernel for SIGTERM if the
+launcher itself dies (core/proc.py), so nothing is left behind even when the launcher is
+SIGKILLed.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+from core.launchers import ROOT, Launcher, Role
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env["DRIFTRL_LAUNCHER_PID"] = str(os.getpid())
+    env.setdefault("OMP_NUM_THREADS", "1")
+    # glibc otherwise mmaps and unmaps every ~1 MB activation: 700-2000 page faults per learner
+    # step; keeping freed memory in the heap made learner steps ~5% and generation ~17% faster
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", "4000000000")
+    env.setdefault("MALLOC_TRIM_THRESHOLD_", "4000000000")
+    env.setdefault("MALLOC_TOP_PAD_", str(256 << 20))
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+class LocalLauncher(Launcher):
+    name = "local"
+
+    def spawn(self, role: Role, run_dir: str) -> None:
+        with open(role.log_path, "ab") as logf:
+            role.handle = subprocess.Popen(role.argv, cwd=ROOT, env=_env(), stdout=logf, stderr=subprocess.STDOUT,
+                                           stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def returncode(self, role: Role) -> int | None:
+        return role.handle.poll()
+
+    def signal(self, role: Role, sig: int) -> None:
+        try:
+            role.handle.send_signal(sig)
+        except ProcessLookupError:
+            pass  # already gone: nothing to stop

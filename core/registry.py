@@ -1,0 +1,17 @@
+"""Registries of the seams (engine, backend, task, launcher): config value -> "module:Class".
+
+Implementations are imported only when chosen, so an optional stack (SGLang, Megatron, Ray)
+costs nothing to a run that does not use it, and adding one is one file plus one registry line.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+
+def resolve(registry: dict[str, str], key: str, what: str):
+    """The class registered under ``key``; a clear error naming the known keys otherwise."""
+    if key not in registry:
+        raise ValueError(f"unknown {what} {key!r}; known: {', '.join(sorted(registry))}")
+    module, name = registry[key].split(":")
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,128 @@
+"""The plain-PyTorch backend: one process, FP32 master weights, AdamW.
+
+The numerator of the ratio is always recomputed here with the learner's current weights and
+precision policy (DESIGN §4): the body under ``body_autocast(learner.body_dtype)``, the head and
+log-softmax through ``learner/logprobs.py``; the actor's log-probs are only the denominator.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from learner.advantages import group_advantages
+from learner.backends import Backend, NonFiniteError
+from learner.batching import Batch
+from learner.logprobs import token_logprobs
+from learner.losses import LossInputs, make_loss
+from learner.ratio_metrics import ratio_metrics
+from model.decoder import DTYPES, body_autocast
+from model.hf import load_pretrained, save_pretrained, tokenizer_files
+from model.sampling import SamplingSpec
+
+
+class TorchBackend(Backend):
+    name = "torch"
+
+    def __init__(self, cfg, model_dir: str, model=None):
+        self.cfg, self.model_dir = cfg, model_dir
+        lc = cfg.learner
+        self.model = (model if model is not None else load_pretrained(model_dir)).float().train()
+        self.model.fp32_attn_softmax = lc.fp32_attn_softmax
+        self.ref = None
+        if lc.kl_beta > 0:
+            self.ref = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lc.lr, betas=tuple(lc.betas),
+                                     weight_decay=lc.weight_decay)
+        self.loss_fn = make_loss(lc.loss, eps_high=lc.eps_high, eps_clip=lc.eps_clip)
+        # constant divisor of the token-level loss: the most tokens one step can hold
+        self.token_divisor = float(lc.groups_per_step * cfg.actor.group_size * cfg.actor.max_new_tokens)
+        self.sampling = SamplingSpec.of(cfg.actor)
+
+    def logprobs(self, batch: Batch, *, reference: bool = False, with_entropy: bool = False, sampling=None):
+        """Learner log-probs ``[N, L-1]`` of the completion tokens (zeros elsewhere).
+
+        ``sampling`` defaults to the actor's: the numerator must be taken under the same
+        transformation the behaviour distribution was.
+        """
+        model = self.ref if reference else self.model
+        lc, s = self.cfg.learner, sampling or self.sampling
+        ids = batch.ids
+        pos = torch.arange(ids.shape[1] - 1).expand(ids.shape[0], -1)
+        with body_autocast(lc.body_dtype):
+            hidden = model(ids[:, :-1], pos, batch.key_mask[:, :-1])
+        sel = batch.mask > 0
+        h = hidden[sel]
+        if not lc.fp32_head:
+            h = h.to(DTYPES[lc.body_dtype])
+        lp, ent = token_logprobs(h, model.head_weight(), ids[:, 1:][sel], temperature=s.temperature,
+                                 fp32=lc.fp32_head, chunk=lc.logprob_chunk, with_entropy=with_entropy,
+                                 top_k=s.top_k, top_p=s.top_p)
+        full = torch.zeros(batch.mask.shape, dtype=lp.dtype).masked_scatter(sel, lp)
+        return full, ent
+
+    def forward_backward(self, batch: Batch) -> dict[str, float]:
+        lc = self.cfg.learner
+        logp, ent = self.logprobs(batch, with_entropy=True)
+        ref_logp = None
+        if self.ref is not None:
+            with torch.no_grad():
+                ref_logp, _ = self.logprobs(batch, reference=True)
+        adv = group_advantages(batch.rewards).reshape(-1)
+        inp = LossInputs(logp=logp, behaviour_logp=batch.behaviour_logp, advantages=adv, mask=batch.mask,
+                         norm=lc.norm, token_norm_divisor=self.token_divisor, ref_logp=ref_logp,
+                         kl_beta=lc.kl_beta, kl_estimator=lc.kl_estimator)
+        loss, metrics = self.loss_fn(inp)
+        if not torch.isfinite(loss):
+            raise NonFiniteError(f"non-finite loss {loss.item()}")
+        loss.backward()
+        metrics.update(ratio_metrics(logp.detach(), batch.behaviour_logp, batch.mask, batch.staleness, lc.eps_high))
+        metrics["learner/entropy"] = float(ent.mean().item()) if ent is not None and ent.numel() else math.nan
+        return metrics
+
+    def optim_step(self) -> float:
+        """Clip and apply; a non-finite gradient is discarded, never applied."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        clip = self.cfg.learner.grad_clip or float("inf")
+        norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
+        if not math.isfinite(norm):
+            raise NonFiniteError(f"non-finite gradient norm {norm}")
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return norm
+
+    def discard_grads(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+    def save_model(self, path: str) -> None:
+        save_pretrained(self.model, path, tokenizer_files(self.model_dir))
+
+    # ---- checkpoint state: model/ (HF), optim.safetensors, rng.safetensors -------------------
+
+    def save_state(self, path: str) -> dict:
+        self.save_model(os.path.join(path, "model"))
+        sd = self.opt.state_dict()
+        tensors = {}
+        for idx, state in sd["state"].items():  # keyed "<param index>.<name>": no pickle
+            for k, v in state.items():
+                t = v if torch.is_tensor(v) else torch.tensor(v)
+                tensors[f"{idx}.{k}"] = t.detach().contiguous().clone()
+        save_file(tensors, os.path.join(path, "optim.safetensors"))
+        save_file({"torch": torch.get_rng_state()}, os.path.join(path, "rng.safetensors"))
+        return {"param_groups": sd["param_groups"]}
+
+    def load_state(self, path: str, meta: dict) -> None:
+        self.model.load_state_dict(load_file(os.path.join(path, "model", "model.safetensors")), strict=True)
+        state: dict[int, dict] = {}
+        for key, t in load_file(os.path.join(path, "optim.safetensors")).items():
+            idx, name = key.split(".", 1)
+            state.setdefault(int(idx), {})[name] = t
+        self.opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+        torch.set_rng_state(load_file(os.path.join(path, "rng.safetensors"))["torch"])

@@ -1,0 +1,60 @@
+"""The sampler's rule, shared by the actor's engine and the learner's numerator.
+
+Behaviour log-probs are those of the distribution actually sampled from: logits / temperature,
+then top-k / top-p truncation and renormalisation, all in FP32. The learner applies the same
+:func:`truncation_mask` before its numerator (``learner/logprobs.py``), so the ratio compares
+like with like. One function, so the two sides can never drift apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """What defines the behaviour distribution; the learner's numerator must use the same."""
+
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+
+    @classmethod
+    def of(cls, actor_cfg) -> "SamplingSpec":
+        return cls(actor_cfg.temperature, actor_cfg.top_k, actor_cfg.top_p)
+
+
+@torch.no_grad()
+def truncation_mask(logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+    """Boolean ``[n, V]`` mask of the tokens a top-k / top-p sampler may draw from.
+
+    Order and tie rules are the usual sampler ones (HF ``generate``): logits are already divided
+    by the temperature; top-k keeps every token whose logit ties the k-th largest; top-p then keeps
+    the smallest prefix, by descending probability of the top-k-renormalised distribution, whose
+    mass reaches ``top_p`` (the most likely token is always kept). An actor that samples through
+    this same function draws from exactly the support the learner renormalises over.
+    """
+    keep = torch.ones_like(logits, dtype=torch.bool)
+    vocab = logits.shape[-1]
+    if 0 < top_k < vocab:
+        kth = logits.topk(top_k, dim=-1).values[..., -1:]
+        keep &= logits >= kth
+    if top_p < 1.0:
+        masked = logits.masked_fill(~keep, float("-inf"))
+        sorted_logits, order = masked.sort(dim=-1, descending=True)
+        probs = sorted_logits.to(torch.promote_types(logits.dtype, torch.float32)).softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        keep_sorted = mass_before < top_p
+        keep &= torch.zeros_like(keep).scatter(-1, order, keep_sorted)
+    return keep
+
+
+def sampling_logprobs(logits: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+    """Log-probs (FP32) of the sampling distribution: temperature, then the truncation rule."""
+    logits = logits.float() / temperature
+    if top_k or top_p < 1.0:
+        logits = logits.masked_fill(~truncation_mask(logits, top_k, top_p), float("-inf"))
+    return torch.log_softmax(logits, dim=-1)
