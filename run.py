@@ -118,7 +118,9 @@ def train(cfg: C.Config, run_dir: str | None = None, monitor=None, on_ready=None
     cfg = resolve_model(cfg)
     report = contract_check(cfg, run_dir)
     logging.getLogger("driftrl").info("contract check passed: %s", report)
-    return launchers.launch(cfg, run_dir, monitor, on_ready)
+    result = launchers.launch(cfg, run_dir, monitor, on_ready)
+    result.contract = report
+    return result
 
 
 def final_eval(cfg: C.Config, run_dir: str) -> dict:

@@ -208,35 +208,70 @@ class HeldOutEval:
     """
 
     def __init__(self, cfg: C.Config, num_prompts: int):
-        from actor.tasks import make_task
-        from learner.model import load_pretrained
+        from model.hf import load_pretrained
 
         self.cfg = cfg
-        self.task = make_task(cfg.task)
-        self.problems = self.task.eval_set(num_prompts)
+        self.task = make_task(cfg)
+        self.prompts = self.task.eval_set(num_prompts)
         self.model = load_pretrained(cfg.model.path)
         self.names = set(self.model.state_dict())
 
     def __call__(self, state: dict) -> tuple[float, float]:
         import torch
 
-        from actor.engine import TorchEngine
-        from actor.tasks import EOS, PAD
         from actor.worker import evaluate
 
         missing = self.names - set(state)
         if missing:
             raise KeyError(f"state dict lacks {sorted(missing)[:3]}...: not a Qwen3 of this shape")
         self.model.load_state_dict({k: v for k, v in state.items() if k in self.names}, strict=True)
-        a = self.cfg.actor
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # the same numerics for every system's eval
         try:
-            engine = TorchEngine(self.model, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
-                                 max_new_tokens=a.max_new_tokens, eos_id=EOS, pad_id=PAD, seed=self.cfg.run.seed)
-            return evaluate(engine, self.task, self.problems)
+            return evaluate(make_engine(self.cfg, self.model), self.task, self.prompts)
         finally:
             torch.set_num_threads(threads)
+
+
+def make_task(cfg: C.Config):
+    """The configured task on the configured model's tokenizer."""
+    from actor.tasks import make_task as make
+    from model.tokenizer import Tokenizer
+
+    return make(cfg.task, Tokenizer.from_dir(cfg.model.path))
+
+
+def make_engine(cfg: C.Config, model=None, seed: int | None = None):
+    """A TorchEngine as the actor builds it (``model`` instead of the model dir's weights)."""
+    from actor.engines import make_engine as make
+    from actor.engines.torch import TorchEngine
+    from model.sampling import SamplingSpec
+    from model.tokenizer import Tokenizer
+
+    seed = cfg.run.seed if seed is None else seed
+    if model is None:
+        return make(cfg.actor, cfg.model.path, seed=seed)
+    tok, a = Tokenizer.from_dir(cfg.model.path), cfg.actor
+    return TorchEngine(model, SamplingSpec.of(a), eos_ids=tok.eos_ids, pad_id=tok.pad_id,
+                       max_new_tokens=a.max_new_tokens, seed=seed)
+
+
+def engine_batch(cfg: C.Config, seed: int = 0):
+    """One learner step's worth of real rollouts (``groups_per_step`` prompts x ``group_size``
+    samples from the configured engine), collated as the learner receives them."""
+    import random
+
+    from actor.worker import sample_groups
+    from core import messages as M
+    from learner.batching import collate
+
+    task, rng = make_task(cfg), random.Random(seed)
+    prompts = [task.sample(rng) for _ in range(cfg.learner.groups_per_step)]
+    groups = [M.group_from_samples(s, [0.0] * len(s), actor_id="bench", seq=i, group_id=f"b{i}", task=task.name,
+                                   tier=p.tier, prompt=p.tokens, start_version=0)
+              for i, (p, s) in enumerate(zip(prompts, sample_groups(make_engine(cfg, seed=seed), prompts,
+                                                                     cfg.actor.group_size)))]
+    return collate(groups, learner_version=0)
 
 
 # ---- running driftrl -------------------------------------------------------------------------------
@@ -244,12 +279,9 @@ class HeldOutEval:
 
 def resolved_config(overrides: list[str] | tuple = ()) -> C.Config:
     """Bench config with the base model built/located, so every run shares one model dir."""
-    import msgspec
+    from run import resolve_model
 
-    from learner.basemodel import ensure_base_model
-
-    cfg = bench_config(overrides)
-    return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=ensure_base_model(cfg)))
+    return resolve_model(bench_config(overrides))
 
 
 def make_observer(cfg: C.Config, run_dir: str, every_s: float):
@@ -274,7 +306,7 @@ def make_observer(cfg: C.Config, run_dir: str, every_s: float):
                     self._next_t += every_s
 
         def _snapshot(self):
-            from learner.model import load_pretrained
+            from model.hf import load_pretrained
             from weightsync.base import make_subscriber
 
             if self._sub is None:
@@ -293,12 +325,11 @@ def make_observer(cfg: C.Config, run_dir: str, every_s: float):
 
 def run_driftrl(cfg: C.Config, run_dir: str, snapshot_every_s: float = 0.0):
     """One driftrl job, then run.py's final held-out eval. Returns (RunResult, records, snapshots)."""
-    from core import launch
-    from run import final_eval
+    from run import final_eval, train
 
     monitor = make_observer(cfg, run_dir, snapshot_every_s) if snapshot_every_s else None
     try:
-        result = launch.run(cfg, run_dir, monitor=monitor)
+        result = train(cfg, run_dir, monitor=monitor)
     finally:
         if monitor is not None:
             monitor.close()

@@ -1,16 +1,16 @@
 """Cost of the learner's FP32-island log-prob recompute against a bare forward, side by side.
 
-learner:   ``Trainer.logprobs`` under no_grad with the default precision policy -- body matmuls in
+learner:   ``TorchBackend.logprobs`` under no_grad with the default precision policy -- body matmuls in
            bf16 under autocast, attention softmax in FP32, LM head + log-softmax in FP32, chunked
            (DESIGN §4). Exactly what the trainer runs for the numerator.
 bare:      the same FP32 model, plain forward + full ``[N, L-1, V]`` FP32 logits; no autocast, no
            chunking, no log-softmax. The cheapest pass that could produce the numerator at all.
-bf16_all:  ``Trainer.logprobs`` with every island off (bf16 body, bf16 softmax, bf16 head).
-fp32_all:  ``Trainer.logprobs`` with an FP32 body (islands moot): isolates what autocast costs.
+bf16_all:  ``TorchBackend.logprobs`` with every island off (bf16 body, bf16 softmax, bf16 head).
+fp32_all:  ``TorchBackend.logprobs`` with an FP32 body (islands moot): isolates what autocast costs.
 no_fp32_softmax / no_fp32_head: the learner with one island switched off, to price each one.
 
-Model: the default tiny CPU model (``ensure_base_model(core.config.load())``, cached in
-.cache/driftrl; built on first use). Batches: 8 groups x 8 completions sampled by the engine
+Model: the default tiny CPU model (``run.resolve_model``, cached in .cache/driftrl; built
+on first use). Batches: 8 groups x 8 completions sampled by the engine
 (the default run's step batch, ~16 tokens a row), plus a synthetic batch of longer rows. Every
 variant runs once per round in a rotating order (so background load hits all alike); the table
 shows medians. Last line: ``{"bench": "logprobs", "cost_ratio": learner/bare, ...}`` on the
@@ -34,17 +34,14 @@ from functools import partial
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from actor.engine import TorchEngine  # noqa: E402
-from actor.tasks import EOS, PAD, make_task  # noqa: E402
+from bench.common import engine_batch  # noqa: E402
 from core import config as C  # noqa: E402
-from core import messages as M  # noqa: E402
-from learner.basemodel import ensure_base_model  # noqa: E402
-from learner.batching import Batch, collate  # noqa: E402
-from learner.model import load_pretrained  # noqa: E402
-from learner.trainer import Trainer  # noqa: E402
+from learner.backends.torch import TorchBackend  # noqa: E402
+from learner.batching import Batch  # noqa: E402
+from model.hf import load_pretrained  # noqa: E402
+from run import resolve_model  # noqa: E402
 
 VARIANTS = {  # name -> learner config overrides (None: the bare forward)
     "learner": [],
@@ -55,25 +52,6 @@ VARIANTS = {  # name -> learner config overrides (None: the bare forward)
     "no_fp32_softmax": ["learner.fp32_attn_softmax=false"],
     "no_fp32_head": ["learner.fp32_head=false"],
 }
-
-
-def engine_batch(cfg, model_dir: str) -> Batch:
-    """One learner step's worth of real rollouts: groups_per_step prompts x group_size samples."""
-    a, n = cfg.actor, cfg.learner.groups_per_step
-    task = make_task(cfg.task)
-    engine = TorchEngine(load_pretrained(model_dir), temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
-                         max_new_tokens=a.max_new_tokens, eos_id=EOS, pad_id=PAD, seed=0)
-    rng = random.Random(0)
-    prompts = [task.encode_prompt(task.sample(rng)) for _ in range(n)]
-    samples = engine.generate([p for p in prompts for _ in range(a.group_size)])
-    groups = []
-    for i, prompt in enumerate(prompts):
-        comps = [M.make_completion(s.tokens, s.logprobs, s.versions, s.finish_reason, 0.0)
-                 for s in samples[i * a.group_size:(i + 1) * a.group_size]]
-        groups.append(M.RolloutGroup(actor_id="bench", seq=i, group_id=f"b{i}", task=task.name, tier="default",
-                                     prompt_tokens=np.asarray(prompt, dtype=M.TOKEN_DTYPE).tobytes(),
-                                     completions=comps, start_version=0, created_at=0.0))
-    return collate(groups, learner_version=0)
 
 
 def synthetic_batch(rows: int, length: int, vocab: int, prompt_len: int = 8) -> Batch:
@@ -94,7 +72,7 @@ def make_runners(model_dir: str):
         if overrides is None:
             runners[name] = partial(bare_forward, load_pretrained(model_dir).eval())
         else:
-            trainer = Trainer(C.load(None, overrides), load_pretrained(model_dir))
+            trainer = TorchBackend(C.load(None, overrides), model_dir)
             trainer.model.eval()
             runners[name] = lambda batch, t=trainer: t.logprobs(batch)[0]
     return runners
@@ -143,10 +121,10 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    cfg = C.load()
-    model_dir = ensure_base_model(cfg)
+    cfg = resolve_model(C.load())
+    model_dir = cfg.model.path
     runners = make_runners(model_dir)
-    batches = {"engine": engine_batch(cfg, model_dir)}
+    batches = {"engine": engine_batch(cfg)}
     vocab = load_pretrained(model_dir).cfg.vocab_size
     if args.long_rows:
         batches["long"] = synthetic_batch(args.long_rows, args.long_len, vocab)

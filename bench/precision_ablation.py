@@ -26,7 +26,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from core import config as C  # noqa: E402
-from core import launch  # noqa: E402
+from run import train  # noqa: E402
 
 VARIANTS = {
     "islands": ["learner.fp32_attn_softmax=true", "learner.fp32_head=true"],
@@ -37,16 +37,13 @@ VARIANTS = {
 }
 
 
-def summarise(run_dir: str) -> dict:
+def summarise(run_dir: str, contract: dict) -> dict:
     recs = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     steps = [r for r in recs if r.get("role") == "learner" and r.get("ratio/p99") is not None]
 
     def col(key):
         return [r[key] for r in steps if r.get(key) is not None]
 
-    with open(os.path.join(run_dir, "logs", "learner.log")) as f:
-        contract = next((line.split("contract check passed: ", 1)[1].strip() for line in f
-                         if "contract check passed" in line), "")
     return {
         "steps": len(steps),
         "ratio_p50": statistics.median(col("ratio/p50")),
@@ -72,10 +69,10 @@ def main(argv=None) -> None:
     for name, extra in VARIANTS.items():
         cfg = C.load(None, [f"run.max_steps={args.steps}", "run.max_time_s=0", "monitor.live=off",
                             "monitor.refresh_s=30", *args.overrides, *extra])
-        res = launch.run(cfg, os.path.join(base, name))
+        res = train(cfg, os.path.join(base, name))
         if res.interrupted:
             sys.exit(130)
-        out[name] = summarise(res.run_dir)
+        out[name] = summarise(res.run_dir, res.contract)
     keys = ["ratio_p50", "ratio_p99", "ratio_p999", "ratio_max", "ratio_p99_stale0", "kl_k3", "abs_logp_diff_p99", "final_eval"]
     print(f"\n{'metric':<20}{'FP32 islands':>16}{'all body dtype':>16}")
     for k in keys:

@@ -1,6 +1,6 @@
 """Bench: driftrl vs TRL's GRPOTrainer, same base model, task, batch, optimiser and CPU budget.
 
-Both sides train the cached tiny base model (HF format, ``learner.basemodel``) on ArithTask with
+Both sides train the cached tiny base model (HF format, ``model.basemodel``) on ArithTask with
 the same recipe, one after the other on the same machine, each for ``--seconds`` of training
 wall time:
 
@@ -18,7 +18,7 @@ wall time:
 the faster: on this tiny model two OpenMP threads can lose to one, badly so on a loaded machine.
 
 TRL's dataset holds train-split prompts as strings ``"<s>47+38="``; the bench asserts that
-TRL's tokenizer encodes them to exactly ``task.encode_prompt``'s ids, and the reward function
+TRL's tokenizer encodes them to exactly the task's prompt ids, and the reward function
 calls ``ArithTask.reward`` on TRL's completion token ids (EOS included), so both sides optimise
 the identical reward.
 
@@ -70,32 +70,34 @@ def trl_missing() -> str | None:
 
 
 def train_prompts(task, n: int, seed: int):
-    """``n`` train-split problems as a datasets.Dataset: prompt text plus the operands."""
+    """``n`` train-split prompts as a datasets.Dataset: prompt text, driftrl's ids, the answer."""
     from datasets import Dataset
 
     rng = random.Random(seed)
-    problems = [task.sample(rng, "train") for _ in range(n)]
-    return Dataset.from_dict({"prompt": ["<s>" + p.prompt for p in problems],
-                              "a": [p.a for p in problems], "b": [p.b for p in problems]})
+    prompts = [task.sample(rng, "train") for _ in range(n)]
+    return Dataset.from_dict({"prompt": [prompt_text(task, p) for p in prompts],
+                              "ids": [list(p.tokens) for p in prompts], "answer": [p.answer for p in prompts]})
 
 
-def check_prompt_ids(tokenizer, task, prompts: list[str], a: list[int], b: list[int]) -> None:
+def prompt_text(task, prompt) -> str:
+    """The prompt's text with its special tokens written out, as TRL's tokenizer reads it."""
+    return task.tok.tok.decode(list(prompt.tokens), skip_special_tokens=False)
+
+
+def check_prompt_ids(tokenizer, prompts: list[str], ids: list[list[int]]) -> None:
     """TRL tokenises prompts with ``processing_class(text=prompts)``: it must give our ids."""
-    from actor.tasks import Problem
-
     got = tokenizer(text=list(prompts))["input_ids"]
-    want = [task.encode_prompt(Problem(x, y)) for x, y in zip(a, b)]
-    bad = [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
-    if bad or len(got) != len(want):
+    bad = [i for i, (g, w) in enumerate(zip(got, ids)) if g != w]
+    if bad or len(got) != len(ids):
         i = bad[0] if bad else 0
-        raise AssertionError(f"TRL's tokenizer encodes {prompts[i]!r} as {got[i]}, driftrl as {want[i]}")
+        raise AssertionError(f"TRL's tokenizer encodes {prompts[i]!r} as {got[i]}, driftrl as {ids[i]}")
 
 
 def make_reward(task):
-    from actor.tasks import Problem
+    from actor.tasks import Prompt
 
-    def arith_reward(prompts, completions, completion_ids, a, b, **_):
-        return [task.reward(Problem(x, y), ids) for ids, x, y in zip(completion_ids, a, b)]
+    def arith_reward(prompts, completions, completion_ids, ids, answer, **_):
+        return [task.reward(Prompt("", tuple(p), answer=a), c) for c, p, a in zip(completion_ids, ids, answer)]
 
     return arith_reward
 
@@ -150,14 +152,14 @@ def run_trl(cfg, seconds: float, every_s: float, out_dir: str, threads: int = TR
     from transformers import AutoTokenizer
     from trl import GRPOTrainer
 
-    from actor.tasks import make_task
+    from bench.common import make_task
 
     torch.set_num_threads(threads)
-    task = make_task(cfg.task)
+    task = make_task(cfg)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     dataset = train_prompts(task, 200_000, cfg.run.seed)
     head = dataset.select(range(256))
-    check_prompt_ids(tokenizer, task, head["prompt"], head["a"], head["b"])
+    check_prompt_ids(tokenizer, head["prompt"], head["ids"])
     cb = budget_callback(seconds, every_s)
     t_setup = time.time()
     trainer = GRPOTrainer(model=cfg.model.path, reward_funcs=make_reward(task), args=trl_args(cfg, out_dir, seconds),

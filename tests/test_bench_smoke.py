@@ -13,12 +13,13 @@ import time
 
 import pytest
 
-from actor.tasks import EOS, ArithTask, Problem, tokenizer_files
+from actor.tasks.arith import tokenizer_files
 from bench.common import (
     final_reward, format_table, json_safe, ratio, read_metrics, reward_at, summarize_run, time_to_threshold,
     version_times,
 )
-from bench.vs_trl import check_prompt_ids, make_reward
+from bench.vs_trl import check_prompt_ids, make_reward, prompt_text
+from tests.support.tiny import tiny_task
 
 
 def _learner(step, wait, busy, publish=0.001, stale=1.0):
@@ -94,12 +95,14 @@ def test_ratio_table_and_json_safety():
 
 
 def test_trl_reward_matches_the_task_reward_on_token_ids():
-    task = ArithTask()
+    task = tiny_task()
+    tok = task.tok
     reward = make_reward(task)
-    good = task.encode_text("85") + [EOS]
+    good = tok.encode("85") + [tok.eos_id]
+    ids = [[tok.bos_id, *tok.encode("47+38=")]] * 3 + [[tok.bos_id, *tok.encode("40+38=")]]
     got = reward(prompts=["<s>47+38="] * 4, completions=["85", "58", "85", "8"],
-                 completion_ids=[good, task.encode_text("58") + [EOS], task.encode_text("85"), good],
-                 a=[47, 47, 47, 40], b=[38, 38, 38, 38], trainer_state=None)
+                 completion_ids=[good, tok.encode("58") + [tok.eos_id], tok.encode("85"), good],
+                 ids=ids, answer=["85", "85", "85", "78"], trainer_state=None)
     assert got == [1.0, 0.0, 0.0, 0.0]  # wrong digits, missing EOS, wrong problem
 
 
@@ -108,13 +111,13 @@ def test_hf_tokenizer_encodes_trl_prompts_to_driftrl_ids(tmp_path):
     for name, data in tokenizer_files().items():
         (tmp_path / name).write_bytes(data)
     tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
-    task = ArithTask()
-    rng = random.Random(0)
-    problems = [task.sample(rng) for _ in range(50)] + [Problem(0, 0), Problem(99, 9)]
-    check_prompt_ids(tok, task, ["<s>" + p.prompt for p in problems], [p.a for p in problems],
-                     [p.b for p in problems])
+    task, rng = tiny_task(), random.Random(0)
+    prompts = [task.sample(rng) for _ in range(50)]
+    texts, ids = [prompt_text(task, p) for p in prompts], [list(p.tokens) for p in prompts]
+    assert texts[0].startswith("<s>") and texts[0].endswith("=")
+    check_prompt_ids(tok, texts, ids)
     with pytest.raises(AssertionError, match="encodes"):
-        check_prompt_ids(tok, task, [p.prompt for p in problems], [p.a for p in problems], [p.b for p in problems])
+        check_prompt_ids(tok, [t[3:] for t in texts], ids)  # without the BOS text
 
 
 def test_async_bench_reports_the_median_repeat_with_the_spread():

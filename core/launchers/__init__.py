@@ -54,6 +54,7 @@ class RunResult:
     summary: dict = field(default_factory=dict)
     wall_s: float = 0.0
     interrupted: bool = False
+    contract: dict = field(default_factory=dict)  # the start-up contract check's report (run.py)
 
 
 class RoleFailed(RuntimeError):

@@ -8,10 +8,10 @@ import sys
 from safetensors.torch import load_file
 
 from core import config as C
-from core import launch
+import run
 from learner import checkpoint
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1",
         "model.intermediate_size=64", "model.pretrain_steps=40", "learner.groups_per_step=4",
         "actor.group_size=4", "actor.groups_per_batch=2", "run.eval_every=0", "monitor.live=off",
@@ -26,7 +26,7 @@ def _trained(run_dir):
 def test_resume_continues_at_the_same_version_without_retraining(tmp_path):
     run_dir = str(tmp_path / "run")
     cfg = C.load(None, TINY + [f"model.cache_dir={tmp_path / 'models'}", "run.max_steps=4"])
-    first = launch.run(cfg, run_dir)
+    first = run.train(cfg, run_dir)
     assert not first.interrupted
     ck4 = checkpoint.latest(os.path.join(run_dir, "checkpoints"))
     assert ck4.endswith("step_000004")

@@ -10,9 +10,9 @@ import time
 import pytest
 
 from core import config as C
-from core import launch
+import run
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1",
         "model.intermediate_size=64", "model.pretrain_steps=40", "learner.groups_per_step=4",
         "actor.group_size=4", "actor.groups_per_batch=2", "run.eval_every=2", "run.eval_prompts=32",
@@ -43,7 +43,7 @@ def _alive(pid):
 def test_run_end_to_end(tmp_path, cache_dir, staleness):
     cfg = C.load(None, TINY + [f"model.cache_dir={cache_dir}", f"buffer.max_staleness={staleness}",
                                "run.max_steps=8", "run.max_time_s=120"])
-    result = launch.run(cfg, str(tmp_path / "run"))
+    result = run.train(cfg, str(tmp_path / "run"))
     assert not result.interrupted
     recs = _records(result.run_dir)
     learner = [r for r in recs if r["role"] == "learner"]
@@ -112,11 +112,11 @@ def test_killed_actor_and_buffer_are_restarted_and_lose_nothing(tmp_path, cache_
                 time.sleep(0.05)
             for role in procs:
                 if role.name in ("actor0", "buffer"):
-                    os.kill(role.proc.pid, signal.SIGKILL)
+                    os.kill(role.pid, signal.SIGKILL)
                     killed.append(role.name)
         threading.Thread(target=work, daemon=True).start()
 
-    result = launch.run(cfg, str(tmp_path / "run"), on_ready=killer)
+    result = run.train(cfg, str(tmp_path / "run"), on_ready=killer)
     assert sorted(killed) == ["actor0", "buffer"]
     with open(os.path.join(result.run_dir, "trained_keys.jsonl")) as f:
         steps = [json.loads(line) for line in f]
