@@ -22,6 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from core.files import atomic_write, fsync_path
 from core.messages import WeightUpdateHeader, decoder, encode
 from weightsync import layout
 from weightsync.base import Publisher, Subscriber, wait_until
@@ -33,24 +34,6 @@ _header_decoder = decoder(WeightUpdateHeader)
 
 def weights_dir(run_dir: str) -> str:
     return os.path.join(run_dir, "weights")
-
-
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)  # a directory too: makes a rename inside it durable
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync(os.path.dirname(path))
 
 
 def _savable(named: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -93,9 +76,9 @@ class FsPublisher(Publisher):
         path = os.path.join(self.dir, f"v{version}.safetensors")
         tmp = f"{path}.tmp{os.getpid()}"
         save_file(_savable(named), tmp, metadata={"version": str(version), "layout": self._hash})
-        _fsync(tmp)
+        fsync_path(tmp)
         os.replace(tmp, path)
-        _fsync(self.dir)
+        fsync_path(self.dir)
         atomic_write(os.path.join(self.dir, "LATEST"), f"{version}\n".encode())
         on_disk = versions_on_disk(self.run_dir)
         keep = set([v for v in on_disk if v <= version][-KEEP:])

@@ -1,9 +1,9 @@
 """One-GPU check of weightsync's device paths; writes a log and exits 0 on success.
 
-    python -m weightsync.gpu_check LOG_PATH [--device cuda|cpu]
+    python -m weightsync.gpu_check LOG_PATH [--device cuda:N]
 
-``--device cpu`` runs the same steps without a GPU (NCCL replaced by Gloo, cupy not needed):
-a smoke test of this script itself. Each step logs one line, ``OK``, ``SKIP`` or ``FAIL``:
+Each step logs one line, ``OK`` or ``FAIL``; a step that cannot run as asked (no CUDA, no cupy)
+is a failure, never a skip, so ``GPU_CHECK PASS`` means every step below really ran:
 
 1. ``env``      torch / CUDA / cupy / NCCL versions and the device name
 2. ``layout``   header of a mixed-dtype dict (float32, bfloat16, float16, int64, int32) laid out
@@ -27,7 +27,7 @@ Expected output on a CUDA machine with cupy (figures vary)::
     OK fs exact=10/10
     GPU_CHECK PASS (6 steps)
 
-Without cupy, step 3 logs ``via=torch-copy`` and step 4 ``SKIP (cupy not installed)``.
+Without cupy, steps 3 and 4 fail with ``cupy not installed``.
 """
 
 from __future__ import annotations
@@ -100,17 +100,17 @@ def step_layout(device, ctx):
 
 def step_buckets(device, ctx):
     named, h = ctx["named"], ctx["header"]
-    use_nccl = device.type == "cuda" and _has_cupy()
-    if use_nccl:
-        import cupy
-        from cupy.cuda import nccl
+    if not _has_cupy():
+        return "FAIL", "(cupy not installed)"
+    import cupy
+    from cupy.cuda import nccl
 
-        from weightsync.nccl import _NcclComm
+    from weightsync.nccl import _NcclComm
 
-        uid = _NcclComm.new_id()
-        major = int(cupy.__version__.split(".")[0])
-        with cupy.cuda.Device(device.index):
-            comm = nccl.NcclCommunicator(1, uid if major >= 14 else tuple(b - 256 if b > 127 else b for b in uid), 0)
+    uid = _NcclComm.new_id()
+    major = int(cupy.__version__.split(".")[0])
+    with cupy.cuda.Device(device.index):
+        comm = nccl.NcclCommunicator(1, uid if major >= 14 else tuple(b - 256 if b > 127 else b for b in uid), 0)
     same = {n: torch.empty_like(t) for n, t in named.items()}
     wide = {n: torch.empty(t.shape, dtype=torch.float32, device=device) for n, t in named.items()}
     for i, b in enumerate(h.buckets):
@@ -118,35 +118,29 @@ def step_buckets(device, ctx):
         for n, view in layout.views(h, src, bucket=i).items():
             view.copy_(named[n])
         dst = torch.empty_like(src)
-        if use_nccl:
-            stream = torch.cuda.current_stream(device).cuda_stream
-            comm.broadcast(src.data_ptr(), dst.data_ptr(), b.nbytes, nccl.NCCL_UINT8, 0, stream)
-        else:
-            dst.copy_(src)
+        stream = torch.cuda.current_stream(device).cuda_stream
+        comm.broadcast(src.data_ptr(), dst.data_ptr(), b.nbytes, nccl.NCCL_UINT8, 0, stream)
         for n, view in layout.views(h, dst, bucket=i).items():
             same[n].copy_(view)
             wide[n].copy_(view)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    if use_nccl:
-        comm.destroy()
+    torch.cuda.synchronize(device)
+    comm.destroy()
     ex, wd = _exact(same, named), _widened(wide, named)
     ok = ex == wd == len(named)
-    return ("OK" if ok else "FAIL"), f"via={'nccl-broadcast' if use_nccl else 'torch-copy'} exact={ex}/{len(named)} widened={wd}/{len(named)}"
+    return ("OK" if ok else "FAIL"), f"via=nccl-broadcast exact={ex}/{len(named)} widened={wd}/{len(named)}"
 
 
 def step_nccl_publisher(device, ctx):
     from weightsync.nccl import NcclPublisher
 
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if backend == "nccl" and not _has_cupy():
-        return "SKIP", "(cupy not installed)"
+    if not _has_cupy():
+        return "FAIL", "(cupy not installed)"
     named = ctx["named"]
     with tempfile.TemporaryDirectory() as run_dir:
-        pub = NcclPublisher(run_dir, named, 1 << 20, world_size=1, backend=backend, join_timeout_s=30)
+        pub = NcclPublisher(run_dir, named, 1 << 20, world_size=1, backend="nccl", join_timeout_s=30)
         times = [pub.publish(v, named).seconds for v in (0, 1)]
         pub.close()
-    return "OK", f"backend={backend} versions=[0, 1] publish_ms={times[-1] * 1e3:.2f}"
+    return "OK", f"backend=nccl versions=[0, 1] publish_ms={times[-1] * 1e3:.2f}"
 
 
 def step_shm(device, ctx):
@@ -190,13 +184,12 @@ STEPS = [("env", step_env), ("layout", step_layout), ("buckets", step_buckets),
 
 def run(log_path: str, device: str) -> bool:
     dev = torch.device(device)
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            with open(log_path, "w") as log:
-                log.write("GPU_CHECK FAIL: CUDA not available (use --device cpu for a smoke test)\n")
-            return False
-        dev = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
-        torch.cuda.set_device(dev)
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        with open(log_path, "w") as log:
+            log.write(f"GPU_CHECK FAIL: needs a CUDA device, got {device!r} (available: {torch.cuda.is_available()})\n")
+        return False
+    dev = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
+    torch.cuda.set_device(dev)
     ctx = {"named": _tensors(dev)}
     failed = []
     with open(log_path, "w") as log:
@@ -223,7 +216,7 @@ def run(log_path: str, device: str) -> bool:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("log_path")
-    ap.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (smoke test without a GPU)")
+    ap.add_argument("--device", default="cuda", help="cuda or cuda:N")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     return 0 if run(args.log_path, args.device) else 1

@@ -45,7 +45,8 @@ from core import net
 from core.messages import SCHEMA_VERSION, Hello, Shutdown, WeightUpdateHeader, decoder, encode
 from weightsync import layout
 from weightsync.base import Publisher, Subscriber, wait_until
-from weightsync.filesystem import atomic_write, weights_dir
+from core.files import atomic_write
+from weightsync.filesystem import weights_dir
 
 
 class CollectiveInit(msgspec.Struct, frozen=True, array_like=True, tag="ws_init"):
