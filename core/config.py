@@ -32,7 +32,6 @@ class RunSection(_Section):
     seed: int = 0
     max_steps: NonNegInt = 1000  # learner optimiser steps; 0 = no step budget
     max_time_s: NonNegFloat = 480.0  # wall-clock budget of the training phase; 0 = none
-    log_every_s: PosFloat = 2.0
     eval_every: NonNegInt = 10  # held-out eval every N policy versions (actor 0); 0 = off
     eval_prompts: PosInt = 256
     ckpt_every: NonNegInt = 0  # learner steps between checkpoints; 0 = final only

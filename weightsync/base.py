@@ -38,7 +38,6 @@ class SubscriberStats:
     apply_s: float = 0.0  # duration of the last apply
     apply_s_total: float = 0.0
     bytes: int = 0  # payload bytes of the last apply
-    bytes_total: int = 0
     # versions published between two applies of this reader that it never applied (versions
     # before its first apply do not count: a late joiner is not behind)
     versions_skipped: int = 0
@@ -136,7 +135,6 @@ class Subscriber:
         s.apply_s = time.perf_counter() - t0
         s.apply_s_total += s.apply_s
         s.bytes = nbytes
-        s.bytes_total += nbytes
         return version
 
     def _apply(self, named: Mapping[str, torch.Tensor], after: int) -> tuple[int, int] | None:
