@@ -3,18 +3,19 @@
     python run.py [--config FILE.toml] [section.key=value ...]    train (defaults: tiny CPU run)
     python run.py resume RUN_DIR [section.key=value ...]          continue a stopped run
 
-Dataflow (DESIGN.md §1)::
+Dataflow (ARCHITECTURE.md)::
 
     tasks ──prompts──▶ actor ×N ──RolloutGroup (ZMQ, msgspec)──▶ buffer ──SampleBatch──▶ learner
                         ▲  behaviour log-probs + per-token versions        (staleness,     │
                         │                                                    persistence)  │
-                        └───────── weightsync (shared memory) ◀── publish(version) ────────┘
+                        └───────── weightsync (shm | fs | NCCL) ◀── publish(version) ───────┘
     every role ──MetricRecords──▶ launcher: rich view + run_dir/metrics.jsonl
 
 Seams (ARCHITECTURE.md): engine (actor/engines/), backend (learner/backends/), task
 (actor/tasks/), launcher (core/launchers/), weight transport (weightsync/); each a registry
-keyed by its config value. This module is the only one that wires them together: it resolves the
-model, runs the actor-vs-learner contract check, launches the roles and evaluates the result.
+keyed by its config value. This module is the only one that wires both sides together: it
+checks the seams' keys, resolves the model, runs the actor-vs-learner contract check, launches
+the roles and evaluates the result.
 
 Who waits for whom:
 
@@ -43,14 +44,15 @@ import msgspec
 from core import config as C
 from core import launchers
 
+log = logging.getLogger("driftrl")
+
 
 def parse(argv):
     ap = argparse.ArgumentParser(prog="run.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", help="TOML file with overrides of the defaults")
     ap.add_argument("args", nargs="*", help="`resume RUN_DIR` and/or section.key=value overrides")
     ns = ap.parse_args(argv)
-    resume_dir = None
-    rest = list(ns.args)
+    resume_dir, rest = None, list(ns.args)
     if rest and rest[0] == "resume":
         if len(rest) < 2:
             ap.error("resume needs a RUN_DIR")
@@ -73,6 +75,19 @@ def load_config(toml_path, resume_dir, overrides) -> C.Config:
     return C.from_dict(tree)
 
 
+def check_seams(cfg: C.Config) -> None:
+    """Every seam's config value names a registered implementation (before anything starts)."""
+    from actor.engines import ENGINES
+    from actor.tasks import TASKS
+    from learner.backends import BACKENDS
+
+    for path, value, registry in (("actor.engine", cfg.actor.engine, ENGINES), ("task.name", cfg.task.name, TASKS),
+                                  ("learner.backend", cfg.learner.backend, BACKENDS),
+                                  ("run.launcher", cfg.run.launcher, launchers.LAUNCHERS)):
+        if value not in registry:
+            raise C.ConfigError(f"`$.{path}` = {value!r} is not one of {', '.join(sorted(registry))}")
+
+
 def resolve_model(cfg: C.Config) -> C.Config:
     """``model.path`` set: the base model (the built-in task's tiny model, built on first use)."""
     if cfg.model.path:
@@ -83,16 +98,8 @@ def resolve_model(cfg: C.Config) -> C.Config:
 
     t0 = time.time()
     path = base_model(cfg)
-    logging.getLogger("driftrl").info("base model ready in %.1fs: %s", time.time() - t0, path)
+    log.info("base model ready in %.1fs: %s", time.time() - t0, path)
     return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=path))
-
-
-def _engine_and_task(cfg: C.Config, model_dir: str):
-    from actor.engines import make_engine
-    from actor.tasks import make_task
-    from model.tokenizer import Tokenizer
-
-    return make_engine(cfg.actor, model_dir, seed=cfg.run.seed), make_task(cfg.task, Tokenizer.from_dir(model_dir))
 
 
 def contract_check(cfg: C.Config, run_dir: str | None) -> dict:
@@ -100,43 +107,32 @@ def contract_check(cfg: C.Config, run_dir: str | None) -> dict:
     (learner/contract.py); the weights are the newest checkpoint's when resuming."""
     import torch
 
+    from actor.engines import make_engine
+    from actor.tasks import make_task
     from learner import checkpoint, contract
     from learner.backends import make_backend
     from model.sampling import SamplingSpec
+    from model.tokenizer import Tokenizer
 
     torch.set_num_threads(1)
     ck = checkpoint.latest(os.path.join(run_dir, "checkpoints")) if run_dir else None
     model_dir = os.path.join(ck, "model") if ck else cfg.model.path
-    engine, task = _engine_and_task(cfg, model_dir)
+    engine = make_engine(cfg.actor, model_dir, seed=cfg.run.seed)
+    task = make_task(cfg.task, Tokenizer.from_dir(model_dir))
     lc = cfg.learner
     return contract.check(make_backend(cfg, model_dir), engine, task, SamplingSpec.of(cfg.actor),
                           lc.contract_max_abs_logp_diff, lc.contract_max_kl_k3)
 
 
 def train(cfg: C.Config, run_dir: str | None = None, monitor=None, on_ready=None) -> launchers.RunResult:
-    """Resolve the model, check the contract, launch every role until the budget is spent."""
+    """Check the seams, resolve the model, check the contract, run every role to the budget."""
+    check_seams(cfg)
     cfg = resolve_model(cfg)
     report = contract_check(cfg, run_dir)
-    logging.getLogger("driftrl").info("contract check passed: %s", report)
+    log.info("contract check passed: %s", report)
     result = launchers.launch(cfg, run_dir, monitor, on_ready)
     result.contract = report
     return result
-
-
-def final_eval(cfg: C.Config, run_dir: str) -> dict:
-    """Held-out reward of the final checkpoint, appended to metrics.jsonl."""
-    import torch
-
-    from actor.worker import evaluate
-
-    torch.set_num_threads(1)
-    engine, task = _engine_and_task(cfg, os.path.join(run_dir, "final_model"))
-    reward, length = evaluate(engine, task, task.eval_set(cfg.run.eval_prompts))
-    rec = {"step": -1, "time": time.time(), "role": "launcher", "id": "final_eval",
-           "eval/reward": reward, "eval/length": length, "eval/final": 1.0}
-    with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
-        f.write(json.dumps(rec) + "\n")
-    return rec
 
 
 def first_eval(run_dir: str) -> float | None:
@@ -149,28 +145,25 @@ def first_eval(run_dir: str) -> float | None:
 
 
 def main(argv=None) -> int:
+    from actor.worker import final_eval
     from learner.contract import ContractError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s launcher %(levelname)s: %(message)s")
     toml_path, resume_dir, overrides = parse(sys.argv[1:] if argv is None else argv)
-    try:
-        cfg = load_config(toml_path, resume_dir, overrides)
-    except C.ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
     # SIGTERM (e.g. from a job scheduler) stops the run exactly like Ctrl-C
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
-        result = train(cfg, resume_dir)
+        result = train(load_config(toml_path, resume_dir, overrides), resume_dir)
+    except C.ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
     except (launchers.RoleFailed, ContractError) as e:
         print(f"run failed: {e}", file=sys.stderr)
         return 1
     if result.interrupted:
         print(f"interrupted; all roles stopped. Resume with: python run.py resume {result.run_dir}")
         return 130
-    with open(os.path.join(result.run_dir, "config.json"), "rb") as f:
-        cfg = C.from_json(f.read())
-    final = final_eval(cfg, result.run_dir)
+    final = final_eval(result.run_dir)
     start = first_eval(result.run_dir)
     print(f"done in {result.wall_s:.0f}s: held-out reward {start if start is not None else float('nan'):.3f} "
           f"-> {final['eval/reward']:.3f}; run dir {result.run_dir}")

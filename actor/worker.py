@@ -11,6 +11,7 @@ Run as a process: ``python -m actor.worker --run-dir RUN_DIR --index I``.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import time
@@ -143,6 +144,23 @@ def evaluate(engine: Engine, task: Task, prompts) -> tuple[float, float]:
     samples = engine.generate([list(p.tokens) for p in prompts])
     rewards = [task.reward(p, s.tokens) for p, s in zip(prompts, samples)]
     return float(np.mean(rewards)), float(np.mean([len(s.tokens) for s in samples]))
+
+
+def final_eval(run_dir: str) -> dict:
+    """Held-out reward of ``run_dir/final_model``, sampled as the actors sample; the record is
+    appended to ``run_dir/metrics.jsonl`` (``eval/final`` = 1)."""
+    with open(os.path.join(run_dir, "config.json"), "rb") as f:
+        cfg = C.from_json(f.read())
+    torch.set_num_threads(1)
+    model_dir = os.path.join(run_dir, "final_model")
+    engine = make_engine(cfg.actor, model_dir, seed=cfg.run.seed)
+    task = make_task(cfg.task, Tokenizer.from_dir(model_dir))
+    reward, length = evaluate(engine, task, task.eval_set(cfg.run.eval_prompts))
+    rec = {"step": -1, "time": time.time(), "role": "launcher", "id": "final_eval",
+           "eval/reward": reward, "eval/length": length, "eval/final": 1.0}
+    with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps(rec) + "\n")
+    return rec
 
 
 def main(argv=None) -> None:

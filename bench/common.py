@@ -325,7 +325,8 @@ def make_observer(cfg: C.Config, run_dir: str, every_s: float):
 
 def run_driftrl(cfg: C.Config, run_dir: str, snapshot_every_s: float = 0.0):
     """One driftrl job, then run.py's final held-out eval. Returns (RunResult, records, snapshots)."""
-    from run import final_eval, train
+    from actor.worker import final_eval
+    from run import train
 
     monitor = make_observer(cfg, run_dir, snapshot_every_s) if snapshot_every_s else None
     try:
@@ -338,6 +339,5 @@ def run_driftrl(cfg: C.Config, run_dir: str, snapshot_every_s: float = 0.0):
     bad = {k: v for k, v in result.returncodes.items() if v not in (0, -15)}
     if bad:
         print(f"warning: role exit codes {bad} (logs in {run_dir}/logs)", file=sys.stderr)
-    with open(os.path.join(run_dir, "config.json"), "rb") as f:
-        final_eval(C.from_json(f.read()), run_dir)
+    final_eval(run_dir)
     return result, read_metrics(run_dir), (monitor.snapshots if monitor is not None else [])

@@ -37,7 +37,8 @@ class RunSection(_Section):
     ckpt_every: NonNegInt = 0  # learner steps between checkpoints; 0 = final only
     # a crashed actor or buffer is restarted (its data survives: spool / segment log) this often
     max_restarts: NonNegInt = 3
-    launcher: Literal["local"] = "local"  # core/launchers/: how roles are started and watched
+    # seams (ARCHITECTURE.md): a key of its registry, checked by run.py before anything starts
+    launcher: str = "local"  # core/launchers/ LAUNCHERS: how roles are started and watched
 
 
 class ModelSection(_Section):
@@ -58,14 +59,14 @@ class ModelSection(_Section):
 
 
 class TaskSection(_Section):
-    name: Literal["arith"] = "arith"  # actor/tasks/
+    name: str = "arith"  # actor/tasks/ TASKS
     digits: Annotated[int, Meta(ge=1, le=6)] = 2
     eval_frac: Annotated[float, Meta(gt=0, lt=1)] = 0.1
 
 
 class ActorSection(_Section):
     num_actors: PosInt = 1
-    engine: Literal["torch"] = "torch"  # actor/engines/ (the SGLang engine arrives with the GPU path)
+    engine: str = "torch"  # actor/engines/ ENGINES (the SGLang engine arrives with the GPU path)
     group_size: Annotated[int, Meta(ge=2)] = 8
     groups_per_batch: PosInt = 16  # prompts decoded together by one engine batch
     max_new_tokens: PosInt = 8
@@ -88,7 +89,7 @@ class BufferSection(_Section):
 
 
 class LearnerSection(_Section):
-    backend: Literal["torch"] = "torch"  # learner/backends/
+    backend: str = "torch"  # learner/backends/ BACKENDS
     groups_per_step: PosInt = 16
     lr: PosFloat = 1e-4
     weight_decay: NonNegFloat = 0.0

@@ -201,3 +201,16 @@ def test_in_flight_update_versions_and_logprobs(task):
         assert abs(got - old_ref[len(prompt) + 1, tok].item()) > 1e-3
         assert abs(got - new_ref) > 1e-4
     assert long_rows >= 3
+
+
+def test_any_of_several_eos_ids_stops_a_row(task):
+    prompts = _prompts(task, 6)
+    first = [s.tokens[0] for s in _engine(seed=1).generate(prompts, greedy=True)]
+    extra = max(set(first), key=first.count)  # the most common greedy first token
+    engine = _engine(seed=1)
+    engine.eos_ids = torch.tensor([EOS, extra])
+    for s, t in zip(engine.generate(prompts, greedy=True), first):
+        if t == extra:
+            assert s.tokens == [extra] and s.finish_reason == "stop"
+        else:
+            assert s.tokens[0] == t and extra not in s.tokens[:-1]

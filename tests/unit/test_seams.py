@@ -1,0 +1,62 @@
+"""The seams: every registry entry is a real implementation of its base class, unknown keys are
+refused before anything starts, and a new implementation is one class plus one registry line."""
+
+import random
+
+import msgspec
+import pytest
+
+import run
+from actor.engines import ENGINES, Engine
+from actor.tasks import TASKS, Prompt, Task, make_task
+from core import config as C
+from core.launchers import LAUNCHERS, Launcher
+from core.registry import resolve
+from learner.backends import BACKENDS, Backend
+from tests.support.tiny import tiny_cfg, tiny_tokenizer
+
+
+@pytest.mark.parametrize("registry,base", [(ENGINES, Engine), (TASKS, Task), (BACKENDS, Backend),
+                                           (LAUNCHERS, Launcher)])
+def test_every_registered_implementation_is_one(registry, base):
+    for key in registry:
+        cls = resolve(registry, key, "part")
+        assert issubclass(cls, base) and cls.name == key
+
+
+@pytest.mark.parametrize("override,path", [("actor.engine=sglangg", "$.actor.engine"),
+                                           ("task.name=gsm8k", "$.task.name"),
+                                           ("learner.backend=megatorn", "$.learner.backend"),
+                                           ("run.launcher=slurm", "$.run.launcher")])
+def test_unknown_seam_keys_are_refused_by_field_path(override, path):
+    with pytest.raises(C.ConfigError, match=path.replace("$", r"\$")):
+        run.check_seams(C.load(None, [override]))
+    run.check_seams(C.load())  # the defaults are all registered
+
+
+def test_make_functions_name_the_known_keys():
+    with pytest.raises(ValueError, match="unknown task 'nope'; known: arith"):
+        make_task(msgspec.structs.replace(C.Config().task, name="nope"), tiny_tokenizer())
+
+
+class EchoTask(Task):
+    """A throwaway task: reward 1 for completions that repeat the prompt's last token."""
+
+    name = "echo"
+
+    def sample(self, rng, split="train"):
+        t = rng.randrange(4, self.tok.vocab_size)
+        return Prompt(f"echo-{t}", (t,), answer=self.tok.decode([t]))
+
+    def reward(self, prompt, completion_ids):
+        return float(list(completion_ids[:1]) == [prompt.tokens[-1]])
+
+
+def test_a_new_task_is_one_class_and_one_registry_line(monkeypatch):
+    monkeypatch.setitem(TASKS, "echo", f"{__name__}:EchoTask")
+    cfg = tiny_cfg("task.name=echo")
+    run.check_seams(cfg)
+    task = make_task(cfg.task, tiny_tokenizer())
+    p = task.sample(random.Random(0))
+    assert isinstance(task, EchoTask) and task.reward(p, [p.tokens[0]]) == 1.0 and task.reward(p, []) == 0.0
+    assert len(task.eval_set(3)) == 3  # the base class supplies the held-out set
