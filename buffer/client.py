@@ -9,8 +9,8 @@ most ``window`` are in flight; one unacked for ``resend_s`` is resent (the buffe
 ``(actor_id, seq)``); ``busy`` makes it back off and resend. Its first :meth:`~ActorClient.next_seq`
 waits for the buffer's ``Hello`` answer, the actor's next unused seq. With ``spool_dir`` (or
 ``run_dir``: ``RUN_DIR/spool/<digest of actor id>``) each group is written to a spool file before
-it is first sent and deleted on its final ack, and the actor's next incarnation resends whatever
-the spool still holds: a group sent but never acknowledged is not lost with the actor process,
+it is first sent, the file deleted once all its groups are acked, and the actor's next
+incarnation resends whatever the spool still holds: a group sent but never acknowledged is not lost with the actor process,
 and its seq is not given to another group (numbering resumes above the spool and the buffer's
 answer). The spool lives in the page cache: it survives the process, not a power loss.
 
@@ -25,7 +25,6 @@ a header frame plus one frame per group (see :mod:`buffer.server`) and is return
 from __future__ import annotations
 
 import collections
-import contextlib
 import hashlib
 import logging
 import os
@@ -49,6 +48,7 @@ BUSY_BACKOFF_S = (0.02, 1.0)  # first and largest wait before resending a group 
 HELLO_TIMEOUT_S = 60.0
 RETRY_UNSENT_S = 0.02  # a send refused while disconnected is retried this often
 RECENT_KEYS = 1 << 16
+_GROUP = decoder(RolloutGroup)
 
 
 def _dealer(ctx: zmq.Context, cfg, port: int, role: str, name: str) -> zmq.Socket:
@@ -73,40 +73,60 @@ def spool_path(run_dir: str, actor_id: str) -> str:
 
 
 class Spool:
-    """An actor's unacknowledged groups, one file each (``<seq>.group``: the encoded group)."""
+    """An actor's unacknowledged groups: the groups handed over together (one chunk of
+    :meth:`ActorClient.send_many`) are one file, ``<first seq>.groups``, a msgpack list of the
+    encoded groups, deleted once each of them is settled. One file per chunk, not per group: a
+    file costs ~100 us to create, more than the rest of the actor's side of a small group."""
 
     def __init__(self, directory: str, actor_id: str):
         self.dir, self.actor_id = directory, actor_id
+        self._file_of: dict[int, str] = {}  # unsettled seq -> its file
+        self._left: dict[str, int] = {}  # file -> its unsettled groups
         os.makedirs(directory, exist_ok=True)
 
     def pending(self) -> list[tuple[int, bytes]]:
         """``(seq, payload)`` of every group an earlier incarnation left unacked, by seq."""
-        dec, out = decoder(RolloutGroup), []
+        out = []
         for name in os.listdir(self.dir):
-            path = os.path.join(self.dir, name)
-            with open(path, "rb") as f:
-                data = f.read()
-            try:
-                g = dec.decode(data)
-                ok = g.actor_id == self.actor_id and name == self._name(g.seq)
-            except msgspec.DecodeError:
-                ok = False
-            if ok:
-                out.append((g.seq, data))
-            else:  # a write cut short (a temp file), or not a group of ours: it was never sent
-                os.unlink(path)
+            groups = self._read(name)
+            if groups is None:  # a write cut short (a temp file), or not ours: never sent
+                os.unlink(os.path.join(self.dir, name))
+                continue
+            self._track(name, [seq for seq, _ in groups])
+            out += groups
         return sorted(out)
 
-    def put(self, seq: int, payload: bytes) -> None:
-        atomic_write(os.path.join(self.dir, self._name(seq)), payload, durable=False)
+    def put(self, seqs: list[int], payloads: list[bytes]) -> None:
+        name = f"{seqs[0]}.groups"  # unique: a seq is never reused while it is spooled
+        atomic_write(os.path.join(self.dir, name), msgspec.msgpack.encode(payloads), durable=False)
+        self._track(name, seqs)
 
-    def remove(self, seq: int) -> None:
-        with contextlib.suppress(FileNotFoundError):  # a resend's second answer
-            os.unlink(os.path.join(self.dir, self._name(seq)))
+    def settle(self, seq: int) -> None:
+        """``seq`` is acked (or refused for good); its file goes with the last of its groups."""
+        name = self._file_of.pop(seq, None)
+        if name is None:
+            return
+        self._left[name] -= 1
+        if not self._left[name]:
+            del self._left[name]
+            os.unlink(os.path.join(self.dir, name))
 
-    @staticmethod
-    def _name(seq: int) -> str:
-        return f"{seq}.group"
+    def _track(self, name: str, seqs: list[int]) -> None:
+        self._left[name] = len(seqs)
+        self._file_of.update(dict.fromkeys(seqs, name))
+
+    def _read(self, name: str) -> list[tuple[int, bytes]] | None:
+        if not name.endswith(".groups"):
+            return None
+        try:
+            with open(os.path.join(self.dir, name), "rb") as f:
+                payloads = msgspec.msgpack.decode(f.read(), type=list[bytes])
+            groups = [_GROUP.decode(p) for p in payloads]
+        except msgspec.DecodeError:
+            return None
+        if not groups or any(g.actor_id != self.actor_id for g in groups):
+            return None
+        return [(g.seq, p) for g, p in zip(groups, payloads)]
 
 
 class _Pending:
@@ -186,12 +206,9 @@ class ActorClient:
             self._spool_and_send(chunk)
 
     def _spool_and_send(self, groups: list[RolloutGroup]) -> None:
-        new = []
-        for g in groups:
-            payload = encode(g)
-            if self._spool is not None:  # before the first send: see the module docstring
-                self._spool.put(g.seq, payload)
-            new.append(self._pending.setdefault(g.seq, _Pending(g.seq, payload)))
+        new = [self._pending.setdefault(g.seq, _Pending(g.seq, encode(g))) for g in groups]
+        if self._spool is not None:  # before the first send: see the module docstring
+            self._spool.put([p.seq for p in new], [p.payload for p in new])
         now = time.monotonic()
         # the common case: all earlier groups are out and these fit the window: send them now
         # (the window check holds them back otherwise), else let _pump send them in order
@@ -327,7 +344,7 @@ class ActorClient:
         if len(self._pending) >= self.window:  # one beyond the window moved into it, maybe unsent
             self._due = 0.0
         if self._spool is not None:
-            self._spool.remove(p.seq)
+            self._spool.settle(p.seq)
 
 
 class _RecentKeys:
@@ -357,7 +374,6 @@ class LearnerClient:
         self.learner_id, self.resend_s = learner_id, resend_s
         self.filtered = 0  # groups served twice across a buffer restart, kept from the caller
         self._dec = decoder(BUFFER_TO_LEARNER)
-        self._group_dec = decoder(RolloutGroup)
         self._own_ctx = ctx is None
         self._ctx = zmq.Context() if ctx is None else ctx
         self._sock = _dealer(self._ctx, cfg, cfg.net.buffer_learner_port, "learner", learner_id)
@@ -439,7 +455,7 @@ class LearnerClient:
                 return
             msg = self._dec.decode(frames[0].buffer)  # the buffer is trusted; a failure is a bug
             if len(frames) > 1:  # the groups follow the header (see buffer.server)
-                groups = msg.groups + [self._group_dec.decode(f.buffer) for f in frames[1:]]
+                groups = msg.groups + [_GROUP.decode(f.buffer) for f in frames[1:]]
                 msg = msgspec.structs.replace(msg, groups=groups)
             if self._request is not None and msg.request_id == self._request.request_id:
                 self._request = None

@@ -24,7 +24,7 @@ for an ``ok`` ack or a batch, everything appended so far for the rest) and sends
 
 * ``always``: write and fsync every record inline (``durable == written`` at all times).
 * ``batch``: group commit. Records go to an I/O thread (:class:`_Flusher`) that writes them in
-  order and fsyncs (``os.writev``/``os.fsync`` release the GIL): the server keeps receiving,
+  order (one writev per round) and fsyncs (``os.writev``/``os.fsync`` release the GIL): the server keeps receiving,
   validating and appending the next groups meanwhile, and each fsync covers every record written
   before it started -- one fsync per batch of acks, the batch being whatever arrived while the
   previous one ran. The thread also closes rolled segments after their last fsync and syncs
@@ -66,6 +66,7 @@ HEADER = struct.Struct("<IIIBI")  # hcrc, pcrc, length, kind, seg
 _REST = struct.Struct("<IIBI")  # what hcrc covers: pcrc, length, kind, seg
 GROUP, DONE, SEEN = 1, 2, 3
 FREE_FILES = 4  # deleted segments kept for reuse
+IOV_MAX = 1024  # buffers one writev takes (Linux)
 _crc = crc32c.crc32c
 
 
@@ -106,14 +107,26 @@ def scan(data, seg: int | None = None):
         out.append((pos, kind, payload))
 
 
-def _write_all(fd: int, header: bytes, payload) -> None:
-    """One writev for header + payload (no concatenation copy), finishing a short write."""
-    n = os.writev(fd, [header, payload])
-    total = len(header) + len(payload)
-    if n < total:  # rare (signal, huge record): write what is left
-        rest = memoryview(header + bytes(payload))[n:]
-        while rest:
-            rest = rest[os.write(fd, rest):]
+def _write_all(fd: int, bufs: list) -> None:
+    """Write ``bufs`` back to back in as few writev calls as the kernel takes (no concatenation
+    copy), finishing a short write."""
+    for i in range(0, len(bufs), IOV_MAX):
+        chunk = bufs[i:i + IOV_MAX]
+        n = os.writev(fd, chunk)
+        if n < sum(map(len, chunk)):  # rare (a signal, a huge batch): write what is left
+            rest = memoryview(b"".join(chunk))[n:]
+            while rest:
+                rest = rest[os.write(fd, rest):]
+
+
+def _by_fd(writes: list[tuple]) -> list[tuple[int, list]]:
+    """The queued ``(fd, header, payload, lsn)`` writes as one buffer list per run of one fd."""
+    out: list[tuple[int, list]] = []
+    for fd, header, payload, _ in writes:
+        if not out or out[-1][0] != fd:
+            out.append((fd, []))
+        out[-1][1].extend((header, payload))
+    return out
 
 
 @dataclass
@@ -300,8 +313,10 @@ class _Flusher:
                 self._sealed, self._dir_dirty = [], False
             written = writes[-1][3] if writes else self.written
             try:
-                for wfd, header, payload, _ in writes:
-                    _write_all(wfd, header, payload)
+                # one writev per round, not per record: each return from a syscall must win the
+                # GIL back from the loop, which may hold it for a whole switch interval (5 ms)
+                for wfd, bufs in _by_fd(writes):
+                    _write_all(wfd, bufs)
                 del writes  # let go of the payloads (received frames) at once
                 if not self.sync:
                     self._publish(written, written)
@@ -501,7 +516,7 @@ class SegmentLog:
         if self._flusher is not None and self._flusher.running:
             self._flusher.write(self._fd, header, payload, self.written)
             return
-        _write_all(self._fd, header, payload)
+        _write_all(self._fd, [header, payload])
         if self.fsync == "always":
             _fsync(self._fd)
 
@@ -606,7 +621,7 @@ class SegmentLog:
         records += [(GROUP, key, raw) for key, raw in resident()]
         try:
             for kind, key, payload in records:
-                _write_all(fd, encode_record(kind, payload, num), payload)
+                _write_all(fd, [encode_record(kind, payload, num), payload])
                 if kind == GROUP:
                     placed.append((key, len(payload)))
                 new.size += HEADER.size + len(payload)

@@ -93,7 +93,7 @@ def test_a_failed_write_on_the_io_thread_stops_the_server_loop(tmp_path, monkeyp
     cfg = make_config(fsync=fsync)
     srv = BufferServer(cfg, str(tmp_path))
     try:
-        def full(fd, header, payload):
+        def full(fd, bufs):
             raise OSError(28, "No space left on device")
 
         monkeypatch.setattr(persist, "_write_all", full)

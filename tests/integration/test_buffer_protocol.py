@@ -389,6 +389,7 @@ def test_unacked_groups_survive_the_actor_and_are_resent_by_its_next_incarnation
         actor.close()  # the actor dies with its window unacked
         first.stop()
     assert [s for s, _ in Spool(spool_path(run, "a0"), "a0").pending()] == [1, 2, 3, 4, 5]
+    assert len(os.listdir(spool_path(run, "a0"))) == 2  # one file per send_many
 
     with ServerThread(cfg, run) as srv:
         again = ActorClient(cfg, "a0", run_dir=run, window=8, resend_s=0.5)
@@ -406,21 +407,25 @@ def test_unacked_groups_survive_the_actor_and_are_resent_by_its_next_incarnation
             learner.close()
 
 
-def test_spool_drops_what_was_never_sent_or_is_not_its_own(tmp_path):
+def test_spool_keeps_a_chunk_until_its_last_group_settles_and_drops_what_was_never_sent(tmp_path):
     d = str(tmp_path / "spool")
     sp = Spool(d, "a0")
-    g = small("a0", 3)
-    sp.put(3, encode(g))
-    with open(os.path.join(d, "4.group.tmp123"), "wb") as f:  # a write cut short by a crash
-        f.write(encode(small("a0", 4)))
-    with open(os.path.join(d, "5.group"), "wb") as f:  # torn
-        f.write(encode(small("a0", 5))[:-7])
-    with open(os.path.join(d, "6.group"), "wb") as f:  # another actor's group
-        f.write(encode(small("a1", 6)))
-    assert Spool(d, "a0").pending() == [(3, encode(g))]
-    assert os.listdir(d) == ["3.group"]
-    sp.remove(3)
-    sp.remove(3)  # a second answer to a resend
+    chunk = [small("a0", 3), small("a0", 4)]
+    sp.put([3, 4], [encode(g) for g in chunk])
+    junk = {"9.groups.tmp123": msgspec.msgpack.encode([encode(small("a0", 9))]),  # a write cut short
+            "10.groups": msgspec.msgpack.encode([encode(small("a0", 10))])[:-7],  # torn
+            "11.groups": msgspec.msgpack.encode([encode(small("a1", 11))]),  # another actor's
+            "12.groups": msgspec.msgpack.encode([b"not a group"])}
+    for name, data in junk.items():
+        with open(os.path.join(d, name), "wb") as f:
+            f.write(data)
+    again = Spool(d, "a0")
+    assert again.pending() == [(3, encode(chunk[0])), (4, encode(chunk[1]))]
+    assert os.listdir(d) == ["3.groups"]
+    again.settle(4)
+    assert os.listdir(d) == ["3.groups"]  # seq 3 is still unacked
+    again.settle(4)  # a second answer to a resend
+    again.settle(3)
     assert os.listdir(d) == []
 
 
