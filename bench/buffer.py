@@ -15,10 +15,12 @@ the raw disk, both measured in one run.
     has a far longer learner step).
 (b) Disk. The segment log alone (append, group commit on its I/O thread with fsync=batch, steady
     state with recycled segment files, turns of ``MAX_BATCH_MSGS`` groups as the server drives
-    it) against the raw disk in the same run, on the same file system: records of the same size
-    written sequentially with an fdatasync every ``--sync-every``. Each is timed on a second pass
-    over the same bytes, after ``os.sync()``; the median of ``--repeats``. ``log_vs_disk`` is the
-    long group's ratio (target >= 0.9); the default group's is reported too.
+    it, at most ``--sync-every`` groups not yet durable as the actors' windows allow) against the
+    raw disk in the same run, on the same file system: records of the same size written
+    sequentially with an fdatasync every ``--sync-every``. Each is timed on a second pass over the
+    same bytes, after ``os.sync()``; the median of ``--repeats``. ``log_vs_disk`` is the long
+    group's ratio (target >= 0.9); the default group's is reported too (its ~1 KB records make
+    both CPU-bound, the log's Python per record against one write call).
 
 The last stdout line is one JSON object: {"bench": "buffer", "cpu_frac_of_step": ..., "log_vs_disk":
 ..., ...raw figures}.
@@ -33,6 +35,7 @@ import json
 import os
 import random
 import resource
+import select
 import statistics
 import subprocess
 import sys
@@ -45,7 +48,7 @@ sys.path.insert(0, ROOT)
 
 import msgspec  # noqa: E402
 
-from bench.common import load_avg  # noqa: E402
+from bench.common import format_table, load_avg  # noqa: E402
 from buffer.client import ActorClient, LearnerClient  # noqa: E402
 from buffer.persist import HEADER, SegmentLog  # noqa: E402
 from buffer.server import MAX_BATCH_MSGS  # noqa: E402
@@ -55,6 +58,7 @@ from core.messages import encode, group_from_samples  # noqa: E402
 from tests.support.synth import make_group  # noqa: E402
 
 TEMPLATES = 32
+MAX_RECORDS = 20_000  # per pass of the log / disk check: small records are CPU-bound, not disk-bound
 LOADS = {  # name -> make_group arguments
     "default": dict(completions=8, tokens=8, prompt_tokens=7),  # the default job's group
     "long": dict(completions=8, tokens=1024, prompt_tokens=32, ragged=False),
@@ -108,9 +112,10 @@ def _cfg(run_dir: str) -> tuple[C.Config, str]:
     return cfg, path
 
 
-def _spawn(*argv) -> subprocess.Popen:
+def _spawn(*argv, stderr=None) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    return subprocess.Popen([sys.executable, *argv], env=env, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    return subprocess.Popen([sys.executable, *argv], env=env, stdout=subprocess.PIPE, stderr=stderr, text=True,
+                            cwd=ROOT)
 
 
 def _watchdog(procs: list, done: threading.Event) -> None:
@@ -134,10 +139,13 @@ def _self_cpu() -> float:
 
 
 def _proc_cpu(pid: int) -> float:
-    """CPU seconds of another live process, every thread (Linux /proc)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU seconds of another live process, its threads summed: Linux schedstat, in ns (the
+    utime/stime of /proc/PID/stat count 10 ms ticks, too coarse for a few ms per step)."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+            total += int(f.read().split()[0])
+    return total / 1e9
 
 
 # ---- (a) CPU of the whole path, paced like the default job ----------------------------------------
@@ -170,7 +178,8 @@ def paced_run(templates: list, steps: int, step_s: float, work: str) -> dict:
     per_step = C.Config().learner.groups_per_step
     with tempfile.TemporaryDirectory(dir=work) as run_dir:
         cfg, path = _cfg(run_dir)
-        server = _spawn("-m", "buffer.server", "--config", path, "--run-dir", run_dir)
+        with open(os.path.join(work, "server.log"), "w") as log:  # its INFO lines, kept out of the table
+            server = _spawn("-m", "buffer.server", "--config", path, "--run-dir", run_dir, stderr=log)
         learner = _spawn(__file__, "--role", "learner", "--config", path, "--steps", str(steps),
                          "--step-s", str(step_s))
         done = threading.Event()
@@ -211,30 +220,42 @@ def cpu_figures(run: dict, steps: int, step_s: float, group_bytes: int) -> dict:
 # ---- (b) the durable log against the raw disk ------------------------------------------------------
 
 
-def log_mb_s(frame: bytes, d: str, n: int) -> float:
-    """The segment log in its steady state, as the server drives it: each turn appends
-    MAX_BATCH_MSGS groups, hands them to the group commit and retires them (consumed), so
-    segments are deleted and their files recycled. Timed on the second of two passes."""
+def log_mb_s(frame: bytes, d: str, n: int, in_flight: int) -> float:
+    """The segment log in its steady state, driven as the server drives it: turns of
+    MAX_BATCH_MSGS groups appended and handed to the group commit, each group retired (consumed)
+    at once, so segments are deleted and their files recycled; at most ``in_flight`` groups not
+    yet durable, as the actors' windows allow (each waits for its acks). Timed on the second of
+    two passes."""
     log = SegmentLog(d, C.Config().buffer.segment_bytes, fsync="batch")
     log.open(dict)
     seq = 0
     try:
         for _ in range(2):
             os.sync()  # no dirty pages of earlier work written back on this clock
-            t0 = time.perf_counter()
+            t0, marks = time.perf_counter(), []
             for _ in range(0, n, MAX_BATCH_MSGS):
                 keys = [("bench", seq + i) for i in range(MAX_BATCH_MSGS)]
                 seq += MAX_BATCH_MSGS
                 for k in keys:
                     log.append_group(k, frame)
+                marks.append(log.written)
                 log.commit(wait=False)
                 log.append_done(keys, "consumed")
                 log.gc()
+                if len(marks) * MAX_BATCH_MSGS > in_flight:
+                    _wait_durable(log, marks.pop(0))
             log.commit()  # waits until the I/O thread has written and synced everything
             secs = time.perf_counter() - t0
     finally:
         log.close()
     return seq // 2 * (HEADER.size + len(frame)) / secs / 1e6
+
+
+def _wait_durable(log: SegmentLog, lsn: int) -> None:
+    """As the server waits: on the log's wake fd, which its I/O thread signals after each round."""
+    while log.durable < lsn:
+        select.select([log.wake_fd], [], [], 1.0)
+        log.drain_wake()
 
 
 def disk_mb_s(record_bytes: int, d: str, n: int, sync_every: int) -> float:
@@ -261,11 +282,12 @@ def disk_mb_s(record_bytes: int, d: str, n: int, sync_every: int) -> float:
 
 
 def log_vs_disk(frame: bytes, work: str, mb: float, sync_every: int, repeats: int) -> dict:
-    n = max(MAX_BATCH_MSGS, int(mb * 1e6 / (HEADER.size + len(frame))) // MAX_BATCH_MSGS * MAX_BATCH_MSGS)
+    n = min(int(mb * 1e6 / (HEADER.size + len(frame))), MAX_RECORDS) // MAX_BATCH_MSGS * MAX_BATCH_MSGS
+    n = max(n, MAX_BATCH_MSGS)
     logs, disks = [], []
     for _ in range(repeats):  # interleaved, so other load hits both alike
         with tempfile.TemporaryDirectory(dir=work) as d:
-            logs.append(log_mb_s(frame, d, n))
+            logs.append(log_mb_s(frame, d, n, sync_every))
             disks.append(disk_mb_s(HEADER.size + len(frame), d, n, sync_every))
     log_mb, disk_mb = statistics.median(logs), statistics.median(disks)
     return {"log_mb_s": round(log_mb, 1), "disk_mb_s": round(disk_mb, 1), "log_vs_disk": round(log_mb / disk_mb, 3),
@@ -278,11 +300,12 @@ def log_vs_disk(frame: bytes, work: str, mb: float, sync_every: int, repeats: in
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--role", default="main", choices=["main", "learner"])
-    ap.add_argument("--steps", type=int, default=40, help="paced learner steps per load")
+    ap.add_argument("--steps", type=int, help="paced learner steps per load (default: ~15 s worth, 10..100)")
     ap.add_argument("--learner-step-ms", type=float, help="skip measuring learner_step_s(): use this")
     ap.add_argument("--log-mb", type=float, default=200.0, help="MB per timed pass of the log / disk check")
-    ap.add_argument("--sync-every", type=int, default=64, help="records per fdatasync of the raw disk check")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--sync-every", type=int, default=64,
+                    help="records per fdatasync of the raw disk check; groups in flight in the log's")
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--dir", default=os.path.join(ROOT, ".cache", "bench-buffer"),
                     help="where run dirs and log files go: the disk a run uses, not a tmpfs")
     ap.add_argument("--config")
@@ -293,27 +316,33 @@ def main() -> None:
     os.makedirs(args.dir, exist_ok=True)
     load_before = load_avg()[0]
     step_s = args.learner_step_ms / 1e3 if args.learner_step_ms else learner_step_s()
+    steps = args.steps or max(10, min(100, round(15 / step_s)))
     cpu, disk = {}, {}
     for name, kw in LOADS.items():
         templates = [make_group("bench", i, **kw) for i in range(TEMPLATES)]
         size = len(encode(templates[0]))
-        cpu[name] = cpu_figures(paced_run(templates, args.steps, step_s, args.dir), args.steps, step_s, size)
+        cpu[name] = cpu_figures(paced_run(templates, steps, step_s, args.dir), steps, step_s, size)
         disk[name] = log_vs_disk(encode(templates[0]), args.dir, args.log_mb, args.sync_every, args.repeats)
+    _report(args, step_s, steps, cpu, disk, load_before)
+
+
+def _report(args, step_s: float, steps: int, cpu: dict, disk: dict, load_before: float) -> None:
     per_step = C.Config().learner.groups_per_step
-    print(f"learner step at the default job: {step_s * 1e3:.1f} ms ({per_step} groups); "
-          f"{args.steps} paced steps per load; load {load_before:.2f} -> {load_avg()[0]:.2f}")
-    print(f"{'load':<9}{'bytes':>8}{'CPU us/group':>14}  (actor / server / learner){'ms/step':>10}"
-          f"{'of step':>9}{'log MB/s':>10}{'disk MB/s':>11}{'log/disk':>10}")
+    print(f"learner step at the default job: {step_s * 1e3:.1f} ms ({per_step} groups; "
+          f"{'measured' if not args.learner_step_ms else 'given'}); {steps} paced steps per load; "
+          f"load {load_before:.2f} -> {load_avg()[0]:.2f}")
+    rows = []
     for name in LOADS:
-        c, d = cpu[name], disk[name]
-        u = c["cpu_us_per_group"]
-        print(f"{name:<9}{c['group_bytes']:>8}{u['total']:>14.0f}  ({u['actor']:.0f} / {u['server']:.0f} / "
-              f"{u['learner']:.0f}){'':>10}{c['cpu_ms_per_step']:>8.2f}{c['cpu_frac_of_step']:>9.4f}"
-              f"{d['log_mb_s']:>10.0f}{d['disk_mb_s']:>11.0f}{d['log_vs_disk']:>10.3f}")
+        c, d, u = cpu[name], disk[name], cpu[name]["cpu_us_per_group"]
+        rows.append([name, c["group_bytes"], round(u["actor"]), round(u["server"]), round(u["learner"]),
+                     round(u["total"]), c["cpu_ms_per_step"], c["cpu_frac_of_step"], round(d["log_mb_s"]),
+                     round(d["disk_mb_s"]), d["log_vs_disk"]])
+    print(format_table(["load", "bytes", "actor us", "server us", "learner us", "us/group", "ms/step",
+                        "of step", "log MB/s", "disk MB/s", "log/disk"], rows))
     print(json.dumps({
         "bench": "buffer", "cpu_frac_of_step": cpu["default"]["cpu_frac_of_step"],
         "log_vs_disk": disk["long"]["log_vs_disk"], "learner_step_ms": round(step_s * 1e3, 2),
-        "learner_step_measured": not args.learner_step_ms, "groups_per_step": per_step, "steps": args.steps,
+        "learner_step_measured": not args.learner_step_ms, "groups_per_step": per_step, "steps": steps,
         "cpu": cpu, "disk": disk, "sync_every": args.sync_every, "repeats": args.repeats,
         "load_before": round(load_before, 2), "load_after": round(load_avg()[0], 2),
     }))

@@ -1,14 +1,11 @@
 """Pure parts of the end-to-end benches (bench/common.py, bench/vs_trl.py): the arithmetic that
 turns metrics.jsonl into the reported figures, and the TRL adapters that must agree with driftrl
-(prompt ids, reward), on the real tokenizer and task; and bench/buffer.py run once end to end on a
-tiny payload, so that bench cannot rot. No timing assertions."""
+(prompt ids, reward), on the real tokenizer and task. No timing assertions. (bench/buffer.py's
+end-to-end run lives in tests/integration/test_bench_buffer.py.)"""
 
 import json
 import math
-import os
 import random
-import subprocess
-import sys
 import time
 
 import pytest
@@ -142,20 +139,3 @@ def test_cpu_meter_attributes_own_work_to_own_cores():
     assert r["own_cpu_s"] >= 0.29  # the loop's CPU time is ours, however loaded the machine is
     assert r["own_cores"] == pytest.approx(r["own_cpu_s"] / r["wall_s"])
     assert r["foreign_cores"] >= 0.0 and r["machine_cores"] >= 0.0
-
-
-def test_buffer_bench_runs_every_path_and_ends_with_its_json_line(tmp_path):
-    """bench/buffer.py end to end on a tiny payload: every path delivers every group (the bench
-    itself fails if one does not) and the last line carries the ratios the README quotes."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, os.path.join(root, "bench", "buffer.py"), "--groups", "96",
-                          "--repeats", "1", "--tokens", "32", "--completions", "2"],
-                         capture_output=True, text=True, timeout=300, cwd=str(tmp_path),
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert out.returncode == 0, out.stderr[-2000:]
-    res = json.loads(out.stdout.strip().splitlines()[-1])
-    assert res["bench"] == "buffer" and res["groups"] == 96
-    for key in ("ratio", "ratio_fsync_never", "ratio_inline", "ratio_ceiling_disk"):
-        assert 0 < res[key] < 100, key
-    assert set(res["cpu_us_per_group"]) == {"bare", "buffer (fsync=batch)", "buffer (fsync=never)",
-                                            "inline (fsync=batch)"}
