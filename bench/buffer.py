@@ -290,8 +290,8 @@ def log_vs_disk(frame: bytes, work: str, mb: float, sync_every: int, repeats: in
             logs.append(log_mb_s(frame, d, n, sync_every))
             disks.append(disk_mb_s(HEADER.size + len(frame), d, n, sync_every))
     log_mb, disk_mb = statistics.median(logs), statistics.median(disks)
-    return {"log_mb_s": round(log_mb, 1), "disk_mb_s": round(disk_mb, 1), "log_vs_disk": round(log_mb / disk_mb, 3),
-            "records": n}
+    return {"log_mb_s": round(log_mb, 1), "disk_mb_s": round(disk_mb, 1),
+            "log_vs_disk": round(log_mb / disk_mb, 3), "records": n}
 
 
 # ---- main ------------------------------------------------------------------------------------------

@@ -6,13 +6,14 @@ fail fast and are retried here, under our control). Group bytes travel inside th
 
 :class:`ActorClient` keeps every group until it is acked ``ok``/``duplicate``/``rejected``: at
 most ``window`` are in flight; one unacked for ``resend_s`` is resent (the buffer dedups by
-``(actor_id, seq)``); ``busy`` makes it back off and resend. Its first :meth:`~ActorClient.next_seq`
-waits for the buffer's ``Hello`` answer, the actor's next unused seq. With ``spool_dir`` (or
-``run_dir``: ``RUN_DIR/spool/<digest of actor id>``) each group is written to a spool file before
-it is first sent, the file deleted once all its groups are acked, and the actor's next
-incarnation resends whatever the spool still holds: a group sent but never acknowledged is not lost with the actor process,
-and its seq is not given to another group (numbering resumes above the spool and the buffer's
-answer). The spool lives in the page cache: it survives the process, not a power loss.
+``(actor_id, seq)``); ``busy`` makes it back off and resend. Its first
+:meth:`~ActorClient.next_seq` waits for the buffer's ``Hello`` answer, the actor's next unused
+seq. With ``spool_dir`` (or ``run_dir``: ``RUN_DIR/spool/<digest of actor id>``) the groups of
+one ``send_many`` chunk are written to a spool file before they are first sent, the file deleted
+once all of them are acked, and the actor's next incarnation resends whatever the spool still
+holds: a group sent but never acknowledged is not lost with the actor process, and its seq is
+not given to another group (numbering resumes above the spool and the buffer's answer). The
+spool lives in the page cache: it survives the process, not a power loss.
 
 :class:`LearnerClient` holds one outstanding ``SampleRequest`` (re-sent every ``resend_s`` in case
 the buffer restarted) and never returns a group key twice: after a buffer restart a group whose
@@ -145,7 +146,6 @@ class ActorClient:
                  on_ack: Callable[[Ack], None] | None = None, run_dir: str | None = None):
         self.actor_id, self.window, self.resend_s, self.on_ack = actor_id, window, resend_s, on_ack
         self.admission_wait_s = 0.0
-        self.bad_frames = 0
         self._pending: dict[int, _Pending] = {}  # insertion order == seq order
         # bookkeeping that keeps send() O(1) in the window size: no scan of _pending per call
         self._due = 0.0  # no entry among the first `window` needs a (re)send before this time
@@ -172,8 +172,8 @@ class ActorClient:
         return len(self._pending)
 
     def next_seq(self) -> int:
-        """A seq no group of this actor id was ever sent under (the first call waits for the
-        buffer's answer to the Hello: it knows the high-water mark)."""
+        """A seq the buffer never accepted and no spooled group holds: above the buffer's answer
+        to the Hello (the first call waits for it) and above the spool."""
         if self._server_next is None:
             self._await_hello()
         seq = self._next
@@ -303,8 +303,7 @@ class ActorClient:
                 return
             try:
                 msg = self._dec.decode(frame.buffer)
-            except msgspec.DecodeError:
-                self.bad_frames += 1
+            except msgspec.DecodeError:  # not an answer of this schema: nothing to act on
                 continue
             for ack in msg.acks if isinstance(msg, Acks) else (msg,):
                 if isinstance(ack, Ack) and ack.actor_id == self.actor_id:

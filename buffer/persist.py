@@ -203,8 +203,9 @@ class _Flusher:
     are in the page cache, ``durable`` the one up to which they are durable per the policy
     (``never``: the same). After each round the thread writes a byte to ``wake_fd`` so the
     loop's poller wakes to release what waited for it. A queued payload is the received frame
-    itself, kept alive by the write queue until it is written. A rolled segment's fd is handed over (:meth:`switch`), never
-    closed by the loop, so no fd is closed under a running write or fsync. Deleting a segment
+    itself, kept alive by the write queue until it is written. A rolled segment's fd is handed
+    over (:meth:`switch`), never closed by the loop, so no fd is closed under a running write or
+    fsync. Deleting a segment
     (:meth:`unlink`, ~5 ms for 16 MB here) happens here too. A failed write or fsync is fatal
     (the kernel may have dropped the dirty pages): it is kept in ``error`` and re-raised by
     :meth:`check` in the loop, which then stops the server the way an inline error would.

@@ -88,7 +88,7 @@ class BufferServer:
     def __init__(self, cfg: C.Config, run_dir: str, metrics: Callable[[dict], None] | None = None,
                  ctx: zmq.Context | None = None):
         b = cfg.buffer
-        self.cfg, self.run_dir, self.metrics = cfg, run_dir, metrics
+        self.metrics = metrics
         self.max_frame = b.max_frame_bytes
         self.store = Store(b.capacity_groups, b.capacity_bytes, b.max_staleness, b.policy)
         self.invalid: Counter = Counter()
@@ -383,6 +383,7 @@ class BufferServer:
     def stats(self) -> dict[str, float]:
         out = self.store.stats()
         out["buffer/dropped_invalid"] = float(sum(self.invalid.values()))
+        out["buffer/send_failed"] = float(self.send_failed)  # peers gone or not reading
         for reason, n in self.invalid.items():
             out[f"buffer/dropped_invalid/{reason}"] = float(n)
         if self.log is not None:

@@ -69,7 +69,8 @@ def test_min_version_is_the_oldest_token_version_or_the_start_version():
         comps = []
         for _ in range(int(rng.integers(1, 6))):
             n = int(rng.integers(0, 20))
-            comps.append(M.make_completion(rng.integers(0, 9, n), -rng.random(n), rng.integers(2, 9, n), "stop", 0.0))
+            versions = rng.integers(2, 9, n)
+            comps.append(M.make_completion(rng.integers(0, 9, n), -rng.random(n), versions, "stop", 0.0))
         g = _group(completions=comps, start_version=2)
         per = [int(c.version_array().min()) for c in comps if c.num_tokens]  # the definition
         assert g.min_version() == (min(per) if per else 2) == M.validate_group(g)
