@@ -368,8 +368,7 @@ class _RecentKeys:
 
 class LearnerClient:
     def __init__(self, cfg, ctx: zmq.Context | None = None, learner_id: str = "learner",
-                 resend_s: float = RESEND_S, run_dir: str | None = None):
-        # run_dir: accepted for the callers that still pass it; the learner keeps nothing there
+                 resend_s: float = RESEND_S):
         self.learner_id, self.resend_s = learner_id, resend_s
         self.filtered = 0  # groups served twice across a buffer restart, kept from the caller
         self._dec = decoder(BUFFER_TO_LEARNER)

@@ -40,12 +40,6 @@ class Hello(_Msg, tag="hello"):
     schema_version: int = SCHEMA_VERSION
 
 
-class Heartbeat(_Msg, tag="hb"):
-    role: str
-    id: str
-    time: float
-
-
 class Shutdown(_Msg, tag="shutdown"):
     reason: str = ""
 
@@ -185,7 +179,7 @@ ACTOR_TO_BUFFER = Union[Hello, RolloutGroup]
 BUFFER_TO_ACTOR = Union[Ack, Acks]
 LEARNER_TO_BUFFER = Union[Hello, SampleRequest, Consumed]
 BUFFER_TO_LEARNER = SampleBatch
-TO_MONITOR = Union[MetricRecords, Heartbeat, Hello]
+TO_MONITOR = Union[MetricRecords, Hello]
 
 _encoder = msgspec.msgpack.Encoder()
 

@@ -29,7 +29,7 @@ import msgspec
 import zmq
 
 from core import net
-from core.messages import Heartbeat, Hello, MetricRecords, TO_MONITOR, decoder, encode
+from core.messages import Hello, MetricRecords, TO_MONITOR, decoder, encode
 
 # a few thousand small records: minutes of backlog at a 2 s emit period, a few MB at most
 SINK_HWM = 1000
@@ -172,8 +172,8 @@ class MetricsCollector:
             msg = self._decode(frames[0])
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             return self._reject(str(e))
-        if isinstance(msg, (Hello, Heartbeat)):
-            return None  # liveness only; nothing to log
+        if isinstance(msg, Hello):
+            return None  # a sink announcing itself; nothing to log
         if not math.isfinite(msg.time):
             return self._reject("non-finite record time")
         return msg

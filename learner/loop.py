@@ -45,7 +45,7 @@ class LearnerLoop:
             self.consumed_groups = meta.get("consumed_groups", 0)
             log.info("resumed from %s at step %d version %d", resume_from, self.step, self.version)
         self.publisher = make_publisher(cfg, run_dir, self.backend.named_tensors())
-        self.client = LearnerClient(cfg, run_dir=run_dir)
+        self.client = LearnerClient(cfg)
         self.metrics = MetricsSink(cfg.net.host, cfg.net.metrics_port, "learner", "learner0")
         self.stale_hist: list[float] = []
         self.dropped_stale = 0

@@ -18,7 +18,6 @@ def _group(**kw):
 
 ALL = [
     M.Hello(role="actor", id="a0"),
-    M.Heartbeat(role="learner", id="l", time=1.0),
     M.Shutdown(reason="done"),
     _group(),
     M.Ack(actor_id="a0", seq=1, status="ok"),
