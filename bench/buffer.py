@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import resource
 import select
 import statistics
@@ -54,7 +53,7 @@ from buffer.persist import HEADER, SegmentLog  # noqa: E402
 from buffer.server import MAX_BATCH_MSGS  # noqa: E402
 from core import config as C  # noqa: E402
 from core import net  # noqa: E402
-from core.messages import encode, group_from_samples  # noqa: E402
+from core.messages import encode  # noqa: E402
 from tests.support.synth import make_group  # noqa: E402
 
 TEMPLATES = 32
@@ -73,29 +72,18 @@ def learner_step_s(steps: int = 5) -> float:
     model, actor and learner APIs."""
     import torch
 
-    from actor.engines import make_engine
-    from actor.tasks import make_task
-    from actor.tasks.arith import base_model
+    from bench.common import engine_batch, resolved_config
     from learner.backends import make_backend
-    from learner.batching import collate
-    from model.tokenizer import Tokenizer
 
-    cfg = C.Config()
+    cfg = resolved_config()
     torch.set_num_threads(cfg.learner.threads)
     torch.manual_seed(0)
-    model_dir = base_model(cfg)
-    task, engine = make_task(cfg.task, Tokenizer.from_dir(model_dir)), make_engine(cfg.actor, model_dir)
-    rng, G = random.Random(0), cfg.actor.group_size
-    prompts = [task.sample(rng, "train") for _ in range(cfg.learner.groups_per_step)]
-    samples = engine.generate([p.tokens for p in prompts for _ in range(G)])
-    groups = [group_from_samples(mine, [task.reward(p, s.tokens) for s in mine], actor_id="bench", seq=i,
-                                 group_id=p.id, task=task.name, tier=p.tier, prompt=p.tokens, start_version=0)
-              for i, (p, mine) in enumerate((p, samples[i * G:(i + 1) * G]) for i, p in enumerate(prompts))]
-    backend = make_backend(cfg, model_dir)
+    batch = engine_batch(cfg)
+    backend = make_backend(cfg, cfg.model.path)
     times = []
     for _ in range(steps + 1):  # the first step pays one-off allocations
         t0 = time.perf_counter()
-        backend.step(collate(groups, 0))
+        backend.step(batch)
         times.append(time.perf_counter() - t0)
     return statistics.median(times[1:])
 
