@@ -89,17 +89,20 @@ def check_seams(cfg: C.Config) -> None:
 
 
 def resolve_model(cfg: C.Config) -> C.Config:
-    """``model.path`` set: the base model (the built-in task's tiny model, built on first use)."""
-    if cfg.model.path:
-        if not os.path.exists(os.path.join(cfg.model.path, "config.json")):
-            raise C.ConfigError(f"`$.model.path` = {cfg.model.path!r} has no config.json")
-        return cfg
-    from actor.tasks.arith import base_model
+    """``model.path`` set (the built-in task's tiny model, built on first use, when empty) and
+    ``model.vocab_size`` read from its config.json."""
+    path = cfg.model.path
+    if path and not os.path.exists(os.path.join(path, "config.json")):
+        raise C.ConfigError(f"`$.model.path` = {path!r} has no config.json")
+    if not path:
+        from actor.tasks.arith import base_model
 
-    t0 = time.time()
-    path = base_model(cfg)
-    log.info("base model ready in %.1fs: %s", time.time() - t0, path)
-    return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=path))
+        t0 = time.time()
+        path = base_model(cfg)
+        log.info("base model ready in %.1fs: %s", time.time() - t0, path)
+    with open(os.path.join(path, "config.json")) as f:
+        vocab = int(json.load(f)["vocab_size"])
+    return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=path, vocab_size=vocab))
 
 
 def contract_check(cfg: C.Config, run_dir: str | None) -> dict:

@@ -44,6 +44,8 @@ class RunSection(_Section):
 class ModelSection(_Section):
     # empty path: build (once, deterministically, then cached) the tiny base model of `task`
     path: str = ""
+    # resolved by run.py from path's config.json; the buffer rejects token ids outside it (0: unset)
+    vocab_size: NonNegInt = 0
     cache_dir: str = ".cache/driftrl"
     hidden_size: PosInt = 128
     num_layers: PosInt = 4
