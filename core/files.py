@@ -7,6 +7,7 @@ is renamed into place; the directory is fsynced so the rename itself survives a 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 
@@ -27,10 +28,16 @@ def fsync_tree(path: str) -> None:
         fsync_path(root)
 
 
-def atomic_write(path: str, data: bytes, durable: bool = True) -> None:
-    """Write ``data`` to ``path`` through a temporary file and a rename (fsynced if ``durable``)."""
+def atomic_write(path: str, data: bytes, durable: bool = True, mode: int | None = None) -> None:
+    """Write ``data`` to ``path`` through a temporary file and a rename (fsynced if ``durable``).
+    ``mode`` (e.g. 0o600 for a secret) is set on the temporary file before any byte is written."""
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)  # a crashed writer's leftover; O_EXCL below must not meet it
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666 if mode is None else mode)
+    if mode is not None:
+        os.fchmod(fd, mode)  # exactly ``mode``, whatever the umask
+    with open(fd, "wb") as f:
         f.write(data)
         if durable:
             f.flush()
