@@ -10,13 +10,18 @@ moving of bytes to ``_write`` / ``_apply`` in
 An actor calls ``latest_version()`` between decode steps (cheap: a word read from shared memory,
 a cached ``stat``, or a non-blocking socket poll) and ``apply(params)`` when it is newer than what
 it holds, so a weight update lands between two decode steps without stopping generation.
+
+Every blocking wait (a subscriber waiting for its publisher, an NCCL publisher waiting for its
+subscribers) has a deadline and takes ``stop``: a ``threading.Event`` (anything with
+``is_set``) or a callable returning True to give up, e.g. the worker's SIGTERM event. A wait
+that sees it set raises :class:`Stopped` within one poll interval.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 
@@ -165,20 +170,44 @@ class Subscriber:
         self.close()
 
 
-def wait_until(ready, timeout_s: float, what: str, poll_s: float = 0.05):
-    """Poll ``ready()`` until it returns something truthy; TimeoutError naming ``what``."""
+class Stopped(RuntimeError):
+    """A wait given up because the caller's ``stop`` flag was set (a SIGTERM during start-up)."""
+
+
+def stop_check(stop) -> Callable[[], bool]:
+    """``stop`` (None, an Event-like with ``is_set``, or a callable) as a callable."""
+    if stop is None:
+        return lambda: False
+    return stop.is_set if hasattr(stop, "is_set") else stop
+
+
+def pause(stop, seconds: float) -> None:
+    """Sleep ``seconds``, waking at once when ``stop`` is an Event that gets set."""
+    if hasattr(stop, "wait"):
+        stop.wait(seconds)
+    else:
+        time.sleep(seconds)
+
+
+def wait_until(ready, timeout_s: float, what: str, poll_s: float = 0.05, stop=None):
+    """Poll ``ready()`` until it returns something truthy; TimeoutError naming ``what``, or
+    Stopped once ``stop`` is set."""
+    stopped = stop_check(stop)
     deadline = time.monotonic() + timeout_s
     while True:
+        if stopped():
+            raise Stopped(f"stopped while waiting for {what}")
         got = ready()
         if got:
             return got
         if time.monotonic() >= deadline:
             raise TimeoutError(f"waited {timeout_s:.0f}s for {what}")
-        time.sleep(poll_s)
+        pause(stop, poll_s)
 
 
-def make_publisher(cfg, run_dir: str, template: Mapping[str, torch.Tensor]) -> Publisher:
-    """The learner's publisher for ``cfg.weightsync.transport``; ``template`` fixes the layout."""
+def make_publisher(cfg, run_dir: str, template: Mapping[str, torch.Tensor], *, stop=None) -> Publisher:
+    """The learner's publisher for ``cfg.weightsync.transport``; ``template`` fixes the layout.
+    ``stop`` ends the nccl transport's wait for its subscribers (see :func:`wait_until`)."""
     ws = cfg.weightsync
     bucket_bytes = ws.bucket_mb << 20
     if ws.transport == "shm":
@@ -197,25 +226,26 @@ def make_publisher(cfg, run_dir: str, template: Mapping[str, torch.Tensor]) -> P
 
         return NcclPublisher(
             run_dir, template, bucket_bytes, world_size=1 + cfg.actor.num_actors,
-            host=cfg.net.host, curve=curve_from_config(cfg.net),
+            host=cfg.net.host, curve=curve_from_config(cfg.net), stop=stop,
         )
     raise ValueError(f"unknown weightsync transport {ws.transport!r}")
 
 
-def make_subscriber(cfg, run_dir: str, timeout_s: float = 60) -> Subscriber:
-    """An actor's subscriber; waits up to ``timeout_s`` for the publisher to exist."""
+def make_subscriber(cfg, run_dir: str, timeout_s: float = 60, *, stop=None) -> Subscriber:
+    """An actor's subscriber; waits up to ``timeout_s`` for the publisher to exist, or until
+    ``stop`` is set (then raises :class:`Stopped`)."""
     ws = cfg.weightsync
     if ws.transport == "shm":
         from weightsync.shm import ShmSubscriber
 
-        return ShmSubscriber(run_dir, timeout_s)
+        return ShmSubscriber(run_dir, timeout_s, stop=stop)
     if ws.transport == "filesystem":
         from weightsync.filesystem import FsSubscriber
 
-        return FsSubscriber(run_dir, timeout_s)
+        return FsSubscriber(run_dir, timeout_s, stop=stop)
     if ws.transport == "nccl":
         from core.net import curve_from_config
         from weightsync.nccl import NcclSubscriber
 
-        return NcclSubscriber(run_dir, timeout_s, curve=curve_from_config(cfg.net))
+        return NcclSubscriber(run_dir, timeout_s, curve=curve_from_config(cfg.net), stop=stop)
     raise ValueError(f"unknown weightsync transport {ws.transport!r}")

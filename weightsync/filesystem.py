@@ -93,11 +93,13 @@ class FsPublisher(Publisher):
 
 
 class FsSubscriber(Subscriber):
-    """Reads ``run_dir/weights``; waits up to ``timeout_s`` for a publisher's ``LAYOUT``."""
+    """Reads ``run_dir/weights``; waits up to ``timeout_s`` for a publisher's ``LAYOUT`` (or
+    until ``stop`` is set: :class:`weightsync.base.Stopped`)."""
 
     transport = "filesystem"
 
-    def __init__(self, run_dir: str, timeout_s: float = 60, apply_timeout_s: float = 30, poll_s: float = 0.02):
+    def __init__(self, run_dir: str, timeout_s: float = 60, apply_timeout_s: float = 30, poll_s: float = 0.02,
+                 *, stop=None):
         super().__init__()
         self.dir = weights_dir(run_dir)
         self.apply_timeout_s = apply_timeout_s
@@ -106,7 +108,7 @@ class FsSubscriber(Subscriber):
         self._latest, self._checked_at = -1, -float("inf")
         wait_until(
             lambda: os.path.exists(os.path.join(self.dir, "LAYOUT")), timeout_s,
-            f"a weight publisher in {self.dir} (no LAYOUT file yet); is the learner up?",
+            f"a weight publisher in {self.dir} (no LAYOUT file yet); is the learner up?", stop=stop,
         )
         self._load_layout()
 

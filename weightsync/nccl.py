@@ -22,6 +22,11 @@ every collective, so a version can be skipped only after it has been received --
 newest into the targets. Hence the publisher blocks until each actor reaches its next decode
 step boundary; an actor that stops calling ``latest_version()``/``apply()`` stalls the learner.
 
+Every wait has a deadline (``join_timeout_s``, ``timeout_s``, ``collective_timeout_s``) and
+honours ``stop`` (see weightsync.base.wait_until): the joins poll it every :data:`STOP_POLL_S`
+and raise ``Stopped``; an NCCL broadcast in flight is aborted when it is set. (A Gloo broadcast
+cannot be interrupted; its own timeout bounds it.)
+
 Every message is msgspec (core.messages.encode); nothing is pickled. cupy is imported lazily.
 ``backend="gloo"`` runs the identical protocol over torch's Gloo process group on CPU tensors:
 that is how the CPU test suite exercises this module without GPUs.
@@ -44,9 +49,11 @@ import zmq
 from core import net
 from core.messages import SCHEMA_VERSION, Hello, Shutdown, WeightUpdateHeader, decoder, encode
 from weightsync import layout
-from weightsync.base import Publisher, Subscriber, wait_until
 from core.files import atomic_write
+from weightsync.base import Publisher, Stopped, Subscriber, stop_check, wait_until
 from weightsync.filesystem import weights_dir
+
+STOP_POLL_S = 0.1  # how often a blocked join looks at its stop flag
 
 
 class CollectiveInit(msgspec.Struct, frozen=True, array_like=True, tag="ws_init"):
@@ -99,10 +106,13 @@ class _NcclComm:
     def bcast(self, buf: torch.Tensor) -> None:
         self.comm.bcast(buf.data_ptr(), buf.numel(), self._nccl.NCCL_UINT8, 0, self.stream.cuda_stream)
 
-    def end(self, timeout_s: float, what: str) -> None:
+    def end(self, timeout_s: float, what: str, stopped=lambda: False) -> None:
         event = self.stream.record_event()
         deadline = time.monotonic() + timeout_s
         while not event.query():
+            if stopped():
+                self.comm.abort()
+                raise Stopped(f"stopped during the NCCL broadcast of {what}; aborted")
             if time.monotonic() > deadline:
                 self.comm.abort()
                 raise TimeoutError(f"NCCL broadcast of {what} did not complete in {timeout_s:.0f}s; aborted")
@@ -143,7 +153,7 @@ class _GlooComm:
     def bcast(self, buf: torch.Tensor) -> None:
         self.pg.broadcast([buf], self._opts).wait()
 
-    def end(self, timeout_s: float, what: str) -> None:
+    def end(self, timeout_s: float, what: str, stopped=lambda: False) -> None:
         pass
 
     def close(self) -> None:
@@ -154,16 +164,18 @@ class _GlooComm:
 
 
 class NcclPublisher(Publisher):
-    """Rank 0. Blocks in the constructor until ``world_size - 1`` subscribers have joined."""
+    """Rank 0. Blocks in the constructor until ``world_size - 1`` subscribers have joined
+    (at most ``join_timeout_s``; ``stop`` set: :class:`Stopped`)."""
 
     transport = "nccl"
 
     def __init__(
         self, run_dir: str, template: Mapping[str, torch.Tensor], bucket_bytes: int = 64 << 20, *,
         world_size: int, host: str = "127.0.0.1", curve: net.Curve | None = None,
-        backend: str = "nccl", join_timeout_s: float = 300, collective_timeout_s: float = 300,
+        backend: str = "nccl", join_timeout_s: float = 300, collective_timeout_s: float = 300, stop=None,
     ):
         super().__init__(layout.header_for(-1, template, bucket_bytes))
+        self._stopped = stop_check(stop)
         if backend not in ("nccl", "gloo"):
             raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
         device = next(iter(template.values())).device
@@ -195,10 +207,14 @@ class NcclPublisher(Publisher):
         deadline = time.monotonic() + timeout_s
         while len(peers) < self.world_size - 1:
             left = deadline - time.monotonic()
-            if left <= 0 or not self._sock.poll(int(left * 1000)):
+            if self._stopped():
+                raise Stopped(f"nccl publisher: stopped with {len(peers)} of {self.world_size - 1} subscribers joined")
+            if left <= 0:
                 raise TimeoutError(
                     f"nccl publisher: {len(peers)} of {self.world_size - 1} subscribers joined in {timeout_s:.0f}s"
                 )
+            if not self._sock.poll(int(min(left, STOP_POLL_S) * 1000) + 1):
+                continue
             frames = self._sock.recv_multipart()
             try:
                 hello = _hello.decode(frames[-1])
@@ -234,7 +250,7 @@ class NcclPublisher(Publisher):
         self._comm.begin()
         for buf in self._bufs:
             self._comm.bcast(buf)
-        self._comm.end(self.collective_timeout_s, f"version {version}")
+        self._comm.end(self.collective_timeout_s, f"version {version}", self._stopped)
         return self._payload
 
     def _close_sockets(self) -> None:
@@ -260,21 +276,25 @@ class NcclPublisher(Publisher):
 
 class NcclSubscriber(Subscriber):
     """Rank >= 1. ``device``: where the receive buffers live (default: the current CUDA device
-    for NCCL, CPU for Gloo)."""
+    for NCCL, CPU for Gloo). Waits up to ``timeout_s`` for the publisher's endpoint and rank;
+    ``stop`` set: :class:`Stopped`."""
 
     transport = "nccl"
 
     def __init__(
         self, run_dir: str, timeout_s: float = 60, *, curve: net.Curve | None = None,
         device: torch.device | str | None = None, actor_id: str = "", collective_timeout_s: float = 300,
+        stop=None,
     ):
         super().__init__()
+        self._stopped = stop_check(stop)
         self.collective_timeout_s = collective_timeout_s
         self.publisher_closed = False
         path = endpoint_path(run_dir)
         deadline = time.monotonic() + timeout_s
         ep = wait_until(
-            lambda: _read_endpoint(path), timeout_s, f"the nccl weight publisher's endpoint {path}; is the learner up?"
+            lambda: _read_endpoint(path), timeout_s, f"the nccl weight publisher's endpoint {path}; is the learner up?",
+            stop=stop,
         )
         self._ctx = zmq.Context()
         self._sock = net.socket(self._ctx, zmq.DEALER, linger_ms=0)
@@ -301,11 +321,15 @@ class NcclSubscriber(Subscriber):
         self._pending: deque[WeightUpdateHeader] = deque()
 
     def _await_init(self, timeout_s: float) -> CollectiveInit:
-        if not self._sock.poll(int(timeout_s * 1000)):
-            raise TimeoutError(
-                f"nccl subscriber: the publisher did not assign a rank in {timeout_s:.0f}s "
-                "(it waits until all world_size - 1 actors have joined)"
-            )
+        deadline = time.monotonic() + timeout_s
+        while not self._sock.poll(int(STOP_POLL_S * 1000)):
+            if self._stopped():
+                raise Stopped("nccl subscriber: stopped while waiting for the publisher to assign a rank")
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"nccl subscriber: the publisher did not assign a rank in {timeout_s:.0f}s "
+                    "(it waits until all world_size - 1 actors have joined)"
+                )
         msg = _to_subscriber.decode(self._sock.recv())
         if not isinstance(msg, CollectiveInit):
             raise RuntimeError(f"nccl subscriber: expected CollectiveInit, got {type(msg).__name__}")
@@ -339,7 +363,7 @@ class NcclSubscriber(Subscriber):
             version = self._pending.popleft().version
             for buf in self._bufs:
                 self._comm.bcast(buf)
-        self._comm.end(self.collective_timeout_s, f"version {version}")
+        self._comm.end(self.collective_timeout_s, f"version {version}", self._stopped)
         for views in self._views:
             for name, view in views:
                 named[name].copy_(view)

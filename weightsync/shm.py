@@ -54,22 +54,32 @@ Mapped tensors are read-only memory: an in-place write to them faults (SIGSEGV) 
 corrupting weights other actors use. A forked child shares its parent's lock; it must open its
 own subscriber.
 
+Strangers on the host. /dev/shm is shared by every user, so a region's name is random
+(``driftrl-weights-<128 random bits>``), created exclusively (``O_EXCL``, mode 0600, never
+through a symlink) and recorded in ``run_dir/weights.shm`` (0600): nobody can pre-create the
+name a publisher will use. A subscriber opens only the recorded name, and refuses
+(:class:`UnsafeRegion`) a region or record that another uid owns or that group/other may read or
+write: mapping another user's file would let them choose the actor's weights.
+
 Why a plain file and not ``multiprocessing.shared_memory``: before Python 3.13 every process
 that *attaches* a SharedMemory registers it with its resource tracker, which unlinks the
 learner's segment when an actor exits. A file in /dev/shm has no tracker; the publisher unlinks
-it on close, and a crashed publisher's file is reclaimed by the next publisher of the same
-run_dir. ``posix_fallocate`` reserves the memory up front, so a too-small /dev/shm (Docker's
-64 MB default) is a clear error at start instead of a SIGBUS mid-run.
+it on close, and a crashed (SIGKILLed) publisher's region, found through the run_dir record, is
+marked closed and unlinked by the next publisher of the same run_dir. ``posix_fallocate``
+reserves the memory up front, so a too-small /dev/shm (Docker's 64 MB default) is a clear error
+at start instead of a SIGBUS mid-run.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import logging
 import mmap
 import os
+import re
+import secrets
+import stat
 import tempfile
 import time
 import warnings
@@ -81,6 +91,7 @@ import torch
 
 from core.messages import WeightUpdateHeader, decoder, encode
 from weightsync import layout
+from core.files import atomic_write
 from weightsync.base import Publisher, Subscriber, wait_until
 
 log = logging.getLogger(__name__)
@@ -95,6 +106,9 @@ W_TABLES = 32  # VER[n_slots], then the reader entries
 PID, START, NS, PIN = range(4)  # columns of a reader entry
 ENTRY_WORDS = 4
 
+RECORD = "weights.shm"  # in run_dir: the path of the newest publisher's region
+_NAME = re.compile(r"driftrl-weights-[0-9a-f]{32}")
+
 _header_decoder = decoder(WeightUpdateHeader)
 
 
@@ -102,11 +116,65 @@ class _Busy(RuntimeError):
     """The region lock stayed taken longer than the caller is willing to wait."""
 
 
-def region_path(run_dir: str) -> str:
-    """One region per run directory, so two runs on one host never collide."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    digest = hashlib.sha256(os.path.realpath(run_dir).encode()).hexdigest()[:16]
-    return os.path.join(base, f"driftrl-weights-{digest}")
+class UnsafeRegion(PermissionError):
+    """A region (or its run_dir record) that another user owns or could read or write."""
+
+
+def _shm_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def _new_region_path() -> str:
+    # unpredictable, so no other user can create the name before the publisher does
+    return os.path.join(_shm_dir(), f"driftrl-weights-{secrets.token_hex(16)}")
+
+
+def region_path(run_dir: str) -> str | None:
+    """The region recorded for ``run_dir`` by its newest publisher; None before the first."""
+    record = os.path.join(run_dir, RECORD)
+    try:
+        fd = os.open(record, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    except OSError as e:  # ELOOP: a symlink someone put there
+        raise UnsafeRegion(f"refusing {record}: {e.strerror}") from None
+    try:
+        _check_private(fd, record)
+        path = os.read(fd, 4096).decode("utf-8", "replace").strip()
+    finally:
+        os.close(fd)
+    if os.path.dirname(path) != _shm_dir() or not _NAME.fullmatch(os.path.basename(path)):
+        raise UnsafeRegion(f"refusing {record}: {path[:200]!r} is not a driftrl weight region name")
+    return path
+
+
+def _check_private(fd: int, path: str) -> None:
+    """Refuse a file of another uid, or one group/other may read or write: its bytes, and so the
+    weights, would be theirs to choose."""
+    st, me = os.fstat(fd), os.geteuid()
+    if not stat.S_ISREG(st.st_mode):
+        raise UnsafeRegion(f"refusing {path}: not a regular file")
+    if st.st_uid != me:
+        raise UnsafeRegion(f"refusing {path}: owned by uid {st.st_uid}, not by this process's uid {me}")
+    if st.st_mode & 0o077:
+        raise UnsafeRegion(f"refusing {path}: mode {st.st_mode & 0o777:04o} lets other users read or "
+                           "write it (a driftrl region is 0600)")
+
+
+def _open_private(path: str) -> int | None:
+    """An O_RDWR fd of ``path`` after the owner/mode check; None if it does not exist."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    except OSError as e:  # EACCES: another user's 0600 file; ELOOP: a symlink
+        raise UnsafeRegion(f"refusing {path}: {e.strerror} (not this user's region)") from None
+    try:
+        _check_private(fd, path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 # ---- process liveness ------------------------------------------------------------------------
@@ -211,8 +279,8 @@ def _release(fd: int, table: np.ndarray, entry: int | None, pid: int) -> None:
 class _Region:
     """A mapped region: control words, reader table, header, and typed views of every slot."""
 
-    def __init__(self, fd: int, ctl_mm: mmap.mmap, slots_mm: mmap.mmap, slots_at: int):
-        self.fd, self.mms = fd, [ctl_mm, slots_mm]
+    def __init__(self, path: str, fd: int, ctl_mm: mmap.mmap, slots_mm: mmap.mmap, slots_at: int):
+        self.path, self.fd, self.mms = path, fd, [ctl_mm, slots_mm]
         self.ino = os.fstat(fd).st_ino
         head = np.frombuffer(ctl_mm, dtype="<i8", count=W_TABLES)
         if int(head[W_MAGIC]) != MAGIC:
@@ -246,10 +314,12 @@ class _Region:
         hdr = encode(header)
         slot_bytes = _round_page(layout.total_nbytes(header))
         words, hdr_at, first, total = _geometry(n_slots, max_readers, len(hdr), slot_bytes)
-        tmp = f"{path}.tmp{os.getpid()}"
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        tmp = f"{path}.tmp"
+        try:
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except FileExistsError:
+            raise UnsafeRegion(f"{tmp} already exists: someone else created this name; refusing to share it") from None
+        os.fchmod(fd, 0o600)  # whatever the umask
         region = None
         try:
             try:
@@ -273,24 +343,28 @@ class _Region:
             ctl[W_TABLES + n_slots :].reshape(max_readers, ENTRY_WORDS)[:, PIN] = -1
             ctl[W_MAGIC], ctl[W_STATE] = MAGIC, READY
             del ctl
-            region = cls(fd, mm, mm, first)
-            os.rename(tmp, path)  # atomic: readers see no region or a complete one
+            region = cls(path, fd, mm, mm, first)
+            try:  # atomic and exclusive (unlike rename): readers see no region or a complete one
+                os.link(tmp, path)
+            except FileExistsError:
+                raise UnsafeRegion(f"{path} already exists: someone else created this name; "
+                                   "refusing to share it") from None
         except BaseException:
             if region is not None:
                 region.close()  # closes fd too
             else:
                 os.close(fd)
-            os.unlink(tmp)
             raise
+        finally:
+            os.unlink(tmp)
         return region
 
     @classmethod
     def open(cls, path: str) -> "_Region | None":
         """The ready region at ``path`` (with an entry in its reader table), or None if there is
-        none (yet)."""
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except FileNotFoundError:
+        none (yet); UnsafeRegion if another user could have written it."""
+        fd = _open_private(path)
+        if fd is None:
             return None
         try:
             head = np.frombuffer(os.pread(fd, W_TABLES * 8, 0), dtype="<i8")
@@ -302,7 +376,8 @@ class _Region:
             if int(head[W_MAGIC]) != MAGIC or os.fstat(fd).st_size != total:
                 raise RuntimeError(f"{path} is not a driftrl weight region of this format version "
                                    "(a learner of another driftrl version?)")
-            region = cls(fd, _map(fd, first, writable=True), _map(fd, total - first, writable=False, offset=first), 0)
+            region = cls(path, fd, _map(fd, first, writable=True),
+                         _map(fd, total - first, writable=False, offset=first), 0)
         except BaseException:
             os.close(fd)
             raise
@@ -368,19 +443,42 @@ def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
 _foreach_copy = getattr(torch, "_foreach_copy_", None)
 
 
-def _retire_stale(path: str) -> None:
-    """Refuse to share a run_dir with a live publisher; mark a dead one's region CLOSED so its
-    readers move to ours."""
+def remove_dead_region(run_dir: str) -> int:
+    """Remove the region recorded for ``run_dir`` if its publisher is dead (a SIGKILLed
+    learner's), marked CLOSED first so its readers look for a successor. Returns the pid of a
+    live publisher (whose region stays), else 0. A publisher calls it before creating its
+    own; a launcher may call it once the learner is gone, so /dev/shm keeps nothing."""
     try:
-        fd = os.open(path, os.O_RDWR)
-    except FileNotFoundError:
-        return
+        path = region_path(run_dir)
+    except UnsafeRegion as e:
+        log.warning("ignoring the weight region record: %s", e)  # the next publisher replaces it
+        return 0
+    if path is None:
+        return 0
+    with contextlib.suppress(OSError):  # gone already, or (sticky /dev/shm) not ours to remove
+        os.unlink(f"{path}.tmp")  # a publisher that died while creating its region
     try:
-        if os.fstat(fd).st_size < PAGE:
-            return
-        mm = mmap.mmap(fd, PAGE)
+        fd = _open_private(path)
+    except UnsafeRegion as e:
+        log.warning("not touching the recorded weight region: %s", e)
+        return 0
+    if fd is None:
+        return 0
+    try:
+        live = _mark_closed_unless_live(fd)
     finally:
         os.close(fd)
+    if not live:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    return live
+
+
+def _mark_closed_unless_live(fd: int) -> int:
+    """The pid of the live publisher owning the region at ``fd``; else marks it CLOSED, 0."""
+    if os.fstat(fd).st_size < PAGE:
+        return 0
+    mm = mmap.mmap(fd, PAGE)
     ctl = np.frombuffer(mm, dtype="<i8", count=W_TABLES)
     pid = int(ctl[W_PID])
     live = int(ctl[W_MAGIC]) == MAGIC and int(ctl[W_STATE]) == READY and _alive(pid, int(ctl[W_PID_START]))
@@ -388,8 +486,7 @@ def _retire_stale(path: str) -> None:
         ctl[W_STATE] = CLOSED
     del ctl
     mm.close()
-    if live:
-        raise RuntimeError(f"a weight publisher (pid {pid}) is already live for this run_dir ({path})")
+    return pid if live else 0
 
 
 def _retire_own(path: str, ino: int, ctl: np.ndarray) -> None:
@@ -413,11 +510,17 @@ class ShmPublisher(Publisher):
         if max_readers < 1 or slots < 2:
             raise ValueError(f"need max_readers >= 1 and slots >= 2, got {max_readers} and {slots}")
         self.wait_s = wait_s
-        self.path = region_path(run_dir)
-        _retire_stale(self.path)
+        live = remove_dead_region(run_dir)
+        if live:
+            raise RuntimeError(f"a weight publisher (pid {live}) is already live for run_dir {run_dir}")
+        self.path = _new_region_path()
+        os.makedirs(run_dir, exist_ok=True)
+        # recorded before the region exists, so that a publisher killed while creating it
+        # leaves a name the next one can clean up
+        atomic_write(os.path.join(run_dir, RECORD), f"{self.path}\n".encode(), durable=False, mode=0o600)
         self._region = _Region.create(self.path, self.header, slots, max_readers)
         # also at interpreter exit or garbage collection: readers learn the publisher is gone
-        # and /dev/shm does not keep the region (a SIGKILLed learner's region is reclaimed by
+        # and /dev/shm does not keep the region (a SIGKILLed learner's region is removed by
         # the next publisher of this run_dir instead)
         self._retire = weakref.finalize(self, _retire_own, self.path, self._region.ino, self._region.ctl)
 
@@ -480,22 +583,34 @@ class ShmSubscriber(Subscriber):
     If the publisher closes and a new one (a restarted learner) creates a region for the same
     run_dir, the subscriber moves to it on its next ``latest_version()``/``apply()``.
     ``lock_timeout_s`` bounds the wait for the region lock; past it ``apply`` returns None (the
-    actor keeps its weights for now) and ``lock_timeouts`` counts it.
+    actor keeps its weights for now) and ``lock_timeouts`` counts it. ``stop`` (an Event or a
+    callable) ends the wait for the publisher early with :class:`weightsync.base.Stopped`.
+    A region another user owns or may write is refused with :class:`UnsafeRegion`.
     """
 
     transport = "shm"
 
-    def __init__(self, run_dir: str, timeout_s: float = 60, *, zero_copy: bool = True, lock_timeout_s: float = 1.0):
+    def __init__(self, run_dir: str, timeout_s: float = 60, *, zero_copy: bool = True,
+                 lock_timeout_s: float = 1.0, stop=None):
         super().__init__()
-        self.path = region_path(run_dir)
+        self.run_dir = run_dir
         self.zero_copy = zero_copy
         self.lock_timeout_s = lock_timeout_s
         self.lock_timeouts = 0
         self._next_reattach = 0.0
         self._region = wait_until(
-            lambda: _Region.open(self.path), timeout_s,
-            f"the weight publisher of run_dir {run_dir!r} (shared memory {self.path}); is the learner up?",
+            self._open_recorded, timeout_s,
+            f"the weight publisher of run_dir {run_dir!r} (shared memory recorded in {RECORD}); is the learner up?",
+            stop=stop,
         )
+
+    @property
+    def path(self) -> str:
+        return self._region.path
+
+    def _open_recorded(self) -> _Region | None:
+        path = region_path(self.run_dir)
+        return None if path is None else _Region.open(path)
 
     def latest_version(self) -> int:
         ctl = self._region.ctl
@@ -513,12 +628,10 @@ class ShmSubscriber(Subscriber):
         if now < self._next_reattach:
             return
         self._next_reattach = now + 0.5  # the publisher is gone: poll for a successor, gently
-        try:
-            if os.stat(self.path).st_ino == self._region.ino:
-                return
-        except FileNotFoundError:
+        path = region_path(self.run_dir)
+        if path is None or path == self._region.path:
             return
-        new = _Region.open(self.path)
+        new = _Region.open(path)
         if new is not None:
             self._region.close()  # tensors mapped from it keep its memory until rebound
             self._region = new

@@ -4,6 +4,7 @@ protocol over Gloo on CPU."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -46,9 +47,11 @@ def _no_region_left(tmp_path):
     """A failing test must not leave its region in /dev/shm."""
     yield
     for run_dir in (tmp_path, tmp_path / "run"):
-        path = shm.region_path(str(run_dir))
-        if os.path.exists(path):
-            os.unlink(path)
+        with contextlib.suppress(OSError):
+            path = shm.region_path(str(run_dir))
+            for p in (path, f"{path}.tmp") if path else ():
+                if os.path.exists(p):
+                    os.unlink(p)
 
 
 def _cfg(transport):
