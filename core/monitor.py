@@ -7,10 +7,17 @@ at most every ``monitor.refresh_s`` seconds (pipes, CI logs, ``monitor.live = "o
 
 It only reads what roles report: a metric nobody has sent yet is shown as "–", so the view works
 for partial runs (buffer only, learner without actors) and never invents a number.
+
+It never raises on what a role sends: NaN, ±inf, 1e308, negative counts and lists holding any
+of them are shown as such ("nan", "inf", "1.0e+308") or skipped where they cannot be drawn
+(sparklines, bars); a value of the wrong type is dropped and counted (``monitor/values_dropped``).
+As a last line of defence a render that fails anyway is logged once and counted
+(``render_errors``): the view is not worth stopping a training run for.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import deque
@@ -31,6 +38,9 @@ _SPARK = "▁▂▃▄▅▆▇█"
 _EIGHTHS = " ▏▎▍▌▋▊▉"
 MAX_STALENESS_ROWS = 8
 BY_STALENESS = "ratio/p99_by_staleness/"
+MAX_VERSION = 2**53  # larger (or non-integral floats) cannot be a policy version
+
+log = logging.getLogger(__name__)
 
 # (green below, yellow below, else red) for metrics where larger is worse
 THRESHOLDS = {
@@ -58,6 +68,8 @@ def fmt(v, digits: int = 3) -> str:
     if math.isinf(v):
         return "inf" if v > 0 else "-inf"
     a = abs(v)
+    if a >= 1e15:
+        return f"{v:.1e}"
     if a >= 1e6:
         return f"{v / 1e6:.1f}M"
     if a >= 1e4:
@@ -70,6 +82,8 @@ def fmt(v, digits: int = 3) -> str:
 
 
 def fmt_duration(s: float) -> str:
+    if not 0 <= s < 1e7:  # negative, NaN, inf, or more than ~115 days
+        return fmt(s, 1) + "s"
     if s < 60:
         return f"{s:.1f}s"
     if s < 3600:
@@ -88,16 +102,17 @@ def grade(key: str, v) -> str:
 
 
 def sparkline(values, width: int = 12) -> str:
-    pts = [v for v in list(values)[-width:] if not math.isnan(v)]
+    pts = [v for v in list(values)[-width:] if math.isfinite(v)]
     if len(pts) < 2:
         return ""
-    lo, hi = min(pts), max(pts)
+    # halved, so that hi - lo cannot overflow to inf for values near the float limit
+    lo, hi = min(pts) / 2, max(pts) / 2
     span = hi - lo or 1.0
-    return "".join(_SPARK[min(7, int((v - lo) / span * 7.999))] for v in pts)
+    return "".join(_SPARK[min(7, int((v / 2 - lo) / span * 7.999))] for v in pts)
 
 
 def bar(frac: float, width: int) -> str:
-    frac = min(max(frac, 0.0), 1.0)
+    frac = min(max(frac, 0.0), 1.0) if frac == frac else 0.0  # NaN draws nothing
     eighths = round(frac * width * 8)
     full, part = divmod(eighths, 8)
     return ("█" * full + (_EIGHTHS[part] if part else "")).ljust(width)
@@ -127,14 +142,15 @@ class Monitor:
         self._last_line = -math.inf
         self._dirty = False
         self._live: Live | None = None
+        self.values_dropped = 0
+        self.render_errors = 0
 
     # ---- state --------------------------------------------------------------------------------
 
     def update(self, records: list[MetricRecords]) -> None:
         for rec in records:
             self.records += 1
-            # the wire decoder yields floats; records built in-process may carry ints
-            values = {k: float(v) if isinstance(v, int) else v for k, v in rec.values.items()}
+            values = self._clean(rec.values)
             self.latest.update(values)
             self._by_source.setdefault(f"{rec.role}/{rec.id}", {}).update(values)
             for k in SPARK_KEYS:
@@ -148,6 +164,19 @@ class Monitor:
                 self.eval_best = ev if self.eval_best is None else max(self.eval_best, ev)
         if records:
             self._dirty = True
+
+    def _clean(self, values: dict) -> dict:
+        """Floats and lists of floats; the wire decoder yields only those, records built
+        in-process may carry ints (converted) or anything else (dropped, counted)."""
+        out = {}
+        for k, v in values.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                out[k] = float(v)
+            elif isinstance(v, list) and all(isinstance(x, float) for x in v):
+                out[k] = v
+            else:
+                self.values_dropped += 1
+        return out
 
     def get(self, key: str):
         v = self.latest.get(key)
@@ -166,7 +195,7 @@ class Monitor:
         return {
             src.split("/", 1)[1]: int(v["actor/version"])
             for src, v in sorted(self._by_source.items())
-            if isinstance(v.get("actor/version"), float) and math.isfinite(v["actor/version"])
+            if isinstance(v.get("actor/version"), float) and abs(v["actor/version"]) < MAX_VERSION
         }
 
     def elapsed(self) -> float:
@@ -191,7 +220,8 @@ class Monitor:
         for k, v in self.latest.items():
             suffix = k[len(BY_STALENESS) :]
             # staleness is bounded by buffer.max_staleness; the size cap only stops a bad key
-            if k.startswith(BY_STALENESS) and suffix.isdigit() and len(suffix) < 5:
+            # (and isascii a digit like "²", which isdigit accepts and int refuses)
+            if k.startswith(BY_STALENESS) and suffix.isascii() and suffix.isdigit() and len(suffix) < 5:
                 if isinstance(v, float):
                     p99[int(suffix)] = v
         n = max(len(counts), max(p99, default=-1) + 1)
@@ -217,6 +247,7 @@ class Monitor:
             out["eval/reward_best"] = self.eval_best
         out["time/elapsed_s"] = self.elapsed()
         out["monitor/records"] = self.records
+        out["monitor/values_dropped"] = self.values_dropped
         return out
 
     # ---- plain line -----------------------------------------------------------------------------
@@ -240,7 +271,7 @@ class Monitor:
             )
         hist = self.latest.get("staleness/hist")
         if isinstance(hist, list) and hist:
-            inner = ", ".join(f"{s}: {int(c)}" for s, c in enumerate(hist) if c and c == c)
+            inner = ", ".join(f"{s}: {fmt(c, 0)}" for s, c in enumerate(hist) if c and c == c)
             parts.append(f"stale {{{inner}}}")
         parts.extend(self._line_buffer_and_rates())
         return " | ".join(parts)
@@ -358,9 +389,10 @@ class Monitor:
         t.add_column(justify="right", no_wrap=True)
         rows = self.staleness_rows()
         t.add_row("s", Text("samples", style="dim"), "", Text("ρ p99", style="dim"))
-        top = max((c for _, c, _ in rows if c is not None and c == c), default=0) or 1
+        # the longest bar is the largest finite count; inf (and anything past it) is drawn full
+        top = max((c for _, c, _ in rows if c is not None and 0 < c < math.inf), default=1.0)
         for label, count, p99 in rows:
-            frac = 0.0 if count is None or count != count else count / top
+            frac = 0.0 if count is None else count / top
             t.add_row(label, Text(bar(frac, 10), style="blue"), fmt(count, 0),
                       self._cell("ratio/p99", value=p99) if p99 is not None else Text("–"))
         if not rows:
@@ -413,6 +445,17 @@ class Monitor:
         if not force and now - self._last_render < self.refresh_s:
             return
         self._last_render = now
+        try:
+            self._draw(force, now)
+        except Exception:  # noqa: BLE001 -- a view bug must not end the run it shows
+            self._render_failed()
+
+    def _render_failed(self) -> None:
+        self.render_errors += 1
+        if self.render_errors == 1:
+            log.exception("the live view failed to render (the run continues; counted in render_errors)")
+
+    def _draw(self, force: bool, now: float) -> None:
         if self._live is not None:
             self._live.update(self.renderable(), refresh=True)
             self._dirty = False
@@ -445,6 +488,8 @@ class Monitor:
                 self._live.update(self.renderable(), refresh=True)
             elif self._dirty:
                 self.refresh(force=True)
+        except Exception:  # noqa: BLE001 -- as in refresh
+            self._render_failed()
         finally:
             if self._live is not None:
                 self._live.stop()

@@ -213,3 +213,65 @@ def test_monitor_fed_by_real_collector(tmp_path):
         col.close()
     assert "act 300 tok/s" in m.format_line()
     assert m.actor_versions() == {"0": 3, "1": 3}
+
+
+# ---- hostile values: the view must never raise ------------------------------------------------
+
+RENDERED_KEYS = (
+    "learner/step", "learner/version", "learner/tokens_per_s", "learner/idle_frac",
+    "actor/tokens_per_s", "actor/version", "actor/groups_per_s", "eval/reward", "reward/mean",
+    "length/mean", "length/p90", "length/max", "ratio/p50", "ratio/p99", "ratio/max", "ratio/ess",
+    "ratio/clip_frac", "mismatch/kl_k3", "staleness/hist", "staleness/mean", "staleness/max",
+    "ratio/p99_by_staleness/0", "ratio/p99_by_staleness/3", "time/elapsed_s", "buffer/depth",
+    "buffer/dropped_stale", "buffer/dropped_invalid", "buffer/duplicates",
+    "weightsync/publish_s", "weightsync/apply_s", "weightsync/bytes",
+)
+HOSTILE = (math.inf, -math.inf, math.nan, 1e300, -1e300, 1e308, -1e308, -7.0, 5e-324, 0.0,
+           [math.nan], [math.inf, -math.inf, 1.0], [-3.0, 1e300, math.nan], [], [1e308] * 20)
+ODD_KEYS = ("ratio/p99_by_staleness/²", "ratio/p99_by_staleness/-1", "ratio/p99_by_staleness/99999",
+            "ratio/p99_by_staleness/", "staleness/hist/x")
+
+
+def _exercise(m: Monitor, draw: bool = False) -> None:
+    m.format_line()
+    m.summary()
+    panels = m.renderable()  # every number is formatted here ...
+    if draw:  # ... and laid out here (slower: once per case)
+        m.console.print(panels)
+        m.refresh(force=True)
+
+
+@pytest.mark.parametrize("value", HOSTILE, ids=repr)
+@pytest.mark.parametrize("live", [False, True], ids=["plain", "live"])
+def test_hostile_values_never_crash_any_panel(value, live):
+    con = recording_console(terminal=live)
+    m = Monitor(cfg_with(run__max_steps=10, run__max_time_s=60.0, monitor__refresh_s=0.01),
+                console=con, live=live)
+    with m:
+        m.update(run_records(2))  # a sane run first: every panel has something to show
+        for key in RENDERED_KEYS + ODD_KEYS:  # one key at a time, then all together
+            m.update([rec("learner", "0", 3, {key: value}), rec("actor", "9", 3, {key: value})])
+            _exercise(m)
+        _exercise(m, draw=True)
+        m.update([rec("learner", "0", 4, dict.fromkeys(RENDERED_KEYS + ODD_KEYS, value))])
+        _exercise(m, draw=True)
+    assert m.records == len(run_records(2)) + 2 * len(RENDERED_KEYS + ODD_KEYS) + 1
+    assert m.render_errors == 0  # nothing was caught by refresh's last-resort guard either
+
+
+def test_hostile_sparkline_and_histogram_values_render_sensibly():
+    assert sparkline([1.0, math.inf, 2.0, -math.inf, 3.0]) == "▁▄█"  # non-finite points skipped
+    m = Monitor(Config(), console=recording_console(), live=False)
+    m.update([rec("learner", "0", 1, {"staleness/hist": [math.inf, 2.0, -1.0, math.nan]})])
+    assert "stale {0: inf, 1: 2, 2: -1}" in m.format_line()
+    m.update([rec("actor", "0", 1, {"actor/version": 1e300})])
+    assert m.actor_versions() == {}  # not a version number: not shown as one
+
+
+def test_a_broken_panel_does_not_raise_out_of_refresh(monkeypatch):
+    m = Monitor(Config(), console=recording_console(), live=False)
+    m.update(run_records(1))
+    monkeypatch.setattr(m, "format_line", lambda: 1 / 0)
+    m.refresh(force=True)  # logged once, counted; the run goes on
+    m.refresh(force=True)
+    assert m.render_errors == 2
