@@ -28,7 +28,7 @@ from core.admission import Admission
 from core.metrics import MetricsSink
 from core.proc import die_with_parent, setup_logging, stop_event
 from model.tokenizer import Tokenizer
-from weightsync.base import make_subscriber
+from weightsync.base import Stopped, make_subscriber
 
 
 class RolloutWorker:
@@ -38,13 +38,11 @@ class RolloutWorker:
         self.stop = stop
         self.task = make_task(cfg.task, Tokenizer.from_dir(cfg.model.path))
         a = cfg.actor
-        self.engine = make_engine(a, cfg.model.path, make_subscriber(cfg, run_dir), seed=cfg.run.seed * 1000 + index)
-        self.engine.refresh_weights()
+        self.engine = make_engine(a, cfg.model.path, make_subscriber(cfg, run_dir, stop=stop),
+                                  seed=cfg.run.seed * 1000 + index)
         self.client = ActorClient(cfg, self.actor_id, run_dir=run_dir)
-        share = cfg.learner.groups_per_step // a.num_actors
-        self.admission = Admission.resumed(share, cfg.buffer.max_staleness, max(self.version, 0),
-                                           self.client.outstanding)
-        self.rng = random.Random(hash((cfg.run.seed, index, self.version)) & 0xFFFFFFFF)
+        self.admission: Admission | None = None  # set by the first weights applied (_wait_for_weights)
+        self.rng: random.Random | None = None
         self.metrics = MetricsSink(cfg.net.host, cfg.net.metrics_port, "actor", self.actor_id)
         self.last_eval = -1
         self.eval_set = self.task.eval_set(cfg.run.eval_prompts) if index == 0 and cfg.run.eval_every else []
@@ -54,17 +52,34 @@ class RolloutWorker:
         """The version every next token is tagged with (-1 before the learner's first publish)."""
         return self.engine.version
 
-    def _wait_for_weights(self, timeout_s: float = 120.0) -> None:
+    def _wait_for_weights(self, timeout_s: float = 120.0) -> bool:
+        """Wait for the first weights (False if stopped first); admission counts from their version:
+        a resumed learner publishes its checkpoint's version, and a quota computed from version 0
+        before those arrive would start groups that are already too stale."""
         t0 = time.time()
         while self.engine.refresh_weights() < 0:
-            if self._stopped() or time.time() - t0 > timeout_s:
+            if self._stopped():
+                return False
+            if time.time() - t0 > timeout_s:
                 raise TimeoutError("no weights published by the learner")
-            time.sleep(0.05)
+            self._sleep(0.05)
+        share = self.cfg.learner.groups_per_step // self.cfg.actor.num_actors
+        self.admission = Admission.resumed(share, self.cfg.buffer.max_staleness, self.version,
+                                           self.client.outstanding)
+        self.rng = random.Random(hash((self.cfg.run.seed, self.index, self.version)) & 0xFFFFFFFF)
+        return True
 
     # ---- loop --------------------------------------------------------------------------------
 
     def _stopped(self) -> bool:
         return self.stop is not None and self.stop.is_set()
+
+    def _sleep(self, seconds: float) -> None:
+        """A pause that SIGTERM (the stop event) cuts short."""
+        if self.stop is not None:
+            self.stop.wait(seconds)
+        else:
+            time.sleep(seconds)
 
     def _return_quota(self) -> None:
         for ack in self.client.poll(0):
@@ -78,10 +93,11 @@ class RolloutWorker:
             n = min(self.cfg.actor.groups_per_batch, self.admission.allowed(self.engine.refresh_weights()))
             if n > 0 or self._stopped():
                 return n, time.time() - t0
-            time.sleep(0.005)
+            self._sleep(0.005)
 
     def run(self) -> None:
-        self._wait_for_weights()
+        if not self._wait_for_weights():
+            return
         while not self._stopped():
             self._maybe_eval()
             n, waited = self._wait_for_admission()
@@ -174,7 +190,11 @@ def main(argv=None) -> None:
     with open(os.path.join(args.run_dir, "config.json"), "rb") as f:
         cfg = C.from_json(f.read())
     torch.set_num_threads(cfg.actor.threads)
-    worker = RolloutWorker(cfg, args.run_dir, args.index, stop)
+    try:
+        worker = RolloutWorker(cfg, args.run_dir, args.index, stop)
+    except Stopped:  # SIGTERM while waiting for the learner's weight publisher
+        log.info("actor %d stopped before it started", args.index)
+        return
     log.info("actor %d started at version %d", args.index, worker.version)
     try:
         worker.run()

@@ -34,8 +34,12 @@ class RunSection(_Section):
     max_time_s: NonNegFloat = 480.0  # wall-clock budget of the training phase; 0 = none
     eval_every: NonNegInt = 10  # held-out eval every N policy versions (actor 0); 0 = off
     eval_prompts: PosInt = 256
-    ckpt_every: NonNegInt = 0  # learner steps between checkpoints; 0 = final only
-    # a crashed actor or buffer is restarted (its data survives: spool / segment log) this often
+    # checkpoints every N learner steps and at least every S seconds (0 = off); the final one
+    # always. A crashed learner resumes from the newest (learner/loop.py), so they bound lost work
+    ckpt_every: NonNegInt = 100
+    ckpt_every_s: NonNegFloat = 120.0
+    # a crashed role is restarted this often (each role counted alone): an actor or the buffer
+    # (their data survives: spool / segment log), the learner (from its newest checkpoint)
     max_restarts: NonNegInt = 3
     # seams (ARCHITECTURE.md): a key of its registry, checked by run.py before anything starts
     launcher: str = "local"  # core/launchers/ LAUNCHERS: how roles are started and watched
@@ -88,6 +92,9 @@ class BufferSection(_Section):
     persist: bool = True
     fsync: Literal["always", "batch", "never"] = "batch"
     segment_bytes: PosInt = 16 * 1024 * 1024
+    # a group's prompt may not be longer (and must not be empty); its completions are bounded
+    # by actor.max_new_tokens, their number is actor.group_size, their ids by model.vocab_size
+    max_prompt_tokens: PosInt = 4096
 
 
 class LearnerSection(_Section):
@@ -127,10 +134,12 @@ class NetSection(_Section):
     buffer_actor_port: NonNegInt = 0  # 0 = pick a free port at launch
     buffer_learner_port: NonNegInt = 0
     metrics_port: NonNegInt = 0
-    # ZeroMQ CURVE keys (z85) -- required when `host` is not loopback
+    # ZeroMQ CURVE keys (z85) -- required when `host` is not loopback. curve_client_public is
+    # the servers' allow-list (one key or a list); a client's own public key is derived from its
+    # curve_client_secret
     curve_server_public: str = ""
     curve_server_secret: str = ""
-    curve_client_public: str = ""
+    curve_client_public: str | list[str] = ""
     curve_client_secret: str = ""
 
 
@@ -207,11 +216,36 @@ def validate(cfg: Config) -> None:
         )
     if cfg.run.max_steps == 0 and cfg.run.max_time_s == 0:
         raise ConfigError("set `$.run.max_steps` or `$.run.max_time_s`: a run needs a budget")
-    if not net.is_loopback(cfg.net.host) and not (cfg.net.curve_server_public and cfg.net.curve_server_secret):
+    _validate_net(cfg.net)
+
+
+def _validate_net(n: NetSection) -> None:
+    """A valid host; off loopback, CURVE with a client allow-list; well-formed keys."""
+    try:
+        net.check_host(n.host)
+    except ValueError as e:
+        raise ConfigError(f"`$.net.host`: {e}") from None
+    curve = bool(n.curve_server_public or n.curve_server_secret)
+    if not net.is_loopback(n.host) and not curve:
         raise ConfigError(
-            f"`$.net.host` = {cfg.net.host!r} is not loopback: set the CURVE keys "
-            "`$.net.curve_server_public/secret` (see core/net.py: make_curve_keys)"
+            f"`$.net.host` = {n.host!r} is not loopback: set the CURVE keys "
+            "`$.net.curve_server_public/secret` and the client allow-list `$.net.curve_client_public` "
+            "(see core/net.py: make_curve_keys)"
         )
+    if curve and not (n.curve_server_public and n.curve_server_secret):
+        raise ConfigError("CURVE needs both `$.net.curve_server_public` and `$.net.curve_server_secret`")
+    if curve and not net.client_keys(n):
+        raise ConfigError("CURVE without a client allow-list admits any key pair: set "
+                          "`$.net.curve_client_public` (one key or a list)")
+    keys = [("curve_server_public", n.curve_server_public), ("curve_server_secret", n.curve_server_secret),
+            ("curve_client_secret", n.curve_client_secret)]
+    keys += [(f"curve_client_public[{i}]", k) for i, k in enumerate(net.client_keys(n))]
+    for name, key in keys:
+        try:
+            if key:
+                net.check_curve_key(key)
+        except ValueError as e:
+            raise ConfigError(f"`$.net.{name}`: {e}") from None
 
 
 def load(toml_path: str | None = None, overrides: list[str] | tuple = ()) -> Config:

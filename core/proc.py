@@ -1,4 +1,5 @@
-"""Process plumbing shared by every role: parent-death signal, signal-driven stop flag, logging."""
+"""Process plumbing shared by every role: dying with the launcher, a private umask, the
+signal-driven stop flag, logging, and the exit status of a failed write."""
 
 from __future__ import annotations
 
@@ -9,20 +10,44 @@ import os
 import signal
 import sys
 import threading
+import time
 
 PR_SET_PDEATHSIG = 1
+# a role that could not write what it must (a checkpoint on a full disk, ...): EX_TEMPFAIL of
+# sysexits.h, "try again later": the run is resumable once the cause is fixed. Not restarted.
+EXIT_WRITE_FAILED = 75
+ORPHAN_POLL_S = 0.5
+ORPHAN_GRACE_S = 15.0  # after the launcher is gone: time to stop cleanly before a hard exit
 
 
 def die_with_parent(sig: int = signal.SIGTERM) -> None:
-    """Ask the kernel to signal us when the launcher dies, even by SIGKILL (Linux only)."""
+    """Every role calls this first. Files it creates are private to the user (umask 077: a run
+    directory holds CURVE keys and model weights). It ends when the launcher dies, even by
+    SIGKILL: the kernel's parent-death signal (Linux), and as a fallback -- no prctl, or a wait
+    that ignores the stop flag -- a thread that sees the launcher gone, sends ``sig`` itself, and
+    ``os._exit``\\ s after :data:`ORPHAN_GRACE_S` if the process is still there."""
+    os.umask(0o077)
     if sys.platform.startswith("linux"):
-        # without glibc (e.g. musl) there is no prctl; the launcher's stop_all still reaps us
+        # without glibc (e.g. musl) there is no prctl; the watchdog below still ends us
         with contextlib.suppress(OSError):
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
     launcher = os.environ.get("DRIFTRL_LAUNCHER_PID")
-    if launcher and os.getppid() != int(launcher):
-        # the launcher died before prctl took effect
-        os.kill(os.getpid(), sig)
+    if not launcher:
+        return  # started by hand, not by a launcher: nothing to watch
+    if os.getppid() != int(launcher):
+        os.kill(os.getpid(), sig)  # the launcher died before prctl took effect
+    threading.Thread(target=_watch_launcher, args=(int(launcher), sig), name="orphan-watch",
+                     daemon=True).start()
+
+
+def _watch_launcher(launcher: int, sig: int) -> None:
+    while os.getppid() == launcher:  # a dead parent's children are re-parented
+        time.sleep(ORPHAN_POLL_S)
+    logging.getLogger("driftrl.proc").warning("launcher %d is gone: stopping", launcher)
+    os.kill(os.getpid(), sig)
+    time.sleep(ORPHAN_GRACE_S)
+    logging.getLogger("driftrl.proc").error("still running %.0fs after the launcher died: exiting", ORPHAN_GRACE_S)
+    os._exit(1)
 
 
 def stop_event() -> threading.Event:

@@ -3,6 +3,10 @@
 Row ``i`` is ``prompt + completion`` right-padded to ``L``; column ``j`` of every ``[N, L-1]``
 tensor describes the token ``ids[i, j+1]`` predicted from position ``j``. Only completion tokens
 are marked in ``mask``: prompt tokens are context, not actions.
+
+:func:`collate` is also the learner's last check of the data (the buffer checks it on arrival):
+a group that fails :func:`core.messages.validate_group`, a token id outside the vocabulary, or
+groups of unequal size raise ValueError, and the learner skips the batch instead of dying on it.
 """
 
 from __future__ import annotations
@@ -31,10 +35,24 @@ class Batch:
         return self.rewards.shape[1]
 
 
-def collate(groups: list[M.RolloutGroup], learner_version: int, pad_id: int = 0) -> Batch:
+def check(groups: list[M.RolloutGroup], vocab_size: int = 0) -> None:
+    """Raise ValueError naming the first group a batch cannot be built from."""
+    if not groups:
+        raise ValueError("empty batch")
     G = len(groups[0].completions)
-    if any(len(g.completions) != G for g in groups):
-        raise ValueError("all groups in a batch must have the same number of completions")
+    for g in groups:
+        M.validate_group(g)
+        if len(g.completions) != G:
+            raise ValueError("all groups in a batch must have the same number of completions "
+                             f"({g.key}: {len(g.completions)}, first group: {G})")
+        ids = np.concatenate([np.frombuffer(g.prompt_tokens, dtype=M.TOKEN_DTYPE),
+                              *[c.token_array() for c in g.completions]])
+        if ids.size and (ids.min() < 0 or (vocab_size and ids.max() >= vocab_size)):
+            raise ValueError(f"{g.key}: token id outside the vocabulary [0, {vocab_size or '?'})")
+
+
+def collate(groups: list[M.RolloutGroup], learner_version: int, pad_id: int = 0, vocab_size: int = 0) -> Batch:
+    check(groups, vocab_size)
     rows, starts, lps, stale = [], [], [], []
     for g in groups:
         prompt = np.frombuffer(g.prompt_tokens, dtype=M.TOKEN_DTYPE)

@@ -6,29 +6,59 @@ Layout of ``run_dir/checkpoints/step_000042/``::
     ...               the backend's own state (torch: optim.safetensors, rng.safetensors)
     meta.json         step, version, stage, data position, consumed count, the backend's metadata
                       (optimiser hyper-params), python RNG state
+    MANIFEST.json     size and sha256 of every other file, written after them
     COMPLETE          written last: a directory without it is never loaded
 
 Writes go to a hidden temporary directory, every file is fsynced, the directory is renamed into
 place, and only then is ``COMPLETE`` written (``core.files.atomic_dir``). Nothing is pickled, so
 a checkpoint from an untrusted source cannot execute code when loaded.
+
+Integrity: :func:`load` verifies the manifest first (a flipped byte or a truncated file is an
+error, never silently loaded), and :func:`latest` is the newest *intact* checkpoint: a damaged
+newer one is skipped with a warning naming what is wrong, so a run resumes from the one before.
+A write that fails (disk full, ...) raises :class:`WriteError` naming the path and what was being
+written; nothing torn is left (the temporary directory is removed).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import random
 import shutil
 
 from core.files import atomic_dir
 
+log = logging.getLogger("driftrl.learner.checkpoint")
 MARKER = "COMPLETE"
+MANIFEST = "MANIFEST.json"
 KEEP = 2
+
+
+class WriteError(RuntimeError):
+    """A file the learner must write could not be (disk full, ...); names the path and what."""
+
+    def __init__(self, what: str, path: str, err: OSError):
+        super().__init__(f"cannot write {what} {path}: {err.strerror or err}")
+        self.path, self.errno = path, err.errno
+
+
+class DamagedCheckpoint(RuntimeError):
+    """A checkpoint whose files do not match its manifest (or that has none)."""
+
+
+def _write(what: str, final: str, write) -> str:
+    try:
+        return atomic_dir(final, write, marker=MARKER)
+    except OSError as e:
+        raise WriteError(what, final, e) from None
 
 
 def save_model(backend, final: str) -> str:
     """The backend's weights as an HF-format directory at ``final``, atomically."""
-    return atomic_dir(final, backend.save_model, marker=MARKER)
+    return _write("the final model", final, backend.save_model)
 
 
 def save(ckpt_root: str, step: int, backend, meta: dict) -> str:
@@ -40,10 +70,45 @@ def save(ckpt_root: str, step: int, backend, meta: dict) -> str:
                      "python_rng": [py_state[0], list(py_state[1]), py_state[2]]}
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump(full_meta, f, indent=2)
+        with open(os.path.join(tmp, MANIFEST), "w") as f:
+            json.dump(_manifest(tmp), f, indent=1)
 
-    atomic_dir(final, write, marker=MARKER)
+    _write("the checkpoint", final, write)
     _prune(ckpt_root)
     return final
+
+
+def _files(root: str) -> list[str]:
+    out = [os.path.relpath(os.path.join(d, n), root) for d, _, names in os.walk(root) for n in names]
+    return sorted(p for p in out if p not in (MANIFEST, MARKER))
+
+
+def _sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _manifest(root: str) -> dict:
+    return {p: {"bytes": os.path.getsize(os.path.join(root, p)), "sha256": _sha256(os.path.join(root, p))}
+            for p in _files(root)}
+
+
+def verify(path: str) -> None:
+    """Raise DamagedCheckpoint unless every file of ``path`` matches its manifest."""
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            want = json.load(f)
+    except (OSError, ValueError) as e:
+        raise DamagedCheckpoint(f"{path}: unreadable {MANIFEST} ({e})") from None
+    for rel, entry in want.items():
+        full = os.path.join(path, rel)
+        if not os.path.isfile(full):
+            raise DamagedCheckpoint(f"{path}: {rel} is missing")
+        if os.path.getsize(full) != entry["bytes"]:
+            raise DamagedCheckpoint(f"{path}: {rel} has {os.path.getsize(full)} bytes, "
+                                    f"the manifest says {entry['bytes']} (truncated?)")
+        if _sha256(full) != entry["sha256"]:
+            raise DamagedCheckpoint(f"{path}: {rel} does not match its sha256 (corrupted)")
 
 
 def _prune(ckpt_root: str) -> None:
@@ -74,14 +139,21 @@ def complete_checkpoints(ckpt_root: str) -> list[str]:
 
 
 def latest(ckpt_root: str) -> str | None:
-    done = complete_checkpoints(ckpt_root)
-    return done[-1] if done else None
+    """The newest complete checkpoint that passes :func:`verify`; damaged ones are skipped."""
+    for path in reversed(complete_checkpoints(ckpt_root)):
+        try:
+            verify(path)
+            return path
+        except DamagedCheckpoint as e:
+            log.warning("skipping damaged checkpoint: %s; falling back to an older one", e)
+    return None
 
 
 def load(path: str, backend) -> dict:
-    """Restore the backend's state and the python RNG in place; returns meta.json."""
+    """Verify, then restore the backend's state and the python RNG in place; returns meta.json."""
     if not os.path.exists(os.path.join(path, MARKER)):
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {MARKER})")
+    verify(path)
     with open(os.path.join(path, "meta.json")) as f:
         meta = json.load(f)
     backend.load_state(path, meta)

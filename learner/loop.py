@@ -4,52 +4,99 @@ Versions (DESIGN §2): version 0 is the initial weights, published before the fi
 optimiser step publishes ``version + 1``. The staleness bound is re-checked here as the last line
 of defence: a sample older than ``max_staleness`` is dropped and counted, never trained on.
 
-Run as a process: ``python -m learner.loop --run-dir RUN_DIR``; with a complete checkpoint in
-``RUN_DIR/checkpoints`` it resumes from it (same version, step, optimiser and RNG state).
+A batch never kills the learner: one that fails validation (``learner.batching.check``) or whose
+forward/backward/optimiser step raises (an out-of-vocabulary id, a NaN loss, ...) is dropped,
+logged with its reason and counted (``learner/skipped_batches``; ``learner/skipped_nonfinite``
+for NaN/inf), and its groups are marked consumed before anything records them as trained. Only
+``MAX_SKIPS_IN_A_ROW`` consecutive failures -- a broken learner, not a bad batch -- end it.
+
+Each step, in this order: optimiser step -> journal (the groups and the new version, fsynced;
+``learner/journal.py``) -> ``trained_keys.jsonl`` -> publish -> ``Consumed``. Checkpoints are
+written every ``run.ckpt_every`` steps, at least every ``run.ckpt_every_s`` seconds and at the end.
+
+Recovery. Run as ``python -m learner.loop --run-dir RUN_DIR``; a restarted learner (the launcher
+restarts a crashed one) and ``run.py resume`` both continue from the newest intact checkpoint:
+its weights, step, optimiser and RNG state; the groups trained since are trained again first
+(``learner.journal.recover``). Departure from "continue at the checkpoint's version": when
+versions newer than the checkpoint's were already published, the checkpoint's weights are
+published under a fresh version, one above the newest ever published. Weights must never appear
+to go back in time: the weight transports apply only newer versions (an actor holding version
+12 would ignore a re-published 10, keeping weights the learner no longer has), the actors'
+admission and the buffer's staleness bound count from the learner's version, and a version
+lower than the tokens' own would make staleness negative. When nothing newer was published
+(a clean resume) the checkpoint's own version is kept.
+
+Exit status: 0 when the budget is spent, ``core.proc.EXIT_WRITE_FAILED`` (75) when a checkpoint,
+the final model, the journal or the audit could not be written (disk full, ...): one log line
+names the path; the run is resumable from the newest intact checkpoint once space is freed.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import json
 import logging
 import os
+import sys
 import time
 
 import torch
 
 from buffer.client import LearnerClient
 from core import config as C
+from core import messages as M
 from core.metrics import MetricsSink
-from core.proc import die_with_parent, setup_logging, stop_event
+from core.proc import EXIT_WRITE_FAILED, die_with_parent, setup_logging, stop_event
 from core.stats import dense_histogram
-from learner import checkpoint
+from learner import checkpoint, journal
 from learner.backends import NonFiniteError, make_backend
 from learner.batching import collate
 from weightsync.base import make_publisher
 
 log = logging.getLogger("driftrl.learner")
+MAX_SKIPS_IN_A_ROW = 20
 
 
 class LearnerLoop:
-    def __init__(self, cfg: C.Config, run_dir: str, stop=None):
+    def __init__(self, cfg: C.Config, run_dir: str, stop=None, client=None, metrics=None):
         self.cfg, self.run_dir, self.stop = cfg, run_dir, stop
         self.backend = make_backend(cfg, cfg.model.path)
-        self.step, self.version, self.consumed_groups = 0, 0, 0
         self.ckpt_root = os.path.join(run_dir, "checkpoints")
-        resume_from = checkpoint.latest(self.ckpt_root)
-        if resume_from:
-            meta = checkpoint.load(resume_from, self.backend)
-            self.step, self.version = meta["step"], meta["version"]
-            self.consumed_groups = meta.get("consumed_groups", 0)
-            log.info("resumed from %s at step %d version %d", resume_from, self.step, self.version)
-        self.publisher = make_publisher(cfg, run_dir, self.backend.named_tensors())
-        self.client = LearnerClient(cfg)
-        self.metrics = MetricsSink(cfg.net.host, cfg.net.metrics_port, "learner", "learner0")
+        self.journal = journal.Journal(run_dir)
+        self.counts = collections.Counter()  # dropped_stale, skipped_batches, ... (see _emit)
+        self._recover()
+        self.publisher = make_publisher(cfg, run_dir, self.backend.named_tensors(), stop=stop)
+        self.client = client or LearnerClient(cfg)
+        self.metrics = metrics or MetricsSink(cfg.net.host, cfg.net.metrics_port, "learner", "learner0")
         self.stale_hist: list[float] = []
-        self.dropped_stale = 0
         self.window = collections.deque(maxlen=10)  # (wait_s, busy_s) of recent steps
+        self._skips_in_a_row = 0
+
+    # ---- recovery ----------------------------------------------------------------------------
+
+    def _recover(self) -> None:
+        """Newest intact checkpoint (or the initial weights) + the journal: see the docstring."""
+        self.step, ck_version, self.consumed_groups = 0, 0, 0
+        self._ckpt_step: int | None = None
+        path = checkpoint.latest(self.ckpt_root)
+        if path:
+            meta = checkpoint.load(path, self.backend)
+            self.step, ck_version = meta["step"], meta["version"]
+            self.consumed_groups = meta.get("consumed_groups", 0)
+            self._ckpt_step = self.step
+        rec = journal.recover(self.run_dir, self.step, ck_version, self.cfg.buffer.max_staleness)
+        self.version, self.replay, self.retired = rec.version, rec.replay, rec.retired
+        self._replay_keys = {g.key for g in rec.replay}
+        self._prev_ckpt_version = ck_version
+        self._ckpt_at = time.time()
+        self.counts.update(dropped_rolled_back=rec.dropped_rolled_back, dropped_stale=rec.dropped_stale)
+        if path or rec.rolled_back_steps or rec.replay:
+            log.info("resumed from %s at step %d version %d (checkpoint version %d): %d steps rolled "
+                     "back, %d groups to train again, %d dropped as rolled back, %d as stale",
+                     path or "the initial weights", self.step, self.version, ck_version,
+                     rec.rolled_back_steps, len(rec.replay), rec.dropped_rolled_back, rec.dropped_stale)
+
+    # ---- the loop ----------------------------------------------------------------------------
 
     def publish(self) -> dict[str, float]:
         stats = self.publisher.publish(self.version, self.backend.named_tensors())
@@ -63,22 +110,6 @@ class LearnerLoop:
             return False
         return not (self.stop is not None and self.stop.is_set())
 
-    def _fetch(self, t_start: float):
-        """Block until a full batch of fresh-enough groups arrives (or the budget ends)."""
-        want = self.cfg.learner.groups_per_step
-        groups: list = []
-        while len(groups) < want and self.budget_left(t_start):
-            batch = self.client.sample(want - len(groups), self.version, timeout_s=0.5)
-            if batch is None:
-                continue
-            for g in batch.groups:
-                if self.version - g.min_version() > self.cfg.buffer.max_staleness:
-                    self.dropped_stale += 1  # the buffer should have caught it; never train on it
-                    self.client.consumed([g.key], self.version)
-                else:
-                    groups.append(g)
-        return groups if len(groups) == want else None
-
     def run(self) -> None:
         self.publish()
         t_start = time.time()
@@ -89,37 +120,107 @@ class LearnerLoop:
             if groups is None:
                 break
             t1 = time.time()
-            batch = collate(groups, self.version)
-            try:
-                m = self.backend.step(batch)
-            except NonFiniteError as e:
-                log.warning("step skipped: %s", e)
-                self.client.consumed(batch.keys, self.version)
+            m, batch = self.train_step(groups)
+            if m is None:
                 continue
-            self.version += 1
-            self.step += 1
-            m.update(self.publish())
-            self.client.consumed(batch.keys, self.version)
-            self.consumed_groups += len(batch.keys)
-            self._audit(batch.keys)
             t2 = time.time()
             self.window.append((t1 - t0, t2 - t1))
             self._emit(m, batch, t1 - t0, t2 - t1, t_start)
-            if self.cfg.run.ckpt_every and self.step % self.cfg.run.ckpt_every == 0:
-                self.save()
-        self.save()
+            self._maybe_save()
+        if self._ckpt_step != self.step:
+            self.save()
         checkpoint.save_model(self.backend, os.path.join(self.run_dir, "final_model"))
         log.info("learner finished at step %d version %d", self.step, self.version)
 
-    def _audit(self, keys) -> None:
-        """Append-only record of what each step trained on: exactly-once is checkable after the fact."""
-        with open(os.path.join(self.run_dir, "trained_keys.jsonl"), "a") as f:
-            f.write(json.dumps({"step": self.step, "version": self.version, "keys": keys}) + "\n")
+    def _fetch(self, t_start: float):
+        """The groups still to be trained again first, then the buffer's, until a full batch of
+        fresh-enough groups is there (or the budget ends)."""
+        want = self.cfg.learner.groups_per_step
+        groups = [g for g in self._take_replay(want) if self._fresh(g)]
+        while len(groups) < want and self.budget_left(t_start):
+            batch = self.client.sample(want - len(groups), self.version, timeout_s=0.5)
+            for g in batch.groups if batch is not None else ():
+                if g.key in self.retired:  # trained before a crash that lost its Consumed
+                    self.client.consumed([g.key], self.version)
+                elif self._fresh(g):
+                    groups.append(g)
+                else:
+                    self.client.consumed([g.key], self.version)
+        if len(groups) == want:
+            return groups
+        self.replay[:0] = [g for g in groups if g.key in self._replay_keys]  # kept for the next run
+        return None
+
+    def _take_replay(self, n: int) -> list[M.RolloutGroup]:
+        out, self.replay = self.replay[:n], self.replay[n:]
+        return out
+
+    def _fresh(self, g: M.RolloutGroup) -> bool:
+        """Within the staleness bound at the current version (counted when not)."""
+        lag = self.version - g.min_version()
+        if lag < 0:  # a token from a version not yet published: corrupt, never train on it
+            log.warning("group %s has tokens of version %d > learner version %d: dropped",
+                        g.key, g.min_version(), self.version)
+            self.counts["dropped_invalid"] += 1
+            return False
+        if lag > self.cfg.buffer.max_staleness:
+            self.counts["dropped_stale"] += 1  # the buffer should have caught it; never train on it
+            return False
+        return True
+
+    def train_step(self, groups: list[M.RolloutGroup]):
+        """One optimiser step on ``groups`` -> ``(metrics, batch)``; ``(None, None)`` when the batch
+        was skipped (bad data; see the module docstring)."""
+        try:
+            batch = collate(groups, self.version, vocab_size=self.cfg.model.vocab_size)
+            m = self.backend.step(batch)
+        except Exception as e:  # noqa: BLE001 -- any failure of one batch must not end the run
+            self._skip(groups, e)
+            return None, None
+        self._skips_in_a_row = 0
+        self.version += 1
+        self.step += 1
+        self.journal.append(self.step, self.version, [M.encode(g) for g in groups])
+        journal.audit(self.run_dir, self.step, self.version, batch.keys)
+        m.update(self.publish())
+        self._retire(batch.keys)
+        self.consumed_groups += len(batch.keys)
+        return m, batch
+
+    def _skip(self, groups: list[M.RolloutGroup], err: Exception) -> None:
+        self._skips_in_a_row += 1
+        self.counts["skipped_batches"] += 1
+        kind = "non-finite" if isinstance(err, NonFiniteError) else type(err).__name__
+        log.warning("batch of %d groups skipped at version %d (%s): %s", len(groups), self.version, kind, err)
+        self._retire([g.key for g in groups])
+        if self._skips_in_a_row >= MAX_SKIPS_IN_A_ROW:
+            raise RuntimeError(f"{self._skips_in_a_row} batches in a row failed; the last: {err}") from err
+
+    def _retire(self, keys) -> None:
+        """Tell the buffer these groups are done with -- except those it already retired (the
+        groups trained again after a recovery)."""
+        keys = [k for k in keys if k not in self._replay_keys]
+        if keys:
+            self.client.consumed(keys, self.version)
+
+    # ---- checkpoints -------------------------------------------------------------------------
+
+    def _maybe_save(self) -> None:
+        r = self.cfg.run
+        if (r.ckpt_every and self.step % r.ckpt_every == 0) or (
+                r.ckpt_every_s and time.time() - self._ckpt_at >= r.ckpt_every_s):
+            self.save()
 
     def save(self) -> str:
+        journal.sync_audit(self.run_dir)
         meta = {"version": self.version, "stage": "rl", "consumed_groups": self.consumed_groups,
                 "data_position": self.consumed_groups}
-        return checkpoint.save(self.ckpt_root, self.step, self.backend, meta)
+        path = checkpoint.save(self.ckpt_root, self.step, self.backend, meta)
+        self.journal.reset(self.version, [M.encode(g) for g in self.replay], keep_after=self._prev_ckpt_version)
+        self._prev_ckpt_version, self._ckpt_step, self._ckpt_at = self.version, self.step, time.time()
+        return path
+
+    # ---- metrics -----------------------------------------------------------------------------
 
     def _emit(self, m: dict, batch, wait_s: float, busy_s: float, t_start: float) -> None:
         st = batch.staleness.tolist()
@@ -137,7 +238,8 @@ class LearnerLoop:
             "learner/idle_frac": waits / max(total, 1e-9),
             "learner/step_s": busy_s,
             "learner/wait_s": wait_s,
-            "learner/dropped_stale": float(self.dropped_stale),
+            **{f"learner/{k}": float(self.counts[k]) for k in
+               ("dropped_stale", "dropped_rolled_back", "dropped_invalid", "skipped_batches")},
             "learner/skipped_nonfinite": float(self.backend.skipped_nonfinite),
             "staleness/mean": sum(st) / len(st),
             "staleness/max": float(max(st)),
@@ -165,11 +267,16 @@ def main(argv=None) -> None:
         cfg = C.from_json(f.read())
     torch.set_num_threads(cfg.learner.threads)
     torch.manual_seed(cfg.run.seed)
-    loop = LearnerLoop(cfg, args.run_dir, stop)
+    loop = None
     try:
+        loop = LearnerLoop(cfg, args.run_dir, stop)
         loop.run()
+    except checkpoint.WriteError as e:
+        log.error("%s (exit %d)", e, EXIT_WRITE_FAILED)
+        sys.exit(EXIT_WRITE_FAILED)
     finally:
-        loop.close()
+        if loop is not None:
+            loop.close()
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 
 :meth:`Launcher.run` is the same for every launcher: prepare the run directory (ports, resolved
 config), start the buffer, the learner and the actors, feed the live view from the metrics
-collector, restart a crashed actor or buffer (accepted data survives in the segment log) up to
-``run.max_restarts``, and stop the roles in order when the learner has finished its budget
+collector, restart a crashed role (an actor or the buffer: accepted data survives in the spool
+and the segment log; the learner: from its newest checkpoint and journal) up to
+``run.max_restarts`` times each, and stop the roles in order when the learner has finished its budget
 (learner first, so it checkpoints; then actors; the buffer last, so in-flight acknowledgements
 land). A launcher implements only how one role process is started, polled and signalled: one
 file per launcher, one line in :data:`LAUNCHERS` (``run.launcher`` selects it).
@@ -15,6 +16,8 @@ caller's job (``run.py``), so this package needs nothing above ``core``.
 from __future__ import annotations
 
 import abc
+import collections
+import contextlib
 import datetime as _dt
 import json
 import logging
@@ -29,6 +32,7 @@ import msgspec
 from core import config as C
 from core import net
 from core.files import atomic_write
+from core.proc import EXIT_WRITE_FAILED
 from core.registry import resolve
 
 log = logging.getLogger("driftrl.launch")
@@ -86,13 +90,16 @@ def prepare(cfg: C.Config, run_dir: str | None = None) -> tuple[C.Config, str]:
     if not cfg.model.path:
         raise ValueError("cfg.model.path is empty: resolve the model before launching (run.py)")
     run_dir = os.path.abspath(run_dir or cfg.run.run_dir or new_run_dir())
-    os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
+    os.makedirs(os.path.join(run_dir, "logs"), mode=0o700, exist_ok=True)
+    os.chmod(run_dir, 0o700)  # it holds CURVE keys and weights; also a run dir made before this rule
+    if hasattr(net, "create_run_secret"):
+        net.create_run_secret(run_dir)
     host = cfg.net.host
     ports = {k: getattr(cfg.net, k) or net.free_port(host if net.is_loopback(host) else "0.0.0.0")
              for k in ("buffer_actor_port", "buffer_learner_port", "metrics_port")}
     cfg = msgspec.structs.replace(cfg, run=msgspec.structs.replace(cfg.run, run_dir=run_dir),
                                   net=msgspec.structs.replace(cfg.net, **ports))
-    atomic_write(os.path.join(run_dir, "config.json"), C.to_json(cfg))
+    atomic_write(os.path.join(run_dir, "config.json"), C.to_json(cfg), mode=0o600)  # may hold CURVE secrets
     _point_latest(run_dir)
     return cfg, run_dir
 
@@ -115,6 +122,30 @@ def _tail(path: str, n: int = 15) -> str:
             return b"".join(f.readlines()[-n:]).decode(errors="replace")
     except OSError:
         return ""
+
+
+def _last_line(path: str, level: str = "") -> str:
+    """The last log line (of ``level``, e.g. "ERROR": its message only, without the prefix)."""
+    lines = [ln for ln in _tail(path, 40).splitlines() if ln.strip() and f" {level} " in f" {ln} "]
+    if not lines:
+        return "(nothing in its log)"
+    return lines[-1].split(": ", 1)[-1] if level else lines[-1]
+
+
+def _cause(code: int) -> str:
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with {code}"
+
+
+def _feed(monitor, collector, timeout_ms: int) -> None:
+    """Collected records to metrics.jsonl and the view; a failed write (a full disk) is one line."""
+    try:
+        records = collector.poll(timeout_ms=timeout_ms)
+    except OSError as e:
+        raise RoleFailed(f"cannot write the metrics log {collector.path}: {e.strerror or e}") from None
+    monitor.update(records)
 
 
 class Launcher(abc.ABC):
@@ -166,42 +197,51 @@ class Launcher(abc.ABC):
         with open(os.path.join(run_dir, "pids.json"), "w") as f:
             json.dump({"launcher": os.getpid(), **{r.name: r.pid for r in procs if r.pid}}, f)
 
-    def _restart(self, role: Role, procs: list[Role], run_dir: str, restarts: int) -> int:
-        """Restart a crashed actor or buffer: accepted data survives in the segment log."""
-        limit = self.cfg.run.max_restarts
-        if restarts >= limit:
-            raise RoleFailed(f"{role.name} exited with {self.returncode(role)} after {restarts} restarts:\n"
+    def _restart(self, role: Role, procs: list[Role], run_dir: str, restarts: collections.Counter, sink) -> None:
+        """Restart a crashed role, at most ``run.max_restarts`` times each: an actor or the buffer
+        (accepted data survives in the spool and the segment log), or the learner (from its newest
+        intact checkpoint and journal, learner/loop.py). Each restart is logged with its cause and
+        counted as ``run/restarts/<role>`` in the metrics. A role that could not write what it must
+        (a full disk) is not restarted: it would fail again."""
+        code, limit = self.returncode(role), self.cfg.run.max_restarts
+        if code == EXIT_WRITE_FAILED:
+            raise RoleFailed(f"{role.name} stopped: {_last_line(role.log_path, 'ERROR')}; "
+                             f"resume with `python run.py resume {run_dir}` once it can write")
+        if restarts[role.name] >= limit:
+            raise RoleFailed(f"{role.name} {_cause(code)} after {restarts[role.name]} restarts:\n"
                              f"{_tail(role.log_path)}")
-        log.warning("%s exited with %s; restarting (%d/%d)", role.name, self.returncode(role), restarts + 1, limit)
+        restarts[role.name] += 1
+        log.warning("%s %s (last log line: %s); restarting (%d/%d)", role.name, _cause(code),
+                    _last_line(role.log_path), restarts[role.name], limit)
+        sink.emit(-1, {f"run/restarts/{role.name}": float(restarts[role.name])})
         self.start(role, run_dir)
         self._write_pids(run_dir, procs)
-        return restarts + 1
 
-    def _watch(self, procs: list[Role], run_dir: str, monitor, collector) -> None:
-        """Until the learner exits: feed the view, restart crashed actors and the buffer."""
-        restarts = 0
+    def _watch(self, procs: list[Role], run_dir: str, monitor, collector, sink) -> None:
+        """Until the learner finishes its budget: feed the view, restart crashed roles."""
+        restarts: collections.Counter = collections.Counter()
         learner = next(r for r in procs if r.name == "learner")
         while True:
-            monitor.update(collector.poll(timeout_ms=200))
+            _feed(monitor, collector, 200)
             monitor.refresh()
-            code = self.returncode(learner)
-            if code is not None:
-                if code != 0:
-                    raise RoleFailed(f"learner exited with {code}:\n{_tail(learner.log_path)}")
-                return
             for role in procs:
-                if role is not learner and self.returncode(role) is not None:
-                    restarts = self._restart(role, procs, run_dir, restarts)
+                code = self.returncode(role)
+                if code is None:
+                    continue
+                if role is learner and code == 0:
+                    return
+                self._restart(role, procs, run_dir, restarts, sink)
 
     def run(self, run_dir: str | None = None, monitor=None, on_ready=None) -> RunResult:
         """Prepare, start, watch until the learner finishes its budget, then stop everything."""
-        from core.metrics import MetricsCollector
+        from core.metrics import MetricsCollector, MetricsSink
         from core.monitor import Monitor
 
         t0 = time.time()
         cfg, run_dir = prepare(self.cfg, run_dir)
         self.cfg = cfg
         collector = MetricsCollector(run_dir, cfg.net.host, cfg.net.metrics_port, curve=net.curve_from_config(cfg.net))
+        sink = MetricsSink(cfg.net.host, collector.port, "launcher", "launcher")  # as the roles connect
         monitor = monitor or Monitor(cfg)
         procs = roles(cfg, run_dir)
         by_name = {r.name: r for r in procs}
@@ -214,16 +254,18 @@ class Launcher(abc.ABC):
             if on_ready:
                 on_ready(run_dir, procs)
             with monitor:
-                self._watch(procs, run_dir, monitor, collector)
+                self._watch(procs, run_dir, monitor, collector, sink)
                 self.stop_all(actors + [by_name["buffer"]])
-                monitor.update(collector.poll(timeout_ms=200))
+                _feed(monitor, collector, 200)
                 monitor.refresh(force=True)
         except KeyboardInterrupt:
             result.interrupted = True
         finally:
             self.stop_all([by_name["learner"], *actors, by_name["buffer"]])
             try:
-                monitor.update(collector.poll(timeout_ms=100))
+                sink.close()
+                with contextlib.suppress(RoleFailed):  # already reported, if it is the cause
+                    _feed(monitor, collector, 100)
             finally:
                 collector.close()
                 self.close()

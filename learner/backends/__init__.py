@@ -59,12 +59,14 @@ class Backend(abc.ABC):
         """Restore what :meth:`save_state` wrote."""
 
     def step(self, batch) -> dict[str, float]:
+        """One optimiser step; on any error the gradients are discarded (nothing half-applied
+        reaches the next step) and the error re-raised for the loop to skip the batch."""
         try:
             metrics = self.forward_backward(batch)
             metrics["learner/grad_norm"] = self.optim_step()
-        except NonFiniteError:
+        except Exception as e:
             self.discard_grads()
-            self.skipped_nonfinite += 1
+            self.skipped_nonfinite += isinstance(e, NonFiniteError)
             raise
         return metrics
 
