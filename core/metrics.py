@@ -1,27 +1,45 @@
 """Metrics plumbing: every role emits MetricRecords; the launcher collects them into
 ``run_dir/metrics.jsonl`` and hands them to the monitor.
 
-Transport: ZeroMQ PUSH (one per role process) -> PULL (one, bound by the launcher).
-DESIGN §1 draws this link as PUB/SUB; we use PUSH/PULL on purpose:
+Transport: ZeroMQ DEALER (one per role process) -> ROUTER (one, bound by the launcher).
+DESIGN §1 draws this link as PUB/SUB; we use a queueing pair on purpose:
 
 * PUB/SUB loses whatever is published before the subscription has propagated (the "slow
   joiner" problem), so the first records of a fast role -- step 0, the initial eval -- would
-  silently vanish. PUSH queues them until the PULL side connects.
+  silently vanish. A connected DEALER queues them until the collector is there.
 * A role must never stall because the monitor is slow or dead. The sink sends with
   ``zmq.NOBLOCK`` into a bounded queue (``SNDHWM``); when it is full the record is dropped and
   counted in ``MetricsSink.dropped`` instead of blocking the training loop.
+* ROUTER, not PULL: the collector must know which connection a record came from. Any local
+  process can reach a loopback port, so each sink first sends a ``Hello`` carrying the run's
+  secret (core.net.run_secret); once the collector has a secret, records from a connection
+  that did not present it are dropped and counted. A sink keeps one random routing id, so a
+  reconnect keeps its authentication (ROUTER_HANDOVER). Off loopback the collector binds with
+  CURVE and a ZAP allow-list (core.net.serve_curve) and sinks connect with CURVE client keys:
+  :func:`collector_for` and :func:`sink_for` build both ends from a run's config.
 
-Values are DESIGN §6 metric names mapped to a float or a list of floats. Non-finite floats are
-kept (msgpack carries NaN/inf) and written to JSON as ``null``, so "no value this interval" is
-visible in the log instead of being skipped.
+Values are DESIGN §6 metric names mapped to a float or a list of floats. NaN means "no value
+this interval" (a p99 of no samples): it is kept and written to JSON as ``null``. ±inf never
+is a measurement (an overflow), so the collector drops such a value (a list holding one too)
+and counts it; a record with a non-finite time is dropped whole. The collector's counters reach
+the view and the log as a ``monitor``/``collector`` record (``monitor/records_rejected``,
+``monitor/invalid_frames``, ``monitor/values_dropped``, ``monitor/write_errors``).
+
+A failed write of metrics.jsonl (a full disk, any OSError) never leaves the collector: it is
+logged once, naming the file, counted, and the run goes on -- metrics are not worth stopping
+training for. Writes resume when the disk does; a line torn by the failure is terminated.
 
 Neither class is thread-safe (ZeroMQ sockets are not): use one sink per thread.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hmac
+import logging
 import math
 import os
+import secrets
 import time
 from numbers import Real
 
@@ -36,6 +54,8 @@ SINK_HWM = 1000
 # a metrics frame is a few KB; anything far larger is garbage and must not be allocated
 MAX_FRAME_BYTES = 4 << 20
 _RESERVED = ("step", "time", "role", "id")
+
+log = logging.getLogger(__name__)
 
 
 def _as_value(key: str, v) -> float | list[float]:
@@ -58,7 +78,8 @@ def _as_value(key: str, v) -> float | list[float]:
 
 
 class MetricsSink:
-    """Fire-and-forget metrics sender used inside each role process."""
+    """Fire-and-forget metrics sender used inside each role process. ``token``: the run's secret
+    (core.net.run_secret), presented in the first frame; :func:`sink_for` fills everything in."""
 
     def __init__(
         self,
@@ -69,15 +90,19 @@ class MetricsSink:
         ctx: zmq.Context | None = None,
         curve: net.Curve | None = None,
         hwm: int = SINK_HWM,
+        token: str = "",
     ):
         self.role, self.id = role, id
         self.sent = 0
         self.dropped = 0
         self._own_ctx = ctx is None
         self._ctx = zmq.Context(io_threads=1) if ctx is None else ctx
-        self._sock = net.socket(self._ctx, zmq.PUSH, linger_ms=0, hwm=hwm)
+        self._sock = net.socket(self._ctx, zmq.DEALER, linger_ms=0, hwm=hwm)
+        # fixed and unguessable: a reconnect is the same, authenticated, peer to the collector
+        self._sock.setsockopt(zmq.ROUTING_ID, b"m" + secrets.token_bytes(15))
         net.connect(self._sock, host, port, curve)
         self._closed = False
+        self._sock.send(encode(Hello(role=role, id=id, token=token)), zmq.NOBLOCK)  # first in the queue
 
     def emit(self, step: int, values: dict) -> None:
         """Queue one record; never blocks. Raises TypeError only for a value that is not a number
@@ -113,6 +138,40 @@ class MetricsSink:
         self.close()
 
 
+def sink_for(cfg, run_dir: str, role: str, id: str, **kw) -> MetricsSink:
+    """The sink of a role of the run in ``run_dir``: the configured collector address, CURVE
+    client keys if the run has them, and the run's secret."""
+    return MetricsSink(cfg.net.host, cfg.net.metrics_port, role, id, curve=net.curve_from_config(cfg.net),
+                       token=net.run_secret(run_dir), **kw)
+
+
+def collector_for(cfg, run_dir: str) -> "MetricsCollector":
+    """The launcher's collector: binds ``net.host:net.metrics_port``, with CURVE and a ZAP
+    allow-list when the run has keys, and admits only sinks that present the run's secret."""
+    ctx = zmq.Context(io_threads=1)
+    try:
+        curve, auth = net.serve_curve(ctx, cfg.net)
+        col = MetricsCollector(run_dir, cfg.net.host, cfg.net.metrics_port, ctx=ctx, curve=curve,
+                               secret=net.run_secret(run_dir), auth=auth)
+    except BaseException:
+        ctx.destroy(linger=0)
+        raise
+    col._own_ctx = True  # closes the context (and the ZAP thread) with the collector
+    return col
+
+
+def finite_values(values: dict) -> tuple[dict, list[str]]:
+    """``values`` without ±inf (a list holding one goes too), and the dropped keys. NaN stays:
+    it means "no value this interval"."""
+    keep, dropped = {}, []
+    for k, v in values.items():
+        if any(map(math.isinf, v)) if isinstance(v, list) else math.isinf(v):
+            dropped.append(k)
+        else:
+            keep[k] = v
+    return keep, dropped
+
+
 def record_to_json(rec: MetricRecords) -> bytes:
     """One metrics.jsonl line (without newline). NaN/inf become null (msgspec's JSON rule);
     the envelope fields win over a metric that reuses their names."""
@@ -122,7 +181,10 @@ def record_to_json(rec: MetricRecords) -> bytes:
 
 
 class MetricsCollector:
-    """The launcher's end: binds PULL, decodes, appends every record to metrics.jsonl."""
+    """The launcher's end: binds ROUTER, decodes, appends every record to metrics.jsonl.
+
+    ``secret``: the run's secret; when set, only connections whose Hello carried it are heard.
+    ``auth``: a running ZAP authenticator (core.net.serve_curve) to stop at close."""
 
     def __init__(
         self,
@@ -131,23 +193,36 @@ class MetricsCollector:
         port: int = 0,
         ctx: zmq.Context | None = None,
         curve: net.Curve | None = None,
+        *,
+        secret: str | None = None,
+        auth=None,
     ):
         os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self.received = 0
-        self.invalid = 0
+        self.invalid = 0  # frames that are not a MetricRecords or Hello, or a wrong Hello
+        self.rejected = 0  # records from a connection that did not present the secret
+        self.values_dropped = 0  # ±inf values (a record with a non-finite time counts as invalid)
+        self.write_errors = 0  # failed appends to metrics.jsonl
         self.last_error = ""
+        self._secret = secret.encode() if secret else None
+        self._authed: set[bytes] = set()
+        self._reported: tuple = (0, 0, 0, 0)
+        self._torn = False
+        self._auth = auth
         self._own_ctx = ctx is None
         self._ctx = zmq.Context(io_threads=1) if ctx is None else ctx
-        self._sock = net.socket(self._ctx, zmq.PULL, linger_ms=0, max_msg=MAX_FRAME_BYTES)
+        self._sock = net.socket(self._ctx, zmq.ROUTER, linger_ms=0, max_msg=MAX_FRAME_BYTES)
+        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a sink reconnecting under its routing id
         self.port = net.bind(self._sock, host, port, curve)
         self._decode = decoder(TO_MONITOR).decode
-        self._file = open(self.path, "ab")
+        self._file = open(self.path, "ab", buffering=0)  # one write per poll; nothing half-buffered
         self._closed = False
 
     def poll(self, timeout_ms: int = 0, max_records: int = 10_000) -> list[MetricRecords]:
         """Wait up to ``timeout_ms`` for the first frame, then drain what is already queued
-        (at most ``max_records``, so a flood cannot starve the caller's loop)."""
+        (at most ``max_records``, so a flood cannot starve the caller's loop). Never raises for
+        a bad frame or a failed write: both are counted."""
         out: list[MetricRecords] = []
         if self._closed or not self._sock.poll(max(0, int(timeout_ms)), zmq.POLLIN):
             return out
@@ -156,39 +231,92 @@ class MetricsCollector:
                 frames = self._sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            rec = self._decode_frames(frames)
+            rec = self._accept(frames)
             if rec is not None:
                 out.append(rec)
+        out.extend(self._counters())
         if out:
-            self._file.write(b"".join(record_to_json(r) + b"\n" for r in out))
-            self._file.flush()
+            self._append(b"".join(record_to_json(r) + b"\n" for r in out))
             self.received += len(out)
         return out
 
-    def _decode_frames(self, frames: list[bytes]) -> MetricRecords | None:
-        if len(frames) != 1:
-            return self._reject(f"expected 1 frame, got {len(frames)}")
+    def _accept(self, frames: list[bytes]) -> MetricRecords | None:
+        """The record in one ROUTER message ([routing id, frame]), or None (counted)."""
+        if len(frames) != 2:
+            return self._reject(f"expected 1 frame, got {len(frames) - 1}")
+        peer, msg = frames[0], self._decode_frame(frames[1])
+        if isinstance(msg, Hello):
+            return self._hello(peer, msg)
+        if msg is None:
+            return None
+        if self._secret is not None and peer not in self._authed:
+            self.rejected += 1
+            return None
+        return self._clean(msg)
+
+    def _decode_frame(self, frame: bytes):
         try:
-            msg = self._decode(frames[0])
+            return self._decode(frame)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             return self._reject(str(e))
-        if isinstance(msg, Hello):
-            return None  # a sink announcing itself; nothing to log
-        if not math.isfinite(msg.time):
+
+    def _hello(self, peer: bytes, hello: Hello) -> None:
+        if self._secret is None:
+            return None  # nothing to prove; nothing to log
+        if hmac.compare_digest(hello.token.encode(), self._secret):
+            self._authed.add(peer)
+            return None
+        return self._reject(f"a Hello from {hello.role}/{hello.id} without the run's secret")
+
+    def _clean(self, rec: MetricRecords) -> MetricRecords | None:
+        if not math.isfinite(rec.time):
             return self._reject("non-finite record time")
-        return msg
+        values, dropped = finite_values(rec.values)
+        if not dropped:
+            return rec
+        self.values_dropped += len(dropped)
+        self.last_error = f"{rec.role}/{rec.id}: infinite value of {dropped[0]!r} dropped"[:200]
+        return msgspec.structs.replace(rec, values=values)
 
     def _reject(self, why: str) -> None:
         self.invalid += 1
         self.last_error = why[:200]
         return None
 
+    def _counters(self) -> list[MetricRecords]:
+        """A record of the collector's own counters, when one changed since the last."""
+        now = (self.rejected, self.invalid, self.values_dropped, self.write_errors)
+        if now == self._reported:
+            return []
+        self._reported = now
+        names = ("records_rejected", "invalid_frames", "values_dropped", "write_errors")
+        values = {f"monitor/{n}": float(v) for n, v in zip(names, now)}
+        return [MetricRecords(role="monitor", id="collector", step=-1, time=time.time(), values=values)]
+
+    def _append(self, data: bytes) -> None:
+        """Append to metrics.jsonl; a failure is one log line, then only counted."""
+        try:
+            self._file.write(b"\n" + data if self._torn else data)
+        except OSError as e:
+            self._torn = True  # the failed write may have left part of a line
+            self.write_errors += 1
+            if self.write_errors == 1:
+                log.error("metrics: cannot write %s (%s); the run continues, metrics are not recorded "
+                          "there until it can write again", self.path, e.strerror or e)
+            return
+        if self._torn:
+            self._torn = False
+            log.warning("metrics: writing %s again (%d writes failed)", self.path, self.write_errors)
+
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        self._file.close()
+        with contextlib.suppress(OSError):  # a full disk already counted; closing flushes nothing
+            self._file.close()
         self._sock.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
         if self._own_ctx:
             self._ctx.term()
 

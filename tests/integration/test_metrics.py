@@ -16,11 +16,16 @@ from core.stats import RateMeter, dense_histogram, histogram_counts, percentile
 
 
 def drain(collector, want: int, deadline_s: float = 10.0) -> list[MetricRecords]:
-    """Poll until `want` records arrived (the deadline only stops a hung test)."""
+    """Poll until `want` records of the roles arrived (the deadline only stops a hung test); the
+    collector's own counter records are left out."""
     got, end = [], time.monotonic() + deadline_s
     while len(got) < want and time.monotonic() < end:
-        got += collector.poll(timeout_ms=100)
+        got += [r for r in collector.poll(timeout_ms=100) if r.role != "monitor"]
     return got
+
+
+def read_roles(path):
+    return [row for row in read_jsonl(path) if row["role"] != "monitor"]
 
 
 @pytest.fixture
@@ -55,10 +60,11 @@ def test_round_trip_writes_jsonl(collector, ctx):
     assert recs[0].values == {"ratio/p99": 1.08, "learner/step": 1.0}
     assert math.isnan(recs[1].values["learner/loss"])  # kept on the wire, not dropped
     assert recs[2].values["staleness/hist"] == [4.0, 2.0, 0.0, 1.0]
+    assert "reward/mean" not in recs[2].values  # inf: an overflow, not a measurement
     assert sink.sent == 3 and sink.dropped == 0
-    assert collector.received == 3 and collector.invalid == 0
+    assert collector.invalid == 0 and collector.values_dropped == 1
 
-    rows = read_jsonl(collector.path)
+    rows = read_roles(collector.path)
     assert len(rows) == 3
     for row, rec in zip(rows, recs):
         assert row["step"] == rec.step and row["time"] == pytest.approx(rec.time)
@@ -66,7 +72,9 @@ def test_round_trip_writes_jsonl(collector, ctx):
     assert rows[0]["ratio/p99"] == 1.08
     assert rows[1]["learner/loss"] is None  # NaN -> null
     assert rows[1]["ratio/max"] == 1.5
-    assert rows[2]["reward/mean"] is None  # inf -> null
+    assert "reward/mean" not in rows[2]
+    counters = [row for row in read_jsonl(collector.path) if row["role"] == "monitor"]
+    assert counters[-1]["monitor/values_dropped"] == 1.0  # the drop is visible in the log
     assert rows[2]["staleness/hist"] == [4.0, 2.0, 0.0, 1.0]
 
 
@@ -77,7 +85,7 @@ def test_envelope_fields_win_over_metric_names():
 
 
 def test_collector_counts_malformed_frames_and_keeps_working(collector, ctx):
-    raw = net.socket(ctx, zmq.PUSH)
+    raw = net.socket(ctx, zmq.DEALER)
     net.connect(raw, "127.0.0.1", collector.port)
     raw.send(b"\x93not msgpack at all")
     raw.send(encode(Shutdown(reason="wrong socket")))  # valid msgpack, not a TO_MONITOR type
@@ -92,7 +100,7 @@ def test_collector_counts_malformed_frames_and_keeps_working(collector, ctx):
     assert [r.values for r in recs] == [{"buffer/depth": 3.0}]
     assert collector.invalid == 3
     assert collector.last_error
-    rows = read_jsonl(collector.path)
+    rows = read_roles(collector.path)
     assert len(rows) == 1 and rows[0]["buffer/depth"] == 3.0
 
 
