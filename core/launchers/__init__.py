@@ -125,8 +125,10 @@ def _tail(path: str, n: int = 15) -> str:
 
 
 def _last_line(path: str, level: str = "") -> str:
-    """The last log line (of ``level``, e.g. "ERROR": its message only, without the prefix)."""
-    lines = [ln for ln in _tail(path, 40).splitlines() if ln.strip() and f" {level} " in f" {ln} "]
+    """The last unindented log line -- a traceback's exception, not its source excerpt -- (of
+    ``level``, e.g. "ERROR": its message only, without the prefix)."""
+    lines = [ln for ln in _tail(path, 40).splitlines()
+             if ln.strip() and not ln[0].isspace() and (not level or f" {level} " in ln)]
     if not lines:
         return "(nothing in its log)"
     return lines[-1].split(": ", 1)[-1] if level else lines[-1]

@@ -7,11 +7,15 @@ log-softmax through ``learner/logprobs.py``; the actor's log-probs are only the 
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import errno
 import math
 import os
+import re
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from learner.advantages import group_advantages
@@ -23,6 +27,18 @@ from learner.ratio_metrics import ratio_metrics
 from model.decoder import DTYPES, body_autocast
 from model.hf import load_pretrained, save_pretrained, tokenizer_files
 from model.sampling import SamplingSpec
+
+
+@contextlib.contextmanager
+def _as_oserror(path: str):
+    """safetensors reports a failed write (a full disk) as SafetensorError("... os error 28"):
+    raise the OSError it is, so the learner reports it as a write failure (learner/checkpoint.py)."""
+    try:
+        yield
+    except SafetensorError as e:
+        found = re.search(r"os error (\d+)", str(e))
+        code = int(found.group(1)) if found else errno.EIO
+        raise OSError(code, os.strerror(code), path) from None
 
 
 class TorchBackend(Backend):
@@ -102,7 +118,8 @@ class TorchBackend(Backend):
         return {k: v.detach() for k, v in self.model.state_dict().items()}
 
     def save_model(self, path: str) -> None:
-        save_pretrained(self.model, path, tokenizer_files(self.model_dir))
+        with _as_oserror(path):
+            save_pretrained(self.model, path, tokenizer_files(self.model_dir))
 
     # ---- checkpoint state: model/ (HF), optim.safetensors, rng.safetensors -------------------
 
@@ -114,8 +131,9 @@ class TorchBackend(Backend):
             for k, v in state.items():
                 t = v if torch.is_tensor(v) else torch.tensor(v)
                 tensors[f"{idx}.{k}"] = t.detach().contiguous().clone()
-        save_file(tensors, os.path.join(path, "optim.safetensors"))
-        save_file({"torch": torch.get_rng_state()}, os.path.join(path, "rng.safetensors"))
+        with _as_oserror(path):
+            save_file(tensors, os.path.join(path, "optim.safetensors"))
+            save_file({"torch": torch.get_rng_state()}, os.path.join(path, "rng.safetensors"))
         return {"param_groups": sd["param_groups"]}
 
     def load_state(self, path: str, meta: dict) -> None:

@@ -1,6 +1,7 @@
 """The torch backend on a tiny real model: the log-prob numerator, one learning step, NaN containment."""
 
 import copy
+import os
 import random
 
 import pytest
@@ -163,3 +164,21 @@ def test_garbage_outside_response_mask_is_ignored(engine_batch):
     assert m_dirty["learner/loss"] == m_clean["learner/loss"]
     a, b = _params(clean_tr.model), _params(dirty_tr.model)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_full_disk_under_safetensors_is_an_oserror(tmp_path, monkeypatch):
+    """safetensors reports ENOSPC as its own SafetensorError; the backend raises the OSError it
+    is, which the checkpoint writer turns into one clear WriteError."""
+    from safetensors import SafetensorError
+
+    from learner import checkpoint
+    import learner.backends.torch as backend_mod
+
+    def full(*a, **k):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(backend_mod, "save_file", full)
+    trainer = Trainer(tiny_cfg(), tiny_model())
+    with pytest.raises(checkpoint.WriteError, match=r"cannot write the checkpoint .*step_000001: No space left on device"):
+        checkpoint.save(str(tmp_path), 1, trainer, {"version": 1})
+    assert os.listdir(tmp_path) == []

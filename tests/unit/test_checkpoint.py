@@ -158,3 +158,56 @@ def test_nothing_is_pickled(tmp_path):
             head = fh.read(2)
         assert not (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")), f"{f} is a pickle"
         assert head != b"PK", f"{f} is a zip (torch.save) archive"
+
+
+def _two_checkpoints(tmp_path):
+    root = str(tmp_path / "checkpoints")
+    trainer = _trained(1)
+    older = ck.save(root, 1, trainer, {"version": 1})
+    trainer.step(_batch())
+    newer = ck.save(root, 2, trainer, {"version": 2})
+    return root, older, newer
+
+
+def test_corrupted_newest_is_skipped_for_the_older(tmp_path, caplog):
+    root, older, newer = _two_checkpoints(tmp_path)
+    weights = os.path.join(newer, "model", "model.safetensors")
+    with open(weights, "r+b") as f:  # 256 floats changed in place: same size, same header
+        f.seek(os.path.getsize(weights) - 1024)
+        f.write(torch.full((256,), 0.5).numpy().tobytes())
+    assert ck.latest(root) == older
+    assert "damaged checkpoint" in caplog.text and "sha256" in caplog.text
+    with pytest.raises(ck.DamagedCheckpoint, match="model.safetensors"):
+        ck.load(newer, _fresh())
+    meta = ck.load(ck.latest(root), _fresh())
+    assert meta["step"] == 1
+
+
+def test_truncated_newest_is_skipped_for_the_older(tmp_path, caplog):
+    root, older, newer = _two_checkpoints(tmp_path)
+    optim = os.path.join(newer, "optim.safetensors")
+    os.truncate(optim, os.path.getsize(optim) // 2)
+    assert ck.latest(root) == older
+    assert "truncated" in caplog.text
+    os.unlink(os.path.join(older, ck.MANIFEST))  # no manifest: unverifiable, never loaded
+    assert ck.latest(root) is None
+
+
+def test_a_failed_write_names_the_path_and_leaves_nothing(tmp_path, monkeypatch):
+    import errno
+
+    trainer = _trained(1)
+    root = str(tmp_path / "checkpoints")
+    good = ck.save(root, 1, trainer, {"version": 1})
+
+    def full(path):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(trainer, "save_state", full)
+    with pytest.raises(ck.WriteError, match=r"cannot write the checkpoint .*step_000002: No space left"):
+        ck.save(root, 2, trainer, {"version": 2})
+    monkeypatch.setattr(trainer, "save_model", full)
+    with pytest.raises(ck.WriteError, match=r"the final model .*final_model"):
+        ck.save_model(trainer, str(tmp_path / "final_model"))
+    assert os.listdir(root) == [os.path.basename(good)]  # no torn or temporary directory
+    assert not (tmp_path / "final_model").exists() and ck.latest(root) == good

@@ -1,0 +1,62 @@
+"""A full disk under the checkpoints: the learner stops with one clear line and exit status 75,
+the launcher reports it in one line, nothing torn is left, and the run resumes once there is
+space. The disk is a 16 KiB tmpfs mounted on RUN_DIR/checkpoints (skipped where mounting is not
+permitted)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from core.proc import EXIT_WRITE_FAILED
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1",
+        "model.intermediate_size=64", "model.pretrain_steps=40", "learner.groups_per_step=4",
+        "actor.group_size=4", "actor.groups_per_batch=2", "run.eval_every=0", "monitor.live=off",
+        "buffer.max_staleness=1", "run.ckpt_every=2", "run.max_time_s=150"]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    ckpts = tmp_path / "run" / "checkpoints"
+    ckpts.mkdir(parents=True)
+    if shutil.which("mount") is None or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(ckpts)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root or CAP_SYS_ADMIN)")
+    yield ckpts
+    subprocess.run(["umount", "-l", str(ckpts)], capture_output=True)
+
+
+def _run(*args):
+    return subprocess.run([sys.executable, "run.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def test_full_disk_is_one_line_and_the_run_resumes(tmp_path, small_disk):
+    run_dir = tmp_path / "run"
+    cache = f"model.cache_dir={tmp_path / 'models'}"
+    out = _run(*TINY, cache, "run.max_steps=6", f"run.run_dir={run_dir}")
+    text = out.stdout + out.stderr
+    assert out.returncode == 1, text[-3000:]
+    assert "Traceback" not in text
+    failed = [line for line in text.splitlines() if line.startswith("run failed")]
+    assert len(failed) == 1 and "No space left on device" in failed[0], text[-3000:]
+    assert "checkpoint" in failed[0] and str(small_disk) in failed[0] and "resume" in failed[0]
+    with open(run_dir / "logs" / "learner.log") as f:
+        log = f.read()
+    assert f"(exit {EXIT_WRITE_FAILED})" in log and "Traceback" not in log
+    assert os.listdir(small_disk) == []  # no torn checkpoint, no temporary directory
+
+    subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
+    out = _run("resume", str(run_dir), "run.max_steps=6")
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    with open(run_dir / "trained_keys.jsonl") as f:
+        steps = [json.loads(line) for line in f]
+    assert [s["step"] for s in steps] == list(range(1, 7))
+    keys = [tuple(k) for s in steps for k in s["keys"]]
+    assert len(keys) == len(set(keys))  # nothing trained twice across the failure
+    versions = [s["version"] for s in steps]
+    assert versions == sorted(set(versions))
