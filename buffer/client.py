@@ -8,7 +8,11 @@ fail fast and are retried here, under our control). Group bytes travel inside th
 most ``window`` are in flight; one unacked for ``resend_s`` is resent (the buffer dedups by
 ``(actor_id, seq)``); ``busy`` makes it back off and resend. Its first
 :meth:`~ActorClient.next_seq` waits for the buffer's ``Hello`` answer, the actor's next unused
-seq. With ``spool_dir`` (or ``run_dir``: ``RUN_DIR/spool/<digest of actor id>``) the groups of
+seq. Every wait (window full, busy, the Hello answer, :meth:`~ActorClient.flush`) ends when the
+caller's ``stop`` flag is set, and a wait without a deadline of its own raises
+:class:`BufferUnavailable` after ``timeout_s`` without a word from the buffer (a launcher that died
+takes the buffer with it: the actor must not wait forever). With ``spool_dir`` (or ``run_dir``:
+``RUN_DIR/spool/<digest of actor id>``) the groups of
 one ``send_many`` chunk are written to a spool file before they are first sent, the file deleted
 once all of them are acked, and the actor's next incarnation resends whatever the spool still
 holds: a group sent but never acknowledged is not lost with the actor process, and its seq is
@@ -21,6 +25,10 @@ the buffer restarted) and never returns a group key twice: after a buffer restar
 ``Consumed`` re-sent. This memory survives a buffer restart, not the learner's. A batch arrives as
 a header frame plus one frame per group (see :mod:`buffer.server`) and is returned as one
 ``SampleBatch`` holding ``RolloutGroup`` objects, as if it were one message.
+
+Both present the run's secret in their ``Hello`` (``token``, else read from ``run_dir`` or
+``cfg.run.run_dir``; none when the run has no secret file) and say Hello again whenever the
+buffer answers ``unauthenticated`` -- a restarted buffer knows no connection -- then resend.
 """
 
 from __future__ import annotations
@@ -47,9 +55,35 @@ WINDOW = 8
 RESEND_S = 2.0
 BUSY_BACKOFF_S = (0.02, 1.0)  # first and largest wait before resending a group the buffer refused
 HELLO_TIMEOUT_S = 60.0
+SILENCE_TIMEOUT_S = 120.0  # an ActorClient wait with no deadline of its own gives up after this
 RETRY_UNSENT_S = 0.02  # a send refused while disconnected is retried this often
+STOP_POLL_S = 0.1  # how long a wait may go without looking at the stop flag
 RECENT_KEYS = 1 << 16
 _GROUP = decoder(RolloutGroup)
+
+
+class Stopped(Exception):
+    """The caller's stop flag was set during a wait that cannot return a result."""
+
+
+class BufferUnavailable(TimeoutError):
+    """The buffer did not answer in time."""
+
+
+def _stop_flag(stop) -> Callable[[], bool]:
+    """``stop`` (None, a threading.Event or a callable returning bool) as a callable."""
+    if stop is None:
+        return lambda: False
+    return stop.is_set if hasattr(stop, "is_set") else stop
+
+
+def run_token(cfg, run_dir: str | None = None, token: str | None = None) -> str:
+    """The secret a client presents: ``token``, else the run's (``run_dir`` or ``cfg.run.run_dir``),
+    "" when the run has no secret file (a buffer without one accepts any Hello)."""
+    if token is not None:
+        return token
+    d = run_dir or cfg.run.run_dir
+    return net.run_secret(d) if d and os.path.exists(os.path.join(d, net.SECRET_FILE)) else ""
 
 
 def _dealer(ctx: zmq.Context, cfg, port: int, role: str, name: str) -> zmq.Socket:
@@ -143,8 +177,12 @@ class _Pending:
 class ActorClient:
     def __init__(self, cfg, actor_id: str, ctx: zmq.Context | None = None, spool_dir: str | None = None,
                  window: int = WINDOW, resend_s: float = RESEND_S,
-                 on_ack: Callable[[Ack], None] | None = None, run_dir: str | None = None):
+                 on_ack: Callable[[Ack], None] | None = None, run_dir: str | None = None,
+                 token: str | None = None, stop=None, timeout_s: float = SILENCE_TIMEOUT_S):
         self.actor_id, self.window, self.resend_s, self.on_ack = actor_id, window, resend_s, on_ack
+        self.timeout_s, self._stop = timeout_s, _stop_flag(stop)
+        self._heard_at = 0.0  # when the buffer last answered anything
+        self._authed = False  # the buffer has answered our Hello on this connection
         self.admission_wait_s = 0.0
         self._pending: dict[int, _Pending] = {}  # insertion order == seq order
         # bookkeeping that keeps send() O(1) in the window size: no scan of _pending per call
@@ -152,7 +190,7 @@ class ActorClient:
         self._busy_n = 0  # pending groups the buffer answered "busy" and has not taken since
         self._notices: list[Ack] = []
         self._server_next: int | None = None  # from the Hello answer
-        self._hello = encode(Hello("actor", actor_id))
+        self._hello = encode(Hello("actor", actor_id, token=run_token(cfg, run_dir, token)))
         self._hello_at: float | None = None
         self._dec = decoder(BUFFER_TO_ACTOR)
         self._own_ctx = ctx is None
@@ -181,7 +219,9 @@ class ActorClient:
         return seq
 
     def send(self, group: RolloutGroup) -> None:
-        """Queue ``group`` until acked; blocks while the window is full or the buffer is busy."""
+        """Queue ``group`` until acked; blocks while the window is full or the buffer is busy --
+        until the stop flag is set (then it returns, the groups not sent yet in the spool) or the
+        buffer has been silent for ``timeout_s`` (:class:`BufferUnavailable`)."""
         self.send_many([group])
 
     def send_many(self, groups: list[RolloutGroup]) -> None:
@@ -199,16 +239,23 @@ class ActorClient:
         i = 0
         while i < len(groups):
             t0 = time.monotonic()
-            self._wait_until(lambda: len(self._pending) < self.window and not self._busy(), None)
+            room = self._wait_until(lambda: len(self._pending) < self.window and not self._busy(), None)
             self.admission_wait_s += time.monotonic() - t0
+            if not room:  # stopped: the rest waits in the spool for the next incarnation
+                self._spool_pending(groups[i:])
+                return
             chunk = groups[i:i + self.window - len(self._pending)]
             i += len(chunk)
             self._spool_and_send(chunk)
 
-    def _spool_and_send(self, groups: list[RolloutGroup]) -> None:
+    def _spool_pending(self, groups: list[RolloutGroup]) -> list[_Pending]:
         new = [self._pending.setdefault(g.seq, _Pending(g.seq, encode(g))) for g in groups]
         if self._spool is not None:  # before the first send: see the module docstring
             self._spool.put([p.seq for p in new], [p.payload for p in new])
+        return new
+
+    def _spool_and_send(self, groups: list[RolloutGroup]) -> None:
+        new = self._spool_pending(groups)
         now = time.monotonic()
         # the common case: all earlier groups are out and these fit the window: send them now
         # (the window check holds them back otherwise), else let _pump send them in order
@@ -231,7 +278,7 @@ class ActorClient:
         return out
 
     def flush(self, timeout_s: float) -> bool:
-        """Wait until every group sent so far is acked; False on timeout."""
+        """Wait until every group sent so far is acked; False on timeout or stop."""
         return self._wait_until(lambda: not self._pending, time.monotonic() + timeout_s)
 
     def close(self) -> None:
@@ -247,18 +294,28 @@ class ActorClient:
         return self._busy_n > 0
 
     def _await_hello(self) -> None:
+        """Without the buffer's answer no seq is safe to use (one it accepted before may be
+        reused): raises Stopped or BufferUnavailable instead of guessing."""
         t0 = time.monotonic()
-        if not self._wait_until(lambda: self._server_next is not None, t0 + HELLO_TIMEOUT_S):
-            log.warning("%s: no answer from the buffer in %.0fs; numbering from %d",
-                        self.actor_id, HELLO_TIMEOUT_S, self._next)
+        answered = self._wait_until(lambda: self._server_next is not None, t0 + HELLO_TIMEOUT_S)
         self.admission_wait_s += time.monotonic() - t0
+        if not answered and self._stop():
+            raise Stopped(f"{self.actor_id}: stopped while waiting for the buffer's Hello answer")
+        if not answered:
+            raise BufferUnavailable(f"{self.actor_id}: no answer from the buffer in {HELLO_TIMEOUT_S:.0f}s")
 
     def _wait_until(self, done: Callable[[], bool], deadline: float | None) -> bool:
+        """Pump until ``done()``; False once ``deadline`` passes or the stop flag is set. Without a
+        deadline, BufferUnavailable after ``timeout_s`` without a word from the buffer."""
+        start = time.monotonic()
         while not done():
             now = time.monotonic()
-            if deadline is not None and now >= deadline:
+            if self._stop() or (deadline is not None and now >= deadline):
                 return False
-            wait = self._next_due(now) - now
+            if deadline is None and now - max(start, self._heard_at) > self.timeout_s:
+                raise BufferUnavailable(f"{self.actor_id}: no answer from the buffer in {self.timeout_s:.0f}s "
+                                        f"({len(self._pending)} groups unacked)")
+            wait = min(self._next_due(now) - now, STOP_POLL_S)
             if deadline is not None:
                 wait = min(wait, deadline - now)
             self._receive(max(1, int(wait * 1000)))
@@ -267,7 +324,7 @@ class ActorClient:
 
     def _next_due(self, now: float) -> float:
         due = now + self.resend_s
-        if self._server_next is None:
+        if not self._authed:
             due = min(due, (self._hello_at or now) + (self.resend_s if self._hello_at else RETRY_UNSENT_S))
         if self._pending:  # _due <= now after _pump: a send was refused (not connected), retry soon
             due = min(due, now + RETRY_UNSENT_S if self._due <= now else self._due)
@@ -276,7 +333,7 @@ class ActorClient:
     def _pump(self) -> None:
         """(Re)send whatever is due: the Hello, then the first ``window`` unacked groups."""
         now = time.monotonic()
-        if self._server_next is None and (self._hello_at is None or now - self._hello_at >= self.resend_s):
+        if not self._authed and (self._hello_at is None or now - self._hello_at >= self.resend_s):
             if _try_send(self._sock, self._hello):
                 self._hello_at = now
         if now < self._due:  # nothing is unsent or due for a resend: skip the scan
@@ -301,6 +358,7 @@ class ActorClient:
                 frame = self._sock.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            self._heard_at = time.monotonic()
             try:
                 msg = self._dec.decode(frame.buffer)
             except msgspec.DecodeError:  # not an answer of this schema: nothing to act on
@@ -312,10 +370,13 @@ class ActorClient:
     def _on_ack(self, ack: Ack) -> None:
         st = ack.status
         if st == "hello":
-            self._server_next = ack.seq
+            self._server_next, self._authed = ack.seq, True
             self._next = max(self._next, ack.seq)
             return
         p = self._pending.get(ack.seq)
+        if st == "unauthenticated":  # a buffer that does not know this connection (restarted)
+            self._reauthenticate(p)
+            return
         if st in ("ok", "duplicate"):
             if p is not None:
                 self._finish(p)
@@ -336,6 +397,13 @@ class ActorClient:
             self._notices.append(ack)
         if self.on_ack is not None:
             self.on_ack(ack)
+
+    def _reauthenticate(self, p: _Pending | None) -> None:
+        """Say Hello again at once and resend ``p`` right behind it, on the same connection."""
+        self._authed, self._hello_at = False, None
+        if p is not None:
+            p.retry_at = 0.0
+            self._due = 0.0
 
     def _finish(self, p: _Pending) -> None:
         del self._pending[p.seq]
@@ -368,14 +436,16 @@ class _RecentKeys:
 
 class LearnerClient:
     def __init__(self, cfg, ctx: zmq.Context | None = None, learner_id: str = "learner",
-                 resend_s: float = RESEND_S):
-        self.learner_id, self.resend_s = learner_id, resend_s
+                 resend_s: float = RESEND_S, run_dir: str | None = None, token: str | None = None,
+                 stop=None):
+        self.learner_id, self.resend_s, self._stop = learner_id, resend_s, _stop_flag(stop)
         self.filtered = 0  # groups served twice across a buffer restart, kept from the caller
         self._dec = decoder(BUFFER_TO_LEARNER)
         self._own_ctx = ctx is None
         self._ctx = zmq.Context() if ctx is None else ctx
         self._sock = _dealer(self._ctx, cfg, cfg.net.buffer_learner_port, "learner", learner_id)
-        self._unsent: collections.deque = collections.deque([encode(Hello("learner", learner_id))])
+        self._hello = encode(Hello("learner", learner_id, token=run_token(cfg, run_dir, token)))
+        self._unsent: collections.deque = collections.deque([self._hello])
         self._req_id = 0
         self._version = 0  # learner version of the latest sample() call
         self._request: SampleRequest | None = None
@@ -387,7 +457,8 @@ class LearnerClient:
 
     def sample(self, num_groups: int, learner_version: int,
                timeout_s: float | None = None) -> SampleBatch | None:
-        """The next batch of up to ``num_groups`` fresh groups, or None after ``timeout_s``.
+        """The next batch of up to ``num_groups`` fresh groups, or None after ``timeout_s`` or
+        once the stop flag is set.
 
         Fewer than asked only when the buffer is full and cannot reach ``num_groups``, or when
         groups already returned earlier were removed (see the module docstring).
@@ -404,12 +475,11 @@ class LearnerClient:
                 self._request = SampleRequest(self._req_id, num_groups, learner_version)
                 self._sent_at = None
             now = time.monotonic()
-            if deadline is not None and now >= deadline:
+            if self._stop() or (deadline is not None and now >= deadline):
                 return None
             self._pump(now)
             wait = RETRY_UNSENT_S if self._sent_at is None else self._sent_at + self.resend_s - now
-            if deadline is not None:
-                wait = min(wait, deadline - now)
+            wait = min(wait, STOP_POLL_S) if deadline is None else min(wait, deadline - now, STOP_POLL_S)
             self._receive(max(1, int(wait * 1000)))
 
     def consumed(self, keys: list[tuple[str, int]], learner_version: int) -> None:
@@ -452,12 +522,24 @@ class LearnerClient:
             except zmq.Again:
                 return
             msg = self._dec.decode(frames[0].buffer)  # the buffer is trusted; a failure is a bug
+            if isinstance(msg, Ack):
+                self._on_ack(msg)
+                continue
             if len(frames) > 1:  # the groups follow the header (see buffer.server)
                 groups = msg.groups + [_GROUP.decode(f.buffer) for f in frames[1:]]
                 msg = msgspec.structs.replace(msg, groups=groups)
             if self._request is not None and msg.request_id == self._request.request_id:
                 self._request = None
             self._ready.append(msg)
+
+    def _on_ack(self, ack: Ack) -> None:
+        if ack.status == "rejected":  # our Hello: a wrong token or schema, nothing will get through
+            raise RuntimeError(f"buffer refused learner {self.learner_id!r}: {ack.reason}")
+        if ack.status == "unauthenticated":  # a restarted buffer: Hello again, then the request
+            # (a Consumed it ignored is re-sent when its groups are served again: _pop_ready)
+            if not self._unsent or self._unsent[0] is not self._hello:
+                self._unsent.appendleft(self._hello)
+            self._sent_at = None
 
     def _pop_ready(self) -> SampleBatch | None:
         while self._ready:

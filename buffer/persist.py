@@ -4,13 +4,32 @@ Record = header ``<hcrc u32, pcrc u32, length u32, kind u8, seg u32>`` + payload
 crc32c of the payload, ``hcrc`` that of the rest of the header, and ``seg`` the number of the
 segment the record was written into. Segment files are recycled (below), so a file holds, after
 this life's records, whatever an earlier life left there: replay reads records while their
-header is intact and carries this segment's number, and stops at the first that does not. A
-record of this life whose payload fails its crc is torn (counted in ``corrupt``).
+header is intact, carries this segment's number and their payload checks, and then judges what
+stops it:
+
+* the end of the file, or -- in a recycled file -- bytes of an earlier life: the end;
+* a torn tail, the last write cut short by a crash: a header cut short, a record longer than the
+  rest of the file, a tail of zeros, or (in a recycled file only, where a cut write leaves the
+  old bytes after it) a record that fails its crc with nothing of this life after it. Nothing in
+  it was acknowledged (an ack waits for the whole record to be durable); it is cut off and
+  counted (``torn``);
+* anything else is corruption -- a complete record that fails its crc in a file created for its
+  segment, or damage followed by intact records of this life: replay raises
+  :class:`CorruptLog` naming the file and byte offset, and the buffer refuses to start rather
+  than drop acknowledged groups (or revive consumed ones) silently. Recovery:
+  ``python -m buffer.persist --salvage RUN_DIR/buffer`` (:func:`salvage`) keeps every intact
+  record, moves the damaged file to ``damaged/`` and reports what was lost.
+
+The one case replay cannot tell apart: the last record of this life in a recycled file failing
+its crc with nothing after it reads exactly like a write cut short over the old bytes, and is
+treated as torn.
 
 * ``GROUP``: the encoded RolloutGroup exactly as it came off the wire (no re-encoding).
 * ``DONE``: msgpack ``[reason, [[actor_id, seq], ...]]`` -- consumed or dropped keys.
-* ``SEEN``: msgpack snapshot of :class:`buffer.store.SeenKeys`; the first record of every
-  segment, so the dedup memory survives the deletion of the segments before it.
+* ``SEEN`` / ``SEEN_NEW``: msgpack snapshot of :class:`buffer.store.SeenKeys`; the first record
+  of every segment, so the dedup memory survives the deletion of the segments before it.
+  ``SEEN_NEW`` opens a file created for its segment (nothing but this life can follow),
+  ``SEEN`` a recycled one.
 
 A group's record is written (and, per ``fsync``, synced) before its ack leaves, so an acked
 group survives a crash of the buffer. Replay rebuilds the resident set -- groups with no later
@@ -58,13 +77,17 @@ from typing import Callable, Iterable
 import crc32c
 import msgspec
 
-from core.files import fsync_path
+from core.files import atomic_write, fsync_path
+from core.messages import group_key
 
 log = logging.getLogger("driftrl.buffer.persist")
 
 HEADER = struct.Struct("<IIIBI")  # hcrc, pcrc, length, kind, seg
 _REST = struct.Struct("<IIBI")  # what hcrc covers: pcrc, length, kind, seg
-GROUP, DONE, SEEN = 1, 2, 3
+GROUP, DONE, SEEN, SEEN_NEW = 1, 2, 3, 4
+KINDS = (GROUP, DONE, SEEN, SEEN_NEW)
+SEEN_KINDS = (SEEN, SEEN_NEW)
+_KIND_AT = HEADER.size - 5  # offset of the kind byte (followed by seg) in a header
 FREE_FILES = 4  # deleted segments kept for reuse
 IOV_MAX = 1024  # buffers one writev takes (Linux)
 _crc = crc32c.crc32c
@@ -76,35 +99,101 @@ def encode_record(kind: int, payload, seg: int) -> bytes:
     return struct.pack("<I", _crc(rest)) + rest
 
 
+class CorruptLog(RuntimeError):
+    """A segment holds damage that is not a torn tail (see the module docstring)."""
+
+    def __init__(self, path: str, offset: int):
+        directory = os.path.dirname(path)
+        super().__init__(
+            f"buffer segment log damaged: {path} at byte {offset} (a record that fails its checksum, "
+            "or damage followed by intact records). The buffer will not start on it: acknowledged "
+            "groups would be lost and consumed ones revived without a word. With the run stopped, "
+            f"run `python -m buffer.persist --salvage {directory}` (keeps every intact record, moves "
+            "the damaged file aside, reports what was lost), then start again.")
+        self.path, self.offset = path, offset
+
+
 def parse_header(data, pos: int, seg: int | None):
     """``(pcrc, length, kind, seg)`` of an intact header of segment ``seg`` at ``pos``, else None."""
     if pos + HEADER.size > len(data):
         return None
     hcrc, pcrc, n, kind, s = HEADER.unpack_from(data, pos)
-    if _crc(memoryview(data)[pos + 4:pos + HEADER.size]) != hcrc or kind not in (GROUP, DONE, SEEN):
+    if _crc(memoryview(data)[pos + 4:pos + HEADER.size]) != hcrc or kind not in KINDS:
         return None
     if seg is not None and s != seg:
         return None  # a record of the file's earlier life
     return pcrc, n, kind, s
 
 
-def scan(data, seg: int | None = None):
-    """``(records, end, torn)``: ``records`` = ``[(offset_after, kind, payload_view)]`` of this
-    life, in order; ``torn`` when the last header is intact but its payload is not (a crash
-    mid-write). ``seg=None`` takes the segment number from the first record."""
+def _records(data, pos: int, seg: int | None) -> tuple[list, int]:
+    """The run of intact records of segment ``seg`` from ``pos``: ``([(offset_after, kind,
+    payload_view)], where the run stops)``. ``seg=None``: the first record's segment."""
     mv = memoryview(data)
-    pos, out = 0, []
+    out = []
     while True:
         h = parse_header(data, pos, seg)
         if h is None:
-            return out, pos, False
+            return out, pos
         pcrc, n, kind, seg = h
-        start, end = pos + HEADER.size, pos + HEADER.size + n
-        payload = mv[start:end]
-        if end > len(data) or _crc(payload) != pcrc:
-            return out, pos, True
+        end = pos + HEADER.size + n
+        if end > len(data) or _crc(mv[pos + HEADER.size:end]) != pcrc:
+            return out, pos
+        out.append((end, kind, mv[pos + HEADER.size:end]))
         pos = end
-        out.append((pos, kind, payload))
+
+
+def _record_at(data, pos: int, seg: int) -> bool:
+    h = parse_header(data, pos, seg)
+    if h is None:
+        return False
+    end = pos + HEADER.size + h[1]
+    return end <= len(data) and _crc(memoryview(data)[pos + HEADER.size:end]) == h[0]
+
+
+def _resync(data, start: int, seg: int) -> int | None:
+    """Offset of the first intact record of segment ``seg`` at or after ``start``, else None.
+    Only offsets whose kind and segment bytes match are checked: ``bytes.find`` skips the rest."""
+    tail = struct.pack("<I", seg)
+    nexts = {k: data.find(bytes([k]) + tail, start + _KIND_AT) for k in KINDS}
+    while True:
+        hits = [i for i in nexts.values() if i >= 0]
+        if not hits:
+            return None
+        i = min(hits)
+        if _record_at(data, i - _KIND_AT, seg):
+            return i - _KIND_AT
+        for k, j in nexts.items():
+            if j == i:
+                nexts[k] = data.find(bytes([k]) + tail, i + 1)
+
+
+def _verdict(data, pos: int, seg: int, fresh: bool) -> str | None:
+    """What stopped the scan at ``pos``: None (the end), "torn" or "corrupt" (module docstring)."""
+    rest = len(data) - pos
+    if rest == 0:
+        return None
+    h = parse_header(data, pos, seg)
+    if rest < HEADER.size or (h is not None and pos + HEADER.size + h[1] > len(data)):
+        return "torn"  # a header, or a record, cut short by the end of the file
+    if data.count(b"\0", pos) == rest:
+        return "torn"  # allocated, never written (a power loss before the data reached the disk)
+    if _resync(data, pos + 1, seg) is not None:
+        return "corrupt"  # damage with intact records of this life after it
+    if fresh:
+        return "corrupt"  # no earlier life in this file to explain the bytes
+    # recycled: an earlier life's bytes (h is None) or a write cut short over them
+    return "torn" if h is not None else None
+
+
+def scan(data, seg: int | None = None):
+    """``(records, end, verdict)``: ``records`` = ``[(offset_after, kind, payload_view)]`` of this
+    life, in order, up to ``end``; ``verdict`` is None (clean end), "torn" or "corrupt" (see the
+    module docstring). ``seg=None`` takes the segment number from the first record."""
+    records, end = _records(data, 0, seg)
+    if seg is None:
+        seg = parse_header(data, 0, None)[3] if records else 0
+    fresh = bool(records) and records[0][1] == SEEN_NEW
+    return records, end, _verdict(data, end, seg, fresh)
 
 
 def _write_all(fd: int, bufs: list) -> None:
@@ -145,7 +234,7 @@ class Replay:
     groups: dict  # key -> raw bytes, resident at the crash, in arrival order
     seen: list  # SEEN snapshots found, oldest first
     done_keys: list  # keys from DONE records (they were seen too)
-    corrupt: int  # segments whose last record was torn
+    torn: int  # segments whose last record was torn (cut off)
 
 
 # how this module syncs segment files: tests gate it to see what waits for the disk. fdatasync:
@@ -408,15 +497,17 @@ class SegmentLog:
     def replay(self) -> Replay:
         """Read every segment; rebuild which groups are resident and where their records are."""
         groups: dict = {}
-        seen, done_keys, corrupt = [], [], 0
+        seen, done_keys, torn = [], [], 0
         for num, path in self._paths():
-            seg = self.segments[num] = Segment(num, path)
             with open(path, "rb") as f:
                 data = f.read()
-            records, end, torn = scan(data, num)
+            records, end, verdict = scan(data, num)
+            if verdict == "corrupt":
+                raise CorruptLog(path, end)
+            seg = self.segments[num] = Segment(num, path)
             for _after, kind, payload in records:
                 if kind == GROUP:
-                    key = _group_key(payload)
+                    key = group_key(payload)
                     if key is None:
                         continue
                     groups.pop(key, None)  # a compaction copy supersedes the original
@@ -432,12 +523,12 @@ class SegmentLog:
                 else:
                     seen.append(msgspec.msgpack.decode(payload))
             seg.size, seg.alloc = end, len(data)
-            if torn:  # cut off: nothing of this life may follow garbage, should the file be read again
-                corrupt += 1
-                log.warning("segment %s: ignoring the torn record at offset %d", path, end)
+            if verdict == "torn":  # cut off: nothing of this life may follow garbage, should the file be read again
+                torn += 1
+                log.warning("segment %s: cutting off the torn record at offset %d (never acknowledged)", path, end)
                 os.truncate(path, end)
                 seg.alloc = end
-        return Replay(groups, seen, done_keys, corrupt)
+        return Replay(groups, seen, done_keys, torn)
 
     # ---- writing -----------------------------------------------------------------------------
 
@@ -559,7 +650,7 @@ class SegmentLog:
             self._close_fd()
         self.active = self.segments[num] = seg
         self._fd = fd
-        self._write(SEEN, msgspec.msgpack.encode(self._snapshot()))
+        self._write(SEEN if free is not None else SEEN_NEW, msgspec.msgpack.encode(self._snapshot()))
         seg.snap_lsn = self.written
         # the snapshot is what lets older segments go: gc() deletes none before it is durable
         if not background:
@@ -618,7 +709,7 @@ class SegmentLog:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         new = Segment(num, path)
         placed = []
-        records = [(SEEN, None, msgspec.msgpack.encode(self._snapshot()))]
+        records = [(SEEN_NEW, None, msgspec.msgpack.encode(self._snapshot()))]
         records += [(GROUP, key, raw) for key, raw in resident()]
         try:
             for kind, key, payload in records:
@@ -653,15 +744,74 @@ def seg_name(num: int) -> str:
     return f"seg-{num:08d}.log"
 
 
-_HEAD = msgspec.msgpack.Decoder(tuple)
+# ---- salvage ---------------------------------------------------------------------------------
+
+_KIND_NAMES = {GROUP: "GROUP", DONE: "DONE", SEEN: "SEEN", SEEN_NEW: "SEEN"}
 
 
-def _group_key(payload):
-    """(actor_id, seq) of an encoded RolloutGroup without decoding its arrays."""
-    try:
-        # array_like + tagged: ["group", actor_id, seq, ...]; msgspec must parse the whole
-        # array, but bytes fields are cheap to skip compared with building the Struct
-        head = _HEAD.decode(payload)
-        return (head[1], head[2])
-    except (msgspec.DecodeError, IndexError):
+def _describe(data, pos: int, stop: int, seg: int) -> str:
+    """What the damaged bytes ``[pos, stop)`` held, as far as their header still says."""
+    if stop - pos >= HEADER.size:
+        _hcrc, _pcrc, n, kind, s = HEADER.unpack_from(data, pos)
+        if kind in KINDS and s == seg and pos + HEADER.size + n <= stop:
+            payload = bytes(data[pos + HEADER.size:pos + HEADER.size + n])
+            what = _KIND_NAMES[kind]
+            key = group_key(payload) if kind == GROUP else None
+            if kind == GROUP:
+                return f"a GROUP record, an acknowledged group lost{f' (probably {key})' if key else ''}"
+            if kind == DONE:
+                return "a DONE record: the groups it retired are resident again and will be served again"
+            return f"a {what} record: keys accepted before this segment may be accepted again if resent"
+    return "unreadable bytes: whatever records they held (groups, retirements) are lost"
+
+
+def _salvage_segment(path: str, num: int) -> list[str] | None:
+    """Rewrite one damaged segment with every intact record of its life; None if undamaged."""
+    with open(path, "rb") as f:
+        data = f.read()
+    records, pos, verdict = scan(data, num)
+    if verdict != "corrupt":
         return None
+    kept, report, fresh = [records], [], bool(records) and records[0][1] == SEEN_NEW
+    while _verdict(data, pos, num, fresh) == "corrupt":  # else the end, or a torn tail
+        nxt = _resync(data, pos + 1, num)
+        stop = len(data) if nxt is None else nxt
+        report.append(f"  bytes {pos}..{stop}: {_describe(data, pos, stop, num)}")
+        if nxt is None:
+            break
+        more, pos = _records(data, nxt, num)
+        kept.append(more)
+    out = b"".join(bytes(data[after - HEADER.size - len(p):after]) for run in kept for after, _k, p in run)
+    n_kept = sum(map(len, kept))
+    aside = os.path.join(os.path.dirname(path), "damaged", f"{os.path.basename(path)}.{uuid.uuid4().hex[:8]}")
+    os.makedirs(os.path.dirname(aside), exist_ok=True)
+    os.link(path, aside)  # the original stays, whole, until the repaired file has replaced it
+    fsync_path(os.path.dirname(aside))
+    atomic_write(path, out)
+    return [f"{path}: kept {n_kept} intact records, original moved to {aside}; lost:", *report]
+
+
+def salvage(directory: str) -> list[str]:
+    """Repair every damaged segment of the log in ``directory`` (the buffer must be stopped):
+    each keeps every intact record of its life, before and after the damage; the original goes
+    to ``directory/damaged/``. Returns the report, one line per file and per damaged range."""
+    lines = []
+    for name in sorted(os.listdir(directory)):
+        if name.startswith("seg-") and name.endswith(".log"):
+            lines += _salvage_segment(os.path.join(directory, name), int(name[4:-4])) or []
+    return lines or [f"{directory}: no damaged segment"]
+
+
+def main(argv=None) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="driftrl buffer segment log tools")
+    ap.add_argument("--salvage", metavar="DIR", required=True,
+                    help="repair the damaged segments of RUN_DIR/buffer (with the buffer stopped)")
+    args = ap.parse_args(argv)
+    for line in salvage(args.salvage):
+        print(line)
+
+
+if __name__ == "__main__":
+    main()

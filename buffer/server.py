@@ -5,7 +5,7 @@ Actor port (DEALERs): ``Hello`` -> ``Ack(status="hello", seq=next unused seq)``;
 dropped as stale -> ``Ack(status="dropped", reason="stale")`` to its actor's last identity.
 Learner port (DEALERs): ``SampleRequest`` is held until ``num_groups`` fresh groups exist, then
 answered with a ``SampleBatch`` whose groups are leased to that learner; ``Consumed`` retires
-them; a learner ``Hello`` releases what an earlier incarnation of that learner id still held.
+them; a learner ``Hello`` releases what the previous learner still held.
 
 Group bytes travel inside the ZeroMQ frames and are never re-encoded on their way through: the
 buffer decodes a group only to validate it, keeps the received frame, appends it to the segment
@@ -27,12 +27,38 @@ messages.
 
 Hostile input: frames above ``buffer.max_frame_bytes`` are counted as ``oversize`` without
 being decoded (ZeroMQ's own MAXMSGSIZE sits a little higher, as a memory guard that drops the
-connection); anything the typed decoder or ``validate_group`` refuses is counted in
+connection); anything the bounded typed decoder (``core.messages.group_decoder``: array lengths
+within the run's limits, refused before allocation) or ``validate_group`` (token ids in the
+vocabulary, ``actor.group_size`` completions of at most ``actor.max_new_tokens`` tokens, a prompt
+of 1..``buffer.max_prompt_tokens`` tokens, finite values) refuses is counted in
 ``buffer/dropped_invalid/<reason>`` and answered with a ``rejected`` ack when the key can be
 recovered. Nothing a peer sends can stop the loop.
 
+Versions: a group whose newest token version is above the learner's latest version + 1 is
+rejected (``future_version``). The + 1: the learner publishes v + 1 before its next request
+tells the buffer, and an actor may apply it and finish a group in between. Until the current
+learner incarnation has reported a version, the bound assumes version 0 and a group above it is
+answered ``busy``, not rejected: after a buffer or learner restart the actors may rightly be
+ahead of what the buffer knows, and they resend once the learner's first request has told it.
+
+Peers: with the run's secret (``run_dir/secret``, made by the launcher) every connection must
+open with a ``Hello`` carrying it; until then nothing it sends is acted on (counted as
+``unauthenticated``; groups and learner messages are answered ``Ack(status="unauthenticated")``
+so that a client whose buffer restarted says Hello again). A connection is its socket identity
+plus the file descriptor its frames arrive on (ZMQ_SRCFD), so a stranger that reconnects under a
+known identity gains nothing. An actor id belongs to the connection that last said Hello with
+it: a group for actor X from any other connection is rejected ``wrong_peer``. One learner at a
+time: an authenticated learner Hello replaces the previous learner and releases its leases (a
+restarted learner comes back this way) and starts an incarnation whose versions must not go
+down (``version_regressed``); ``Consumed`` retires only groups leased to that learner. When the
+learner's connection drops, its leases are released at once: a ZeroMQ socket monitor on the
+learner ROUTER reports the disconnect (the kernel closes a dead process's socket, and ZeroMQ
+heartbeats close a silent remote one), which -- unlike a silence timeout -- never expires the
+leases of a learner that is simply busy in a long optimiser step. Without a secret file the
+buffer accepts any Hello (loopback only, logged): tests and tools without a launcher.
+
 Security: sockets bind through ``core.net.bind`` (loopback unless CURVE keys are configured);
-with CURVE, a ZAP handler admits only ``net.curve_client_public``.
+with CURVE, a ZAP handler admits only the client keys of ``net.curve_client_public``.
 
 Run: ``python -m buffer.server --config RUN_DIR/config.json --run-dir RUN_DIR``; it writes the
 bound ports to ``RUN_DIR/buffer/ports.json`` and stops cleanly on SIGTERM/SIGINT.
@@ -41,25 +67,27 @@ bound ports to ``RUN_DIR/buffer/ports.json`` and stops cleanly on SIGTERM/SIGINT
 from __future__ import annotations
 
 import argparse
+import hmac
 import json
 import logging
 import os
+import sys
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Callable
 
-import msgspec
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
-from buffer.persist import SegmentLog
+from buffer.persist import CorruptLog, SegmentLog
 from buffer.store import Entry, Store, entry_from_group
 from core import config as C
 from core import net
 from core.files import atomic_write
-from core.messages import (ACTOR_TO_BUFFER, LEARNER_TO_BUFFER, SCHEMA_VERSION, Ack, Acks, Consumed, Hello,
-                           InvalidMessage, RolloutGroup, SampleBatch, SampleRequest, decoder, encode,
-                           validate_group)
+from core.messages import (LEARNER_TO_BUFFER, SCHEMA_VERSION, Ack, Acks, Consumed, Hello, InvalidMessage,
+                           Limits, RolloutGroup, SampleBatch, SampleRequest, decode_reason, decoder, encode,
+                           group_decoder, group_key, validate_group)
 
 log = logging.getLogger("driftrl.buffer")
 
@@ -70,18 +98,28 @@ ZMQ_SLACK_BYTES = 64 << 10
 # served at least once per turn; with group commit, an fsync covers whatever arrived meanwhile
 # (8 measured ~5% faster than 16 or 32 in bench/buffer.py, 4 no better)
 MAX_BATCH_MSGS = 8
+MAX_BATCH_MSGS_LEARNER = 64  # a learner message is small; a stranger's flood must not starve actors
 MAX_BATCH_BYTES = 4 << 20
 MAX_ID_CHARS = 128
+MAX_ACTORS = 4096  # authenticated actor connections remembered (each actor id keeps only its latest)
 ZERO_COPY_BYTES = 64 << 10  # below this, pyzmq's zero-copy bookkeeping costs more than a copy
 POLL_MS = 100  # upper bound on reaction time to stop_event; arrivals wake the poll at once
 METRICS_EVERY_S = 1.0
+# ZMTP heartbeats on the learner port: a learner host that vanishes without closing its TCP
+# connection is disconnected (and its leases released) after this long without an answer
+HEARTBEAT_IVL_MS = 2000
+HEARTBEAT_TIMEOUT_MS = 20000
+EXIT_CORRUPT_LOG = 65  # EX_DATAERR: the segment log is damaged; see buffer.persist --salvage
 
 
 @dataclass
 class _Learner:
-    name: str  # lessee name: the Hello id, else the socket identity
+    ident: bytes
+    fd: int  # the connection it authenticated on
+    name: str  # lessee name: unique per incarnation
     pending: SampleRequest | None = None
     answered: int = -1  # last request id served (resends of it are ignored)
+    version: int | None = None  # latest version this incarnation reported
 
 
 class BufferServer:
@@ -90,23 +128,30 @@ class BufferServer:
         b = cfg.buffer
         self.metrics = metrics
         self.max_frame = b.max_frame_bytes
+        self.limits = Limits.of(cfg)
         self.store = Store(b.capacity_groups, b.capacity_bytes, b.max_staleness, b.policy)
         self.invalid: Counter = Counter()
-        self.learner_version: int | None = None  # latest the learner told us
-        self.corrupt_segments = 0
+        self.torn_tails = 0
         self.send_failed = 0
-        self._actor_dec = decoder(ACTOR_TO_BUFFER)
+        self.deferred = 0  # groups answered busy until the learner reports its version
+        self.leases_expired = 0  # groups released because the learner's connection dropped
+        self.token = _load_token(run_dir, cfg.net.host)
+        self._actor_dec = group_decoder(self.limits, Hello)
         self._learner_dec = decoder(LEARNER_TO_BUFFER)
+        self._hello_dec = decoder(Hello)
         self._group_dec = decoder(RolloutGroup)
-        self._actor_ident: dict[str, bytes] = {}  # actor id -> socket identity, for late acks
-        self._learners: dict[bytes, _Learner] = {}
+        self._actor_of: dict[bytes, tuple[str, int]] = {}  # identity -> (actor id, fd) it authenticated
+        self._actor_ident: dict[str, bytes] = {}  # actor id -> its identity, for late acks
+        self._learner: _Learner | None = None
+        self._last_version: int | None = None  # of the learner that disconnected last
+        self._incarnations = 0
         # per socket, in queueing order: (frames, log position they wait for)
         self._outbox: dict[str, deque[tuple[list, int]]] = {"actor": deque(), "learner": deque()}
         self._next_metrics = 0.0
         self._invariant_reported = False
         self._own_ctx = ctx is None
         self.ctx = zmq.Context() if ctx is None else ctx
-        self.actor_sock = self.learner_sock = None
+        self.actor_sock = self.learner_sock = self._monitor = None
         self._auth = None
         self.log: SegmentLog | None = None
         try:
@@ -118,39 +163,33 @@ class BufferServer:
             self.close()
             raise
         self._poller = zmq.Poller()
-        self._poller.register(self.actor_sock, zmq.POLLIN)
-        self._poller.register(self.learner_sock, zmq.POLLIN)
+        for sock in (self.actor_sock, self.learner_sock, self._monitor):
+            self._poller.register(sock, zmq.POLLIN)
         self._wake_fd = self.log.wake_fd if self.log is not None else None
         if self._wake_fd is not None:  # a background fsync finished: release what waited for it
             self._poller.register(self._wake_fd, zmq.POLLIN)
         log.info("buffer listening on %s: actors :%d, learner :%d; %d groups recovered",
                  cfg.net.host, self.actor_port, self.learner_port, self.store.counters.recovered)
 
+    @property
+    def learner_version(self) -> int | None:
+        """The latest version the current learner incarnation reported (None: none yet); with no
+        learner connected, the last one's (it still bounds what the actors may send)."""
+        return self._learner.version if self._learner is not None else self._last_version
+
     def _bind(self, n) -> None:
-        curve = net.curve_from_config(n)
-        if curve is not None and n.curve_client_public:
-            self._start_auth(n.curve_client_public)
+        curve, self._auth = net.serve_curve(self.ctx, n)
         cap = self.max_frame + ZMQ_SLACK_BYTES
         self.actor_sock = net.socket(self.ctx, zmq.ROUTER, max_msg=cap)
         self.learner_sock = net.socket(self.ctx, zmq.ROUTER, max_msg=cap)
         for s in (self.actor_sock, self.learner_sock):
             # a client reconnecting under its fixed identity takes over from its stale session
             s.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self.learner_sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        self.learner_sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        self._monitor = self.learner_sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.actor_port = net.bind(self.actor_sock, n.host, n.buffer_actor_port, curve)
         self.learner_port = net.bind(self.learner_sock, n.host, n.buffer_learner_port, curve)
-
-    def _start_auth(self, client_public: str) -> None:
-        """Only the configured client key may complete the CURVE handshake (ZAP). Without this, any
-        key pair that knows the server's public key would be let in."""
-        from zmq.auth.thread import ThreadAuthenticator
-
-        class _Allow:
-            def callback(self, domain, key):
-                return key == client_public.encode()
-
-        self._auth = ThreadAuthenticator(self.ctx)
-        self._auth.start()
-        self._auth.configure_curve_callback("*", credentials_provider=_Allow())
 
     def _recover(self) -> None:
         rep = self.log.replay()
@@ -161,7 +200,7 @@ class BufferServer:
             seen.add(key)
         for key, raw in rep.groups.items():
             self.store.restore(entry_from_group(self._group_dec.decode(raw), raw))
-        self.corrupt_segments = rep.corrupt
+        self.torn_tails = rep.torn
         self.log.open(seen.snapshot)
 
     # ---- the loop ----------------------------------------------------------------------------
@@ -178,8 +217,10 @@ class BufferServer:
         ready = dict(self._poller.poll(timeout_ms))
         if self._wake_fd in ready:
             self.log.drain_wake()
+        if self._monitor in ready:  # before the learner's messages: a reused fd is a new connection
+            self._on_monitor()
         if self.learner_sock in ready:  # first: see the module docstring
-            self._drain(self.learner_sock, self._on_learner)
+            self._drain(self.learner_sock, self._on_learner, MAX_BATCH_MSGS_LEARNER)
             self._serve_requests()
             self._flush_outbox()
         if self.actor_sock in ready:
@@ -194,9 +235,9 @@ class BufferServer:
             self._next_metrics = now + METRICS_EVERY_S
             self._report()
 
-    def _drain(self, sock: zmq.Socket, handle) -> None:
+    def _drain(self, sock: zmq.Socket, handle, max_msgs: int = MAX_BATCH_MSGS) -> None:
         nbytes = 0
-        for _ in range(MAX_BATCH_MSGS):
+        for _ in range(max_msgs):
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -207,38 +248,91 @@ class BufferServer:
                 continue
             payload = frames[1]  # a zmq.Frame: decoded, logged and forwarded without a copy
             nbytes += len(payload)
-            handle(ident, payload)
+            if len(payload) > self.max_frame:
+                self.invalid["oversize"] += 1
+                continue
+            handle(ident, payload.get(zmq.SRCFD), payload)
             if nbytes >= MAX_BATCH_BYTES:
                 return
 
+    # ---- who is speaking ---------------------------------------------------------------------
+
+    def _hello_refusal(self, msg: Hello, role: str) -> str | None:
+        """Why a Hello does not authenticate its connection (None: it does)."""
+        if msg.schema_version != SCHEMA_VERSION:
+            return "schema_version"
+        if len(msg.id) > MAX_ID_CHARS:
+            return "bad_actor_id" if role == "actor" else "bad_id"
+        if msg.role != role:
+            return "bad_role"
+        if self.token is not None and not hmac.compare_digest(msg.token.encode(), self.token.encode()):
+            return "bad_token"
+        return None
+
+    def _stranger_hello(self, data) -> Hello | None:
+        """A Hello from a connection not authenticated yet, or None (counted, answered by caller)."""
+        try:
+            return self._hello_dec.decode(data)
+        except Exception:  # noqa: BLE001 -- any frame that is not a Hello: nothing of it is used
+            self.invalid["unauthenticated"] += 1
+            return None
+
     # ---- actors ------------------------------------------------------------------------------
 
-    def _on_actor(self, ident: bytes, data) -> None:
+    def _on_actor(self, ident: bytes, fd: int, data) -> None:
+        peer = self._actor_of.get(ident)
+        if peer is None or peer[1] != fd:
+            self._on_actor_stranger(ident, fd, data)
+            return
         msg = self._decode(self._actor_dec, data, ident, actor=True)
         if isinstance(msg, RolloutGroup):
-            self._on_group(ident, msg, data)
+            self._on_group(ident, peer[0], msg, data)
         elif isinstance(msg, Hello):
-            self._on_actor_hello(ident, msg)
+            self._on_actor_hello(ident, fd, msg)
 
-    def _on_actor_hello(self, ident: bytes, msg: Hello) -> None:
-        if msg.schema_version != SCHEMA_VERSION or len(msg.id) > MAX_ID_CHARS:
-            reason = "schema_version" if msg.schema_version != SCHEMA_VERSION else "bad_actor_id"
+    def _on_actor_stranger(self, ident: bytes, fd: int, data) -> None:
+        msg = self._stranger_hello(data)
+        if msg is not None:
+            self._on_actor_hello(ident, fd, msg)
+            return
+        key = group_key(data)
+        if key is not None and len(key[0]) <= MAX_ID_CHARS:  # its client says Hello and resends
+            self._ack(ident, Ack(key[0], key[1], "unauthenticated"))
+
+    def _on_actor_hello(self, ident: bytes, fd: int, msg: Hello) -> None:
+        reason = self._hello_refusal(msg, "actor")
+        if reason is None and ident not in self._actor_of and len(self._actor_of) >= MAX_ACTORS:
+            reason = "too_many_actors"
+        if reason is not None:
             self.invalid[reason] += 1
             self._ack(ident, Ack(msg.id[:MAX_ID_CHARS], -1, "rejected", reason))
             return
+        prev = self._actor_of.get(ident)
+        if prev is not None and self._actor_ident.get(prev[0]) == ident:
+            del self._actor_ident[prev[0]]
+        old = self._actor_ident.get(msg.id)
+        if old is not None and old != ident:  # a restarted actor takes its id over
+            self._actor_of.pop(old, None)
+        self._actor_of[ident] = (msg.id, fd)
         self._actor_ident[msg.id] = ident
         # tells an actor that lost its local counter where its seq numbering resumes
         self._ack(ident, Ack(msg.id, self.store.seen.next_seq(msg.id), "hello"))
 
-    def _on_group(self, ident: bytes, g: RolloutGroup, raw) -> None:
+    def _on_group(self, ident: bytes, actor: str, g: RolloutGroup, raw) -> None:
         try:
             if len(g.actor_id) > MAX_ID_CHARS:
                 raise InvalidMessage("bad_actor_id")
-            min_version = validate_group(g)
+            min_version = validate_group(g, self.limits)
+            if g.actor_id != actor:
+                raise InvalidMessage("wrong_peer", f"{g.actor_id!r} from the connection of {actor!r}")
+            defer = self._too_new(g)
         except InvalidMessage as e:
             self._reject(ident, g.actor_id, g.seq, e.reason)
             return
-        self._actor_ident[g.actor_id] = ident
+        if defer:
+            self.deferred += 1
+            self._ack(ident, Ack(g.actor_id, g.seq, "busy", "version_unknown"), 0)
+            return
         entry = entry_from_group(g, raw, min_version)
         if self.log is not None:
             self.log.make_room(len(raw))  # before offer() marks the key seen: see make_room
@@ -250,6 +344,18 @@ class BufferServer:
         elif status == "duplicate":
             lsn = self._durable_lsn(entry.key)
         self._ack(ident, Ack(g.actor_id, g.seq, status, reason), lsn)
+
+    def _too_new(self, g: RolloutGroup) -> bool:
+        """True when the group is newer than the bound while no learner version is known yet
+        (answer busy); raises ``future_version`` when it is newer than a known one. See the
+        module docstring for the bound."""
+        known = self.learner_version
+        newest = g.max_version()
+        if newest <= (known or 0) + 1:
+            return False
+        if known is None:
+            return True
+        raise InvalidMessage("future_version", f"version {newest} > learner version {known} + 1")
 
     def _durable_lsn(self, key) -> int:
         """"Already accepted" is a promise too: the ack waits until the key's record is durable."""
@@ -273,57 +379,103 @@ class BufferServer:
 
     # ---- learners ----------------------------------------------------------------------------
 
-    def _on_learner(self, ident: bytes, data) -> None:
-        msg = self._decode(self._learner_dec, data, ident, actor=False)
-        if msg is None:
+    def _on_learner(self, ident: bytes, fd: int, data) -> None:
+        st = self._learner
+        if st is None or st.ident != ident or st.fd != fd:
+            msg = self._stranger_hello(data)
+            if msg is not None:
+                self._on_learner_hello(ident, fd, msg)
+            else:
+                self._tell_learner(ident, Ack("", -1, "unauthenticated"))
             return
-        st = self._learners.get(ident)
-        if st is None:
-            st = self._learners[ident] = _Learner(ident.hex())
+        msg = self._decode(self._learner_dec, data, ident, actor=False)
         if isinstance(msg, SampleRequest):
-            if msg.num_groups < 1 or msg.learner_version < 0:
-                self.invalid["bad_request"] += 1
-            elif msg.request_id > st.answered:  # else: a resend of one already answered
-                st.pending = msg
-                self.learner_version = msg.learner_version
+            self._on_request(st, msg)
         elif isinstance(msg, Consumed):
-            self.learner_version = msg.learner_version
-            done = self.store.consume(msg.keys)
-            if self.log is not None:
-                self.log.append_done([e.key for e in done], "consumed")
-        elif isinstance(msg, Hello):
-            if msg.schema_version != SCHEMA_VERSION:
-                self.invalid["schema_version"] += 1
+            self._on_consumed(st, msg)
+        elif isinstance(msg, Hello) and self._hello_refusal(msg, "learner") is not None:
+            self._on_learner_hello(ident, fd, msg)  # counted and answered
+        # a good Hello on the learner's own connection (it was told "unauthenticated" for a
+        # message sent before its first Hello got through) changes nothing: same incarnation
+
+    def _on_learner_hello(self, ident: bytes, fd: int, msg: Hello) -> None:
+        reason = self._hello_refusal(msg, "learner")
+        if reason is not None:
+            self.invalid[reason] += 1
+            self._tell_learner(ident, Ack("", -1, "rejected", reason))
+            return
+        # a (re)started learner: whatever the previous one held but never consumed was not
+        # trained on, so it is available again
+        self._drop_learner("replaced by a new learner connection")
+        self._incarnations += 1
+        self._learner = _Learner(ident, fd, f"{msg.id}#{self._incarnations}")
+        log.info("learner %s connected", msg.id)
+
+    def _drop_learner(self, why: str) -> int:
+        st, self._learner = self._learner, None
+        if st is None:
+            return 0
+        self._last_version = st.version
+        released = self.store.release(st.name)
+        if released:
+            log.info("learner %s %s: %d leased groups released", st.name, why, released)
+        return released
+
+    def _on_monitor(self) -> None:
+        """The learner's connection closed: its leases go back (see the module docstring)."""
+        while True:
+            try:
+                ev = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
                 return
-            # a (re)started learner: whatever an earlier incarnation held but never consumed
-            # was not trained on, so it is available again
-            st.name, st.pending, st.answered = msg.id, None, -1
-            released = self.store.release(msg.id)
-            if released:
-                log.info("learner %s (re)connected: %d leased groups released", msg.id, released)
+            st = self._learner
+            if ev["event"] == zmq.EVENT_DISCONNECTED and st is not None and ev["value"] == st.fd:
+                self.leases_expired += self._drop_learner("disconnected")
+
+    def _version_ok(self, st: _Learner, version: int) -> bool:
+        """A learner incarnation's versions never go down (a new Hello may start anywhere)."""
+        if st.version is not None and version < st.version:
+            self.invalid["version_regressed"] += 1
+            return False
+        st.version = version
+        return True
+
+    def _on_request(self, st: _Learner, msg: SampleRequest) -> None:
+        if msg.num_groups < 1 or msg.learner_version < 0:
+            self.invalid["bad_request"] += 1
+        elif self._version_ok(st, msg.learner_version) and msg.request_id > st.answered:
+            st.pending = msg  # else: a resend of one already answered
+
+    def _on_consumed(self, st: _Learner, msg: Consumed) -> None:
+        if not self._version_ok(st, msg.learner_version):
+            return
+        done = self.store.consume(msg.keys, st.name)
+        if self.log is not None:
+            self.log.append_done([e.key for e in done], "consumed")
+
+    def _tell_learner(self, ident: bytes, ack: Ack) -> None:
+        self._queue("learner", [ident, encode(ack)], 0)
 
     def _serve_requests(self) -> None:
-        store = self.store
-        for ident, st in self._learners.items():
-            req = st.pending
-            if req is None:
-                continue
-            n = min(req.num_groups, store.capacity_groups)
-            avail = store.available()
-            # full buffer: serve what there is rather than wait for groups that cannot fit
-            partial = store.saturated and avail > 0
-            if avail < n and not partial:
-                continue
-            taken, drops = store.take(n, req.learner_version, lessee=st.name,
-                                      at_least=1 if partial else n)
-            self._dropped(drops)
-            if not taken:
-                continue
-            st.pending, st.answered = None, req.request_id
-            head = encode(SampleBatch(req.request_id, [], len(store.resident)))
-            frames = [ident, head, *[e.raw for e in taken]]
-            # it depends only on its groups' records, not on the DONE records written since
-            self._queue("learner", frames, max(e.lsn for e in taken))
+        st, store = self._learner, self.store
+        req = st.pending if st is not None else None
+        if req is None:
+            return
+        n = min(req.num_groups, store.capacity_groups)
+        avail = store.available()
+        # full buffer: serve what there is rather than wait for groups that cannot fit
+        partial = store.saturated and avail > 0
+        if avail < n and not partial:
+            return
+        taken, drops = store.take(n, req.learner_version, lessee=st.name, at_least=1 if partial else n)
+        self._dropped(drops)
+        if not taken:
+            return
+        st.pending, st.answered = None, req.request_id
+        head = encode(SampleBatch(req.request_id, [], len(store.resident)))
+        frames = [st.ident, head, *[e.raw for e in taken]]
+        # it depends only on its groups' records, not on the DONE records written since
+        self._queue("learner", frames, max(e.lsn for e in taken))
 
     def _dropped(self, drops: list[Entry]) -> None:
         if not drops:
@@ -338,18 +490,13 @@ class BufferServer:
     # ---- plumbing ----------------------------------------------------------------------------
 
     def _decode(self, dec, data, ident: bytes, actor: bool):
-        if len(data) > self.max_frame:
-            self.invalid["oversize"] += 1
-            return None
         try:
             return dec.decode(data)
-        except msgspec.ValidationError:
-            reason = "bad_fields"
-        except msgspec.DecodeError:
-            reason = "decode_error"
+        except Exception as e:  # noqa: BLE001 -- msgspec's DecodeError / ValidationError
+            reason = decode_reason(e)
         self.invalid[reason] += 1
-        key = _recover_key(data) if actor else None
-        if key is not None:
+        key = group_key(data) if actor else None
+        if key is not None and len(key[0]) <= MAX_ID_CHARS:
             self._ack(ident, Ack(key[0], key[1], "rejected", reason))
         return None
 
@@ -384,6 +531,8 @@ class BufferServer:
         out = self.store.stats()
         out["buffer/dropped_invalid"] = float(sum(self.invalid.values()))
         out["buffer/send_failed"] = float(self.send_failed)  # peers gone or not reading
+        out["buffer/deferred_future"] = float(self.deferred)
+        out["buffer/leases_expired"] = float(self.leases_expired)
         for reason, n in self.invalid.items():
             out[f"buffer/dropped_invalid/{reason}"] = float(n)
         if self.log is not None:
@@ -391,7 +540,7 @@ class BufferServer:
             out["buffer/file_bytes"] = float(self.log.file_bytes)
             out["buffer/recycled_segments"] = float(self.log.recycled)
             out["buffer/segments"] = float(len(self.log.segments))
-            out["buffer/corrupt_segments"] = float(self.corrupt_segments)
+            out["buffer/torn_tails"] = float(self.torn_tails)
         return out
 
     def _report(self) -> None:
@@ -414,6 +563,10 @@ class BufferServer:
         if self.log is not None:
             self.log.close()
             self.log = None
+        if self._monitor is not None:
+            self.learner_sock.disable_monitor()
+            self._monitor.close(linger=0)
+            self._monitor = None
         for s in (self.actor_sock, self.learner_sock):
             if s is not None:
                 s.close(linger=0)
@@ -425,23 +578,22 @@ class BufferServer:
             self.ctx.term()
 
 
+def _load_token(run_dir: str, host: str) -> str | None:
+    """The run's secret; None (any Hello accepted) only on loopback with no secret file."""
+    if os.path.exists(os.path.join(run_dir, net.SECRET_FILE)):
+        return net.run_secret(run_dir)
+    if not net.is_loopback(host):
+        raise net.InsecureBindError(f"refusing to serve {host} without the run secret "
+                                    f"{os.path.join(run_dir, net.SECRET_FILE)} (core.net.create_run_secret)")
+    log.warning("no run secret in %s: accepting any Hello (loopback only)", run_dir)
+    return None
+
+
 def _send_frames(sock: zmq.Socket, frames: list) -> None:
     """One multipart message; big frames (groups) go zero-copy, small ones are copied (cheaper)."""
     last = len(frames) - 1
     for i, f in enumerate(frames):
         sock.send(f, zmq.NOBLOCK | (zmq.SNDMORE if i < last else 0), copy=len(f) < ZERO_COPY_BYTES)
-
-
-def _recover_key(data) -> tuple[str, int] | None:
-    """(actor_id, seq) of a group frame the typed decoder refused, if it is still readable."""
-    try:
-        obj = msgspec.msgpack.decode(data)
-    except Exception:  # any garbage: there is simply no key to answer to
-        return None
-    if (isinstance(obj, list) and len(obj) >= 3 and obj[0] == "group" and isinstance(obj[1], str)
-            and len(obj[1]) <= MAX_ID_CHARS and type(obj[2]) is int):
-        return obj[1], obj[2]
-    return None
 
 
 def main(argv=None) -> None:
@@ -470,6 +622,9 @@ def main(argv=None) -> None:
         server = BufferServer(cfg, args.run_dir, metrics=emit if sink else None)
         _write_ports(args.run_dir, server)
         server.serve_forever(stop)
+    except CorruptLog as e:  # one clear line: restarting cannot help, salvaging can
+        log.error("%s", e)
+        sys.exit(EXIT_CORRUPT_LOG)
     finally:
         if sink is not None:
             sink.close()

@@ -4,7 +4,7 @@ A group is identified by its key ``(actor_id, seq)``. Its life::
 
     offer() --ok--> resident --take()--> leased --consume()--> consumed
                        |                   |
-                       |                   +--release() (learner restarted)--> resident
+                       |                   +--release() (learner restarted or gone)--> resident
                        +--take() finds it stale--> dropped("stale")
 
 ``offer`` answers ``duplicate`` for every key ever accepted (resident, leased, consumed or
@@ -137,6 +137,7 @@ class Counters:
     busy: int = 0
     recovered: int = 0  # resident groups rebuilt from disk at start (counted in accepted)
     consumed_unknown: int = 0  # Consumed for keys not resident (a resend after a restart)
+    consumed_not_leased: int = 0  # Consumed for resident keys not leased to that learner
     rejected: Counter = field(default_factory=Counter)  # at arrival, by reason
     dropped: Counter = field(default_factory=Counter)  # after acceptance, by reason
     stale_by_len: Counter = field(default_factory=Counter)  # stale rejects + drops, by bucket
@@ -225,13 +226,18 @@ class Store:
         self.leased += len(take)
         return take, drops
 
-    def consume(self, keys: Iterable[Key]) -> list[Entry]:
-        """The learner trained on these: they leave for good. Unknown keys are counted, ignored."""
+    def consume(self, keys: Iterable[Key], lessee: str | None = None) -> list[Entry]:
+        """The learner trained on these: they leave for good. Keys not resident, or (with
+        ``lessee``) not leased to that learner -- it cannot have trained on them -- are counted
+        and ignored."""
         done = []
         for key in keys:
             e = self.resident.get(key)
             if e is None:
                 self.counters.consumed_unknown += 1
+                continue
+            if lessee is not None and e.lessee != lessee:
+                self.counters.consumed_not_leased += 1
                 continue
             self._remove(e)
             self.counters.consumed += 1
@@ -273,6 +279,7 @@ class Store:
             "buffer/dropped_stale": float(c.dropped["stale"] + c.rejected["stale"]),
             "buffer/duplicates": float(c.duplicates),
             "buffer/busy": float(c.busy),
+            "buffer/consumed_ignored": float(c.consumed_unknown + c.consumed_not_leased),
             "buffer/rejected": float(sum(c.rejected.values())),
             "buffer/invariant_ok": 1.0 if self.invariant_ok() else 0.0,
         }

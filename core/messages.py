@@ -6,7 +6,14 @@ frame raises ``msgspec.ValidationError``/``DecodeError`` at the socket and never
 
 Fields are append-only within a schema version: new fields go at the end with a default; removing
 or retyping one bumps ``SCHEMA_VERSION``, which is checked in the ``Hello`` handshake and carried
-by every ``RolloutGroup`` (2: the by-reference fields of ``SampleRequest``/``SampleBatch`` went).
+by every ``RolloutGroup`` (2: the by-reference fields of ``SampleRequest``/``SampleBatch`` went;
+3: ``Hello`` carries the run's secret, the buffer answers unauthenticated peers with an ``Ack``).
+
+A group is checked twice against the run's :class:`Limits`: the socket's decoder
+(:func:`group_decoder`) refuses a frame whose completions list or byte arrays exceed them before
+it allocates anything (a 40 MB frame of two million empty completions is refused at its array
+header, not after building two million objects), and :func:`validate_group` checks what a type
+cannot: token ids in the vocabulary, exactly ``group_size`` completions, finite values.
 
 Per-token arrays travel as raw little-endian bytes (``tokens``/``versions`` int32,
 ``logprobs`` float32): decoding a list of 8k Python floats costs ~50x more than a bytes copy.
@@ -15,12 +22,15 @@ Per-token arrays travel as raw little-endian bytes (``tokens``/``versions`` int3
 from __future__ import annotations
 
 import math
-from typing import Union
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Annotated, Union
 
 import msgspec
 import numpy as np
+from msgspec import Meta
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 TOKEN_DTYPE = np.dtype("<i4")
 LOGPROB_DTYPE = np.dtype("<f4")
@@ -38,6 +48,8 @@ class Hello(_Msg, tag="hello"):
     role: str
     id: str
     schema_version: int = SCHEMA_VERSION
+    # the run's secret (core.net.run_secret): the buffer trusts a socket only after a Hello with it
+    token: str = ""
 
 
 class Shutdown(_Msg, tag="shutdown"):
@@ -99,6 +111,13 @@ class RolloutGroup(_Msg, tag="group"):
         n = len(versions) // VERSION_DTYPE.itemsize
         return int(np.frombuffer(versions, VERSION_DTYPE, n).min()) if n else self.start_version
 
+    def max_version(self) -> int:
+        """Newest policy version among the group's tokens, or its start version if newer."""
+        versions = b"".join([c.versions for c in self.completions])
+        n = len(versions) // VERSION_DTYPE.itemsize
+        newest = int(np.frombuffer(versions, VERSION_DTYPE, n).max()) if n else self.start_version
+        return max(newest, self.start_version)
+
     def nbytes(self) -> int:
         return len(self.prompt_tokens) + sum(
             len(c.tokens) + len(c.logprobs) + len(c.versions) for c in self.completions
@@ -109,9 +128,11 @@ class Ack(_Msg, tag="ack"):
     actor_id: str
     seq: int
     # "ok": accepted (durable if persistence is on) · "duplicate": already accepted earlier ·
-    # "busy": buffer full, resend later · "rejected": invalid or stale, never resend ·
+    # "busy": buffer full, or the group is newer than any learner version it knows of yet: resend
+    # later · "rejected": invalid or stale, never resend ·
     # "dropped": accepted earlier, since discarded as stale · "hello": answer to Hello, ``seq`` is
-    # the actor's next unused seq
+    # the actor's next unused seq · "unauthenticated": this connection has not presented the run's
+    # secret in a Hello (yet, or since the buffer restarted): send one, then resend
     status: str
     reason: str = ""
 
@@ -178,7 +199,7 @@ class MetricRecords(_Msg, tag="metrics"):
 ACTOR_TO_BUFFER = Union[Hello, RolloutGroup]
 BUFFER_TO_ACTOR = Union[Ack, Acks]
 LEARNER_TO_BUFFER = Union[Hello, SampleRequest, Consumed]
-BUFFER_TO_LEARNER = SampleBatch
+BUFFER_TO_LEARNER = Union[SampleBatch, Ack]  # Ack: "unauthenticated", or "rejected" for a Hello
 TO_MONITOR = Union[MetricRecords, Hello]
 
 _encoder = msgspec.msgpack.Encoder()
@@ -191,6 +212,76 @@ def encode(msg: msgspec.Struct) -> bytes:
 def decoder(kind) -> msgspec.msgpack.Decoder:
     """A typed decoder for one socket; ``kind`` is a message class or a Union of them."""
     return msgspec.msgpack.Decoder(kind)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one RolloutGroup of a run may hold (0: not checked, as for a tool without a config)."""
+
+    group_size: int = 0  # exactly this many completions
+    max_prompt_tokens: int = 0
+    max_new_tokens: int = 0  # tokens of one completion
+    vocab_size: int = 0  # token ids in [0, vocab_size)
+
+    @classmethod
+    def of(cls, cfg) -> Limits:
+        """The limits a run's config sets: ``actor.group_size`` / ``max_new_tokens``,
+        ``buffer.max_prompt_tokens``, ``model.vocab_size``."""
+        return cls(cfg.actor.group_size, cfg.buffer.max_prompt_tokens, cfg.actor.max_new_tokens,
+                   cfg.model.vocab_size)
+
+
+NO_LIMITS = Limits()
+
+
+def _cap(items: int) -> Meta:
+    return Meta(max_length=items) if items else Meta()
+
+
+@lru_cache(maxsize=16)
+def bounded_group(limits: Limits) -> type:
+    """A RolloutGroup subclass whose array lengths are bounded by ``limits``: its decoder refuses a
+    frame at the first array header above them, before allocating the elements."""
+    tok, item = Annotated[bytes, _cap(limits.max_new_tokens * TOKEN_DTYPE.itemsize)], TOKEN_DTYPE.itemsize
+    comp = msgspec.defstruct("Completion", [("tokens", tok), ("logprobs", tok), ("versions", tok)],
+                             bases=(Completion,), module=__name__)
+    return msgspec.defstruct(
+        "RolloutGroup", [("prompt_tokens", Annotated[bytes, _cap(limits.max_prompt_tokens * item)]),
+                         ("completions", Annotated[list[comp], _cap(limits.group_size)])],
+        bases=(RolloutGroup,), tag="group", module=__name__)
+
+
+def group_decoder(limits: Limits, *others) -> msgspec.msgpack.Decoder:
+    """The decoder of a socket that receives RolloutGroups within ``limits`` (and ``others``)."""
+    return decoder(Union[(*others, bounded_group(limits))] if others else bounded_group(limits))
+
+
+class _GroupHead(msgspec.Struct, array_like=True):
+    # the first fields of an encoded RolloutGroup; decoding skips the rest without building it
+    tag: str
+    actor_id: str
+    seq: int
+
+
+_head = msgspec.msgpack.Decoder(_GroupHead)
+
+
+def group_key(frame) -> tuple[str, int] | None:
+    """``(actor_id, seq)`` of an encoded RolloutGroup, read without decoding its arrays (the rest
+    of the frame is skipped, nothing is allocated for it); None if the frame does not start like
+    one."""
+    try:
+        head = _head.decode(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    return (head.actor_id, head.seq) if head.tag == "group" else None
+
+
+def decode_reason(e: Exception) -> str:
+    """The counter key of a frame a typed decoder refused."""
+    if isinstance(e, msgspec.ValidationError):
+        return "over_limit" if "of length <=" in str(e) else "bad_fields"
+    return "decode_error"
 
 
 class InvalidMessage(ValueError):
@@ -208,9 +299,11 @@ _MAX_LOGPROB = 1e-4  # float32 rounding may push log(1) a hair above 0; anything
 assert TOKEN_DTYPE.itemsize == LOGPROB_DTYPE.itemsize == VERSION_DTYPE.itemsize
 
 
-def validate_group(g: RolloutGroup) -> int:
-    """Semantic checks a typed decoder cannot express. Raises InvalidMessage; returns the
-    group's :meth:`RolloutGroup.min_version` (computed on the way, the buffer needs it).
+def validate_group(g: RolloutGroup, limits: Limits = NO_LIMITS) -> int:
+    """Semantic checks a typed decoder cannot express, against the run's ``limits``. Raises
+    InvalidMessage; returns the group's :meth:`RolloutGroup.min_version` (computed on the way, the
+    buffer needs it). A non-empty prompt is required whatever the limits: the learner predicts
+    the first completion token from the last prompt token.
 
     The common case (a valid group) is checked in one pass: scalar checks per completion, then
     one numpy reduction over all completions' arrays joined (~6 us for 8 x 1,024 tokens instead
@@ -225,23 +318,42 @@ def validate_group(g: RolloutGroup) -> int:
         raise InvalidMessage("negative_id")
     if len(g.prompt_tokens) % TOKEN_DTYPE.itemsize:
         raise InvalidMessage("ragged_bytes", "prompt_tokens")
-    min_version = _completions_pass(g)
+    _check_shape(g, limits)
+    min_version = _completions_pass(g, limits)
     if min_version is None:
-        _explain_completions(g.completions)
+        _explain_completions(g, limits)
         raise AssertionError("fast path and reference checks disagree")  # unreachable
     return min_version
 
 
-def _completions_pass(g: RolloutGroup) -> int | None:
+def _check_shape(g: RolloutGroup, limits: Limits) -> None:
+    n, prompt = len(g.completions), len(g.prompt_tokens) // TOKEN_DTYPE.itemsize
+    if limits.group_size and n != limits.group_size:
+        raise InvalidMessage("group_size", f"{n} completions, want {limits.group_size}")
+    if not prompt:
+        raise InvalidMessage("empty_prompt")
+    if limits.max_prompt_tokens and prompt > limits.max_prompt_tokens:
+        raise InvalidMessage("prompt_too_long", f"{prompt} > {limits.max_prompt_tokens} tokens")
+
+
+def _ids_ok(ids: np.ndarray, vocab_size: int) -> bool:
+    return not ids.size or (ids.min() >= 0 and (not vocab_size or ids.max() < vocab_size))
+
+
+def _completions_pass(g: RolloutGroup, limits: Limits) -> int | None:
     """None unless every per-completion check of :func:`_explain_completions` would pass; then
     the group's min_version."""
     item = TOKEN_DTYPE.itemsize
+    cap = limits.max_new_tokens * item or math.inf
     comps = g.completions
     for c in comps:
         n = len(c.tokens)
-        if n % item or len(c.logprobs) != n or len(c.versions) != n \
+        if n % item or n > cap or len(c.logprobs) != n or len(c.versions) != n \
                 or c.finish_reason not in _FINISH_REASONS or not math.isfinite(c.reward):
             return None
+    ids = np.frombuffer(b"".join([g.prompt_tokens, *[c.tokens for c in comps]]), dtype=TOKEN_DTYPE)
+    if not _ids_ok(ids, limits.vocab_size):
+        return None
     lp = np.frombuffer(b"".join([c.logprobs for c in comps]), dtype=LOGPROB_DTYPE)
     if not lp.size:
         return g.start_version
@@ -253,9 +365,11 @@ def _completions_pass(g: RolloutGroup) -> int | None:
     return oldest if oldest >= 0 else None
 
 
-def _explain_completions(comps: list[Completion]) -> None:
+def _explain_completions(g: RolloutGroup, limits: Limits) -> None:
     """The reference checks, completion by completion: raises the first failure's reason."""
-    for i, c in enumerate(comps):
+    if not _ids_ok(np.frombuffer(g.prompt_tokens, dtype=TOKEN_DTYPE), limits.vocab_size):
+        raise InvalidMessage("token_out_of_vocab", f"prompt, vocabulary {limits.vocab_size or '?'}")
+    for i, c in enumerate(g.completions):
         n_tok, r1 = divmod(len(c.tokens), TOKEN_DTYPE.itemsize)
         n_lp, r2 = divmod(len(c.logprobs), LOGPROB_DTYPE.itemsize)
         n_ver, r3 = divmod(len(c.versions), VERSION_DTYPE.itemsize)
@@ -263,18 +377,26 @@ def _explain_completions(comps: list[Completion]) -> None:
             raise InvalidMessage("ragged_bytes", f"completion {i}")
         if not (n_tok == n_lp == n_ver):
             raise InvalidMessage("length_mismatch", f"completion {i}: {n_tok}/{n_lp}/{n_ver}")
+        if limits.max_new_tokens and n_tok > limits.max_new_tokens:
+            raise InvalidMessage("completion_too_long", f"completion {i}: {n_tok} > {limits.max_new_tokens}")
         if not math.isfinite(c.reward):
             raise InvalidMessage("nonfinite_reward", f"completion {i}")
         if n_tok:
-            lp = c.logprob_array()
-            if not np.isfinite(lp).all():
-                raise InvalidMessage("nonfinite_logprob", f"completion {i}")
-            if (lp > _MAX_LOGPROB).any():
-                raise InvalidMessage("positive_logprob", f"completion {i}")
-            if (c.version_array() < 0).any():
-                raise InvalidMessage("negative_version", f"completion {i}")
+            _explain_arrays(i, c, limits.vocab_size)
         if c.finish_reason not in _FINISH_REASONS:
             raise InvalidMessage("finish_reason", repr(c.finish_reason)[:32])
+
+
+def _explain_arrays(i: int, c: Completion, vocab_size: int) -> None:
+    lp = c.logprob_array()
+    if not np.isfinite(lp).all():
+        raise InvalidMessage("nonfinite_logprob", f"completion {i}")
+    if (lp > _MAX_LOGPROB).any():
+        raise InvalidMessage("positive_logprob", f"completion {i}")
+    if (c.version_array() < 0).any():
+        raise InvalidMessage("negative_version", f"completion {i}")
+    if not _ids_ok(c.token_array(), vocab_size):
+        raise InvalidMessage("token_out_of_vocab", f"completion {i}, vocabulary {vocab_size or '?'}")
 
 
 def make_completion(tokens, logprobs, versions, finish_reason: str, reward: float) -> Completion:

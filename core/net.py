@@ -1,17 +1,31 @@
 """ZeroMQ helpers: the one place sockets are bound, connected and secured.
 
 Policy: bind 127.0.0.1 unless configured otherwise; binding any non-loopback address requires
-ZeroMQ CURVE server keys and is refused without them. Clients of a CURVE server must present a
-key pair and the server's public key; an unauthenticated client never completes the handshake.
+ZeroMQ CURVE server keys and is refused without them. A CURVE server admits only the client keys
+of its allow-list (``net.curve_client_public``, one key or a list), through a ZAP handler
+(:func:`serve_curve`): without one, libzmq lets any key pair that knows the server's public key
+complete the handshake. Clients present the server's public key and their own key pair.
+
+Above the transport, every role proves it belongs to the run with the per-run secret
+``run_dir/secret`` (:func:`create_run_secret`, :func:`run_secret`), sent in its ``Hello``: CURVE
+keeps other hosts out, the secret keeps other local processes (which can reach any loopback port)
+from speaking for a role.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import os
+import secrets
 import socket as _socket
+import stat
 from dataclasses import dataclass
 
 import zmq
+from zmq.utils import z85
+
+SECRET_FILE = "secret"
+SECRET_HEX_CHARS = 64  # 32 random bytes
 
 
 class InsecureBindError(RuntimeError):
@@ -33,23 +47,129 @@ def make_curve_keys() -> tuple[str, str]:
 
 
 def curve_from_config(net) -> Curve | None:
+    """The CURVE keys of ``net`` (a config's NetSection), None without server keys. A client's
+    public key is derived from its secret key (``net.curve_client_public`` is the server's
+    allow-list, which may hold several keys)."""
     if not net.curve_server_public:
         return None
+    secret = net.curve_client_secret.encode()
     return Curve(
         server_public=net.curve_server_public.encode(),
         server_secret=net.curve_server_secret.encode(),
-        client_public=net.curve_client_public.encode(),
-        client_secret=net.curve_client_secret.encode(),
+        client_public=zmq.curve_public(secret) if secret else b"",
+        client_secret=secret,
     )
+
+
+def client_keys(net) -> list[str]:
+    """The allow-list of client public keys (z85) of ``net``."""
+    keys = net.curve_client_public
+    return ([keys] if keys else []) if isinstance(keys, str) else list(keys)
+
+
+def serve_curve(ctx: zmq.Context, net):
+    """``(curve, authenticator)`` for the server sockets of ``ctx``: the CURVE keys to bind with and
+    a running ZAP handler that admits only :func:`client_keys` (stop it when the sockets close);
+    ``(None, None)`` without CURVE keys. Refuses CURVE without an allow-list."""
+    curve = curve_from_config(net)
+    if curve is None:
+        return None, None
+    allowed = {k.encode() for k in client_keys(net)}
+    if not allowed:
+        raise InsecureBindError("CURVE without a client allow-list (net.curve_client_public) would "
+                                "admit any key pair")
+    from zmq.auth.thread import ThreadAuthenticator
+
+    class _Allow:
+        def callback(self, domain, key):
+            return key in allowed
+
+    auth = ThreadAuthenticator(ctx)
+    auth.start()
+    auth.configure_curve_callback("*", credentials_provider=_Allow())
+    return curve, auth
+
+
+def check_host(host: str) -> None:
+    """ValueError unless ``host`` is ``localhost`` or an IPv4 address (what ZeroMQ's ``tcp://``
+    endpoints here are built from): ``127.evil`` fails here, not as a traceback at bind."""
+    if host == "localhost":
+        return
+    try:
+        ipaddress.IPv4Address(host)
+    except ValueError:
+        raise ValueError(f"{host!r} is not an IPv4 address or localhost") from None
 
 
 def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        return ipaddress.IPv4Address(host).is_loopback
     except ValueError:
         return False
+
+
+def check_curve_key(key: str) -> None:
+    """ValueError unless ``key`` is a z85-encoded 32-byte CURVE key."""
+    try:
+        ok = len(key) == 40 and len(z85.decode(key)) == 32
+    except (ValueError, KeyError, TypeError):
+        ok = False
+    if not ok:
+        raise ValueError("not a z85 CURVE key of 40 characters (make one with core.net.make_curve_keys())")
+
+
+# ---- the per-run secret ----------------------------------------------------------------------
+
+
+def create_run_secret(run_dir: str) -> str:
+    """The run's secret: ``run_dir/secret`` if it exists (a resumed run keeps its secret), else a
+    new one -- 32 random bytes as hex, created exclusively with mode 0600 so that no other process
+    can have created or read it first."""
+    path = os.path.join(run_dir, SECRET_FILE)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:
+        return run_secret(run_dir)
+    try:
+        os.write(fd, secrets.token_hex(SECRET_HEX_CHARS // 2).encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return run_secret(run_dir)
+
+
+def run_secret(run_dir: str) -> str:
+    """Read ``run_dir/secret``; RuntimeError if it is missing, not a regular file owned by this
+    user, readable or writable by group or others, or not a secret this module wrote."""
+    path = os.path.join(run_dir, SECRET_FILE)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        raise RuntimeError(f"no run secret at {path}: the launcher creates it (core.net.create_run_secret)") from None
+    except OSError as e:  # a symlink (ELOOP) or unreadable
+        raise RuntimeError(f"cannot open the run secret {path}: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        _check_secret_file(path, st)
+        token = os.read(fd, SECRET_HEX_CHARS + 1).decode("ascii", "replace")
+    finally:
+        os.close(fd)
+    if len(token) != SECRET_HEX_CHARS or any(ch not in "0123456789abcdef" for ch in token):
+        raise RuntimeError(f"the run secret {path} is damaged (want {SECRET_HEX_CHARS} hex characters)")
+    return token
+
+
+def _check_secret_file(path: str, st: os.stat_result) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        raise RuntimeError(f"the run secret {path} is not a regular file")
+    if st.st_uid != os.geteuid():
+        raise RuntimeError(f"the run secret {path} belongs to uid {st.st_uid}, not to this user "
+                           f"({os.geteuid()}): refusing it")
+    if st.st_mode & 0o077:
+        raise RuntimeError(f"the run secret {path} has mode {stat.S_IMODE(st.st_mode):04o}: group/other "
+                           "may read or change it; it must be 0600")
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -54,8 +54,8 @@ class Drain:
 
 
 def test_buffer_sigkill_mid_stream(tmp_path):
-    cfg = make_config(fsync="batch", segment_bytes=16 << 10)
     run = str(tmp_path / "run")
+    cfg = make_config(run_dir=run, fsync="batch", segment_bytes=16 << 10)
     srv = ServerProcess(cfg, run)
     acked = set()
     group_ids = {}
@@ -100,7 +100,7 @@ def test_buffer_sigkill_mid_stream(tmp_path):
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_server_process_stops_cleanly_on_signal(tmp_path, sig):
-    cfg = make_config()
+    cfg = make_config(run_dir=tmp_path)
     srv = ServerProcess(cfg, str(tmp_path))
     try:
         srv.kill(sig)
@@ -176,9 +176,8 @@ def spooled_seqs(run):
 
 
 def test_actor_sigkill_and_restart_from_its_spool(tmp_path):
-    cfg = make_config(fsync="batch")
     run = str(tmp_path / "run")
-    os.makedirs(run)
+    cfg = make_config(run_dir=run, fsync="batch")
     cfg_path = os.path.join(run, "config.json")
     with open(cfg_path, "wb") as f:
         f.write(C.to_json(cfg))

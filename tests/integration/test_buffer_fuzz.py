@@ -6,10 +6,11 @@ accept every valid group afterwards. Frames between ``max_frame_bytes`` and Zero
 ZeroMQ limit is cut by ZeroMQ itself (the connection drops, nothing is allocated), so it is not
 counted -- one is sent last, on its own connection, to show the server shrugs it off.
 
-Expected reasons come from an oracle built only on ``core.messages`` (the typed decoder and
-``validate_group``), never from the server's own code. Frames of other sockets' messages and of
-the retired by-reference messages (schema 1 tags) are in the mix too: the actor socket's decoder
-refuses them as ``bad_fields``.
+Expected reasons come from an oracle built only on ``core.messages`` (the bounded typed decoder
+and ``validate_group`` with the run's limits) and the authentication rules (the fuzzing
+connection said Hello as actor "fuzz" with the run's secret), never from the server's own code.
+Frames of other sockets' messages and of the retired by-reference messages (schema 1 tags) are in
+the mix too: the actor socket's decoder refuses them as ``bad_fields``.
 """
 
 import math
@@ -23,38 +24,44 @@ import zmq
 from buffer.client import ActorClient, LearnerClient
 from buffer.server import MAX_ID_CHARS, ZMQ_SLACK_BYTES
 from core import net
-from core.messages import (ACTOR_TO_BUFFER, BUFFER_TO_ACTOR, SCHEMA_VERSION, Acks, Consumed, Hello,
-                           InvalidMessage, RolloutGroup, SampleRequest, decoder, encode, validate_group)
-from tests.support.buffer import ServerThread, make_config
+from core.messages import (BUFFER_TO_ACTOR, SCHEMA_VERSION, Acks, Consumed, Hello, InvalidMessage, Limits,
+                           RolloutGroup, SampleRequest, decode_reason, decoder, encode, group_decoder,
+                           validate_group)
+from tests.support.buffer import ServerThread, make_config, token
 from tests.support.synth import make_group
 
 MAX_FRAME = 64 << 10
 BATCH = 500
-_dec = decoder(ACTOR_TO_BUFFER)
+ACTOR = "fuzz"  # the fuzzing connection's actor id
 
 
-def oracle(frame: bytes) -> str | None:
-    """The reason a frame must be refused for, or None if it is acceptable."""
-    if len(frame) > MAX_FRAME:
-        return "oversize"
-    try:
-        msg = _dec.decode(frame)
-    except msgspec.ValidationError:
-        return "bad_fields"
-    except msgspec.DecodeError:
-        return "decode_error"
-    if isinstance(msg, Hello):
-        if msg.schema_version != SCHEMA_VERSION:
-            return "schema_version"
-        return "bad_actor_id" if len(msg.id) > MAX_ID_CHARS else None
-    if isinstance(msg, RolloutGroup):
+class Oracle:
+    def __init__(self, cfg):
+        self.limits, self.token = Limits.of(cfg), token(cfg)
+        self.dec = group_decoder(self.limits, Hello)
+
+    def __call__(self, frame: bytes) -> str | None:
+        """The reason a frame must be refused for, or None if it is acceptable."""
+        if len(frame) > MAX_FRAME:
+            return "oversize"
+        try:
+            msg = self.dec.decode(frame)
+        except (msgspec.ValidationError, msgspec.DecodeError) as e:
+            return decode_reason(e)
+        if isinstance(msg, Hello):
+            if msg.schema_version != SCHEMA_VERSION:
+                return "schema_version"
+            if len(msg.id) > MAX_ID_CHARS:
+                return "bad_actor_id"
+            return "bad_role" if msg.role != "actor" else ("bad_token" if msg.token != self.token else None)
         if len(msg.actor_id) > MAX_ID_CHARS:
             return "bad_actor_id"
         try:
-            validate_group(msg)
+            validate_group(msg, self.limits)
         except InvalidMessage as e:
             return e.reason
-    return None
+        # no learner has reported a version: anything newer than 1 is deferred, not refused
+        return "wrong_peer" if msg.actor_id != ACTOR else None
 
 
 def replace_completion(g, i=0, **kw):
@@ -63,7 +70,7 @@ def replace_completion(g, i=0, **kw):
     return msgspec.structs.replace(g, completions=comps)
 
 
-def hostile_frames(rng: random.Random, base: list[bytes], groups: list[RolloutGroup]):
+def hostile_frames(rng: random.Random, base: list[bytes], groups: list[RolloutGroup], oracle):
     """Yield (frame, category): every category is invalid by construction or checked by the oracle."""
     nan = np.array([math.nan], "<f4").tobytes()
     inf = np.array([-math.inf], "<f4").tobytes()
@@ -126,11 +133,12 @@ def hostile_frames(rng: random.Random, base: list[bytes], groups: list[RolloutGr
 
 
 def test_fuzz_10k_hostile_frames_then_valid_traffic(tmp_path):
-    cfg = make_config(max_frame_bytes=MAX_FRAME, capacity_groups=100_000)
+    cfg = make_config(run_dir=tmp_path, max_frame_bytes=MAX_FRAME, capacity_groups=100_000)
     rng = random.Random(1234)
-    groups = [make_group("fuzz", i, completions=2, tokens=rng.randrange(1, 40)) for i in range(20)]
-    base = [encode(g) for g in groups] + [encode(Hello("actor", "fuzz"))]
-    frames = list(hostile_frames(rng, base, groups))
+    groups = [make_group(ACTOR, i, completions=2, tokens=rng.randrange(1, 40)) for i in range(20)]
+    base = [encode(g) for g in groups] + [encode(Hello("actor", ACTOR, token=token(cfg)))]
+    oracle = Oracle(cfg)
+    frames = list(hostile_frames(rng, base, groups, oracle))
     expected = Counter(oracle(f) for f, _ in frames)
     assert None not in expected and len(frames) >= 10_000
     multipart = 100
@@ -143,17 +151,19 @@ def test_fuzz_10k_hostile_frames_then_valid_traffic(tmp_path):
         rejected = Counter()
 
         def sync():
-            """Processing is in order per connection: once our Hello is answered, all before it is."""
-            dealer.send(encode(Hello("actor", "sync")))
+            """Processing is in order per connection: once our Hello is answered, all before it is.
+            (The first one authenticates the connection as ACTOR.)"""
+            dealer.send(encode(Hello("actor", ACTOR, token=token(cfg))))
             while True:
                 assert dealer.poll(20_000), "server stopped answering"
                 msg = dec.decode(dealer.recv())
                 for ack in msg.acks if isinstance(msg, Acks) else [msg]:
-                    if ack.actor_id == "sync" and ack.status == "hello":
+                    if ack.actor_id == ACTOR and ack.status == "hello":
                         return
                     if ack.status == "rejected":
                         rejected[ack.reason] += 1
 
+        sync()
         for i in range(0, len(frames), BATCH):
             for f, _ in frames[i:i + BATCH]:
                 dealer.send(f)

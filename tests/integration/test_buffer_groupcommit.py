@@ -15,8 +15,9 @@ from buffer.client import ActorClient
 from buffer.server import BufferServer
 from buffer.store import SeenKeys
 from core import net
-from core.messages import BUFFER_TO_ACTOR, BUFFER_TO_LEARNER, Ack, Acks, Hello, SampleRequest, decoder, encode
-from tests.support.buffer import RawActor, ServerThread, gate, make_config, wait_for  # noqa: F401 -- gate
+from core.messages import (BUFFER_TO_ACTOR, BUFFER_TO_LEARNER, Ack, Acks, Hello, SampleRequest, decoder, encode,
+                           group_key)
+from tests.support.buffer import RawActor, ServerThread, gate, make_config, token, wait_for  # noqa: F401 -- gate
 from tests.support.synth import make_group
 
 
@@ -31,12 +32,12 @@ def dealer(ctx, port):
 
 
 def test_ack_waits_for_the_background_fsync_while_the_next_groups_are_appended(tmp_path, gate):
-    cfg = make_config(fsync="batch")
+    cfg = make_config(run_dir=tmp_path, fsync="batch")
     ctx = zmq.Context()
     acks = decoder(BUFFER_TO_ACTOR)
     with ServerThread(cfg, str(tmp_path)) as srv:
         actor = dealer(ctx, cfg.net.buffer_actor_port)
-        actor.send(encode(Hello("actor", "a")))
+        actor.send(encode(Hello("actor", "a", token=token(cfg))))
         assert actor.poll(5000) and acks.decode(actor.recv()) == Ack("a", 0, "hello")
         gate.close()
         actor.send(encode(small("a", 0)))
@@ -62,14 +63,15 @@ def test_ack_waits_for_the_background_fsync_while_the_next_groups_are_appended(t
 
 
 def test_a_batch_of_groups_not_yet_durable_waits_for_the_fsync(tmp_path, gate):
-    cfg = make_config(fsync="batch")
+    cfg = make_config(run_dir=tmp_path, fsync="batch")
     ctx = zmq.Context()
     with ServerThread(cfg, str(tmp_path)) as srv:
         learner = dealer(ctx, cfg.net.buffer_learner_port)
-        learner.send(encode(Hello("learner", "L")))
+        learner.send(encode(Hello("learner", "L", token=token(cfg))))
         learner.send(encode(SampleRequest(1, 1, 0)))  # held: nothing to serve yet
         actor = dealer(ctx, cfg.net.buffer_actor_port)
-        wait_for(lambda: srv._learners and any(st.pending for st in srv._learners.values()))
+        actor.send(encode(Hello("actor", "a", token=token(cfg))))
+        wait_for(lambda: srv._learner is not None and srv._learner.pending is not None)
         gate.close()
         g = small("a", 0)
         actor.send(encode(g))
@@ -90,14 +92,17 @@ def test_a_batch_of_groups_not_yet_durable_waits_for_the_fsync(tmp_path, gate):
 def test_a_failed_write_on_the_io_thread_stops_the_server_loop(tmp_path, monkeypatch, fsync):
     """Records are written by the log's I/O thread: a write error there (a full disk, say) must
     surface in the loop -- never a hung thread, never an ack for a group not in the file."""
-    cfg = make_config(fsync=fsync)
+    cfg = make_config(run_dir=tmp_path, fsync=fsync)
     srv = BufferServer(cfg, str(tmp_path))
     try:
         def full(fd, bufs):
             raise OSError(28, "No space left on device")
 
-        monkeypatch.setattr(persist, "_write_all", full)
         actor = RawActor(cfg)
+        actor.send(Hello("actor", "a", token=token(cfg)))
+        wait_for(lambda: srv.step(10) or actor.sock.poll(0))
+        assert actor.recv().status == "hello"
+        monkeypatch.setattr(persist, "_write_all", full)
         actor.send(small("a", 0))
         with pytest.raises(OSError, match="No space left"):
             for _ in range(200):
@@ -115,8 +120,8 @@ def test_a_segment_snapshot_never_remembers_a_group_whose_record_follows_it(tmp_
     a power loss after the snapshot but before the group's record would leave the key 'seen'
     with no record: the actor's resend would be answered 'duplicate' and the group lost."""
     group = small("a0", 0)
-    cfg = make_config(fsync="batch", segment_bytes=3 * len(encode(group)))
     run = str(tmp_path / "run")
+    cfg = make_config(run_dir=run, fsync="batch", segment_bytes=3 * len(encode(group)))
     with ServerThread(cfg, run):
         actor = ActorClient(cfg, "a0")
         for _ in range(12):
@@ -129,8 +134,8 @@ def test_a_segment_snapshot_never_remembers_a_group_whose_record_follows_it(tmp_
     for path in paths:
         records = persist.scan(open(path, "rb").read())[0]
         kind, snap = records[0][1], records[0][2]
-        assert kind == persist.SEEN
+        assert kind in persist.SEEN_KINDS
         remembered = SeenKeys()
         remembered.merge(msgspec.msgpack.decode(snap))
-        here = [persist._group_key(p) for _, k, p in records if k == persist.GROUP]
+        here = [group_key(p) for _, k, p in records if k == persist.GROUP]
         assert here and not [key for key in here if key in remembered], path

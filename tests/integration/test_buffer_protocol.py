@@ -16,7 +16,7 @@ from buffer.client import ActorClient, LearnerClient, Spool, spool_path
 from core import net
 from core.messages import (ACTOR_TO_BUFFER, BUFFER_TO_LEARNER, LEARNER_TO_BUFFER, Ack, Consumed, Hello,
                            RolloutGroup, SampleBatch, SampleRequest, decoder, encode)
-from tests.support.buffer import ROOT, RawActor, ServerThread, make_config, wait_for
+from tests.support.buffer import ROOT, RawActor, ServerThread, make_config, token, wait_for
 from tests.support.synth import make_group
 
 
@@ -36,7 +36,7 @@ def drain(learner, n, consume=True):
 
 
 def test_stream_sample_consume_and_metrics(tmp_path):
-    cfg = make_config()
+    cfg = make_config(run_dir=tmp_path)
     reports = []
     with ServerThread(cfg, str(tmp_path), metrics=reports.append) as srv:
         actor, learner = ActorClient(cfg, "a0"), LearnerClient(cfg)
@@ -64,27 +64,25 @@ def test_stream_sample_consume_and_metrics(tmp_path):
 
 
 def test_ack_statuses_ok_duplicate_rejected_and_hello_seq(tmp_path):
-    cfg = make_config()
+    cfg = make_config(run_dir=tmp_path)
     with ServerThread(cfg, str(tmp_path)) as srv:
         raw = RawActor(cfg)
-        raw.send(Hello("actor", "r"))
-        assert raw.recv() == Ack("r", 0, "hello")
+        assert raw.hello("r") == Ack("r", 0, "hello")
         g = small("r", 0)
         raw.send(g)
         raw.send(g)  # a resend
         assert [raw.recv().status, raw.recv().status] == ["ok", "duplicate"]
         bad = msgspec.structs.replace(g, seq=1, completions=[msgspec.structs.replace(
-            g.completions[0], logprobs=g.completions[0].logprobs[:-4])])
+            g.completions[0], logprobs=g.completions[0].logprobs[:-4]), g.completions[1]])
         raw.send(bad)
         assert raw.recv() == Ack("r", 1, "rejected", "length_mismatch")
-        raw.send(Hello("actor", "r"))
-        assert raw.recv() == Ack("r", 1, "hello")  # numbering resumes after the accepted seq 0
+        assert raw.hello("r") == Ack("r", 1, "hello")  # numbering resumes after the accepted seq 0
         assert srv.store.counters.duplicates == 1 and srv.invalid["length_mismatch"] == 1
         raw.close()
 
 
 def test_busy_blocks_the_actor_until_the_learner_makes_room(tmp_path):
-    cfg = make_config(capacity_groups=2)
+    cfg = make_config(run_dir=tmp_path, capacity_groups=2)
     with ServerThread(cfg, str(tmp_path)) as srv:
         actor = ActorClient(cfg, "a0")
         got = []
@@ -110,7 +108,7 @@ def test_busy_blocks_the_actor_until_the_learner_makes_room(tmp_path):
 
 
 def test_stale_on_arrival_rejected_and_accepted_then_dropped_both_reach_the_actor(tmp_path):
-    cfg = make_config(max_staleness=1)
+    cfg = make_config(run_dir=tmp_path, max_staleness=1)
     with ServerThread(cfg, str(tmp_path)) as srv:
         actor, learner = ActorClient(cfg, "a0"), LearnerClient(cfg)
         actor.send(small("a0", actor.next_seq(), version=0))  # learner version unknown: accepted
@@ -133,7 +131,7 @@ def test_stale_on_arrival_rejected_and_accepted_then_dropped_both_reach_the_acto
 
 
 def test_request_is_held_until_enough_groups_then_answered_once(tmp_path):
-    cfg = make_config()
+    cfg = make_config(run_dir=tmp_path)
     with ServerThread(cfg, str(tmp_path)):
         actor, learner = ActorClient(cfg, "a0"), LearnerClient(cfg)
         assert learner.sample(3, 0, timeout_s=0.3) is None
@@ -150,9 +148,9 @@ def test_request_is_held_until_enough_groups_then_answered_once(tmp_path):
 
 def test_full_buffer_serves_a_partial_batch_instead_of_deadlocking(tmp_path):
     one = len(encode(small("a0", 0)))
-    cfg = make_config(capacity_bytes=int(2.5 * one))
+    cfg = make_config(run_dir=tmp_path, capacity_bytes=int(2.5 * one))
     with ServerThread(cfg, str(tmp_path)) as srv:
-        raw = RawActor(cfg)
+        raw = RawActor(cfg, "a0")
         for i in range(3):
             raw.send(small("a0", i))
         assert [raw.recv().status for _ in range(3)] == ["ok", "ok", "busy"]
@@ -165,7 +163,7 @@ def test_full_buffer_serves_a_partial_batch_instead_of_deadlocking(tmp_path):
 
 
 def test_restarted_learner_gets_back_what_it_held_but_never_consumed(tmp_path):
-    cfg = make_config()
+    cfg = make_config(run_dir=tmp_path)
     with ServerThread(cfg, str(tmp_path)):
         actor = ActorClient(cfg, "a0")
         for _ in range(4):
@@ -185,7 +183,7 @@ def test_restarted_learner_gets_back_what_it_held_but_never_consumed(tmp_path):
 
 
 def test_buffer_restart_keeps_unconsumed_and_leased_groups_and_the_seq_high_water_mark(tmp_path):
-    cfg = make_config(fsync="always")
+    cfg = make_config(run_dir=tmp_path, fsync="always")
     with ServerThread(cfg, str(tmp_path)):
         actor, learner = ActorClient(cfg, "a0"), LearnerClient(cfg)
         for _ in range(5):
@@ -207,7 +205,7 @@ def test_buffer_restart_keeps_unconsumed_and_leased_groups_and_the_seq_high_wate
 
 def test_learner_client_never_returns_a_key_twice_and_re_sends_a_lost_consumed(tmp_path):
     """Scripted buffer that 'forgot' a Consumed (as after a crash) and serves the group again."""
-    cfg = make_config()
+    cfg = make_config(run_dir=tmp_path)
     ctx = zmq.Context()
     router = net.socket(ctx, zmq.ROUTER)
     net.bind(router, "127.0.0.1", cfg.net.buffer_learner_port)
@@ -251,7 +249,7 @@ def test_learner_client_never_returns_a_key_twice_and_re_sends_a_lost_consumed(t
 
 
 def test_actor_client_refuses_groups_of_another_actor(tmp_path):
-    cfg = make_config()
+    cfg = make_config(run_dir=tmp_path)
     actor = ActorClient(cfg, "a0")
     with pytest.raises(ValueError, match="a1"):
         actor.send(small("a1", 0))
@@ -259,7 +257,7 @@ def test_actor_client_refuses_groups_of_another_actor(tmp_path):
 
 
 def test_persist_false_serves_from_memory_and_keeps_nothing_on_disk(tmp_path):
-    cfg = make_config(persist=False)
+    cfg = make_config(run_dir=tmp_path, persist=False)
     with ServerThread(cfg, str(tmp_path)):
         actor, learner = ActorClient(cfg, "a0"), LearnerClient(cfg)
         sent = [small("a0", actor.next_seq()) for _ in range(6)]
@@ -282,7 +280,7 @@ def test_buffer_package_imports_without_torch():
 
 
 def test_learner_receives_the_actor_bytes_and_reassembles_a_sample_batch(tmp_path):
-    cfg = make_config()
+    cfg = make_config(run_dir=tmp_path)
     sent = [make_group("a0", i, completions=2, tokens=16) for i in range(3)]
     with ServerThread(cfg, str(tmp_path)):
         actor = ActorClient(cfg, "a0")
@@ -292,7 +290,7 @@ def test_learner_receives_the_actor_bytes_and_reassembles_a_sample_batch(tmp_pat
         ctx = zmq.Context()
         raw = net.socket(ctx, zmq.DEALER)
         net.connect(raw, "127.0.0.1", cfg.net.buffer_learner_port)
-        raw.send(encode(Hello("learner", "raw")))
+        raw.send(encode(Hello("learner", "raw", token=token(cfg))))
         raw.send(encode(SampleRequest(1, 2, 0)))
         assert raw.poll(5000)
         frames = raw.recv_multipart()
@@ -301,9 +299,9 @@ def test_learner_receives_the_actor_bytes_and_reassembles_a_sample_batch(tmp_pat
         assert frames[1:] == [encode(g) for g in sent[:2]]  # byte for byte what the actor sent
         raw.close()
         ctx.term()
-        learner = LearnerClient(cfg)
-        batch = learner.sample(1, 0, timeout_s=5)
-        assert isinstance(batch, SampleBatch) and batch.groups == [sent[2]]
+        learner = LearnerClient(cfg)  # the raw learner left without consuming: all three are back
+        batch = learner.sample(3, 0, timeout_s=5)
+        assert isinstance(batch, SampleBatch) and batch.groups == sent
         assert isinstance(batch.groups[0], RolloutGroup)
         learner.close()
         actor.close()
@@ -347,7 +345,7 @@ class SilentBuffer:
 
 
 def test_actor_client_resends_unacked_groups_and_keeps_to_its_window(tmp_path):
-    cfg = make_config()
+    cfg = make_config(run_dir=tmp_path)
     buf = SilentBuffer(cfg)
     actor = ActorClient(cfg, "a0", window=3, resend_s=0.2)
     try:
@@ -372,7 +370,7 @@ def test_actor_client_resends_unacked_groups_and_keeps_to_its_window(tmp_path):
 def test_unacked_groups_survive_the_actor_and_are_resent_by_its_next_incarnation(tmp_path):
     """Groups sent while the buffer is down stay in the spool when the actor dies; the next
     incarnation resends them, numbers new groups above them, and each is trained on once."""
-    cfg, run = make_config(), str(tmp_path)
+    cfg, run = make_config(run_dir=tmp_path), str(tmp_path)
     first = ServerThread(cfg, run)
     first.__enter__()
     actor = ActorClient(cfg, "a0", run_dir=run, window=8, resend_s=0.5)
@@ -436,7 +434,7 @@ def test_compaction_mid_stream_moves_records_without_breaking_the_learner(tmp_pa
     """One group the learner holds unconsumed pins an old segment while 150 more stream through
     tiny segments, so compactions run mid-stream: batches before and after each compaction carry
     the right bytes, and the compacted log replays to the same state."""
-    cfg, run = make_config(segment_bytes=8 << 10), str(tmp_path)
+    cfg, run = make_config(run_dir=tmp_path, segment_bytes=8 << 10), str(tmp_path)
     with ServerThread(cfg, run) as srv:
         actor, learner = ActorClient(cfg, "a0"), LearnerClient(cfg)
         try:

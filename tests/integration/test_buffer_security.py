@@ -16,7 +16,7 @@ from tests.support.synth import make_group
 
 
 def test_default_bind_is_loopback(tmp_path):
-    cfg = make_config()
+    cfg = make_config(run_dir=tmp_path)
     srv = BufferServer(cfg, str(tmp_path))
     try:
         assert cfg.net.host == "127.0.0.1"
@@ -28,7 +28,7 @@ def test_default_bind_is_loopback(tmp_path):
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3"])
 def test_non_loopback_bind_without_curve_is_refused(tmp_path, host):
-    cfg = make_config(net_overrides={"host": host})  # (core.config.validate refuses it too)
+    cfg = make_config(run_dir=tmp_path, net_overrides={"host": host})  # (core.config.validate refuses it too)
     with pytest.raises(net.InsecureBindError, match="CURVE"):
         BufferServer(cfg, str(tmp_path))
     # and nothing was left bound or opened on the way out
@@ -37,17 +37,17 @@ def test_non_loopback_bind_without_curve_is_refused(tmp_path, host):
     probe.close(linger=0)
 
 
-def _curve_config():
+def _curve_config(run_dir):
     """A buffer config with fresh CURVE keys; returns it with (server public, client pair)."""
     spub, ssec = net.make_curve_keys()
     cpub, csec = net.make_curve_keys()
-    cfg = make_config(net_overrides=dict(curve_server_public=spub, curve_server_secret=ssec,
-                                         curve_client_public=cpub, curve_client_secret=csec))
+    cfg = make_config(run_dir=run_dir, net_overrides=dict(curve_server_public=spub, curve_server_secret=ssec,
+                                                          curve_client_public=cpub, curve_client_secret=csec))
     return cfg, (spub, cpub, csec)
 
 
 def test_curve_lets_only_authenticated_clients_through(tmp_path):
-    cfg, (spub, cpub, csec) = _curve_config()
+    cfg, (spub, cpub, csec) = _curve_config(tmp_path)
     with ServerThread(cfg, str(tmp_path)) as srv:
         ctx = zmq.Context()
         intruders = {}
@@ -87,7 +87,7 @@ def test_curve_lets_only_authenticated_clients_through(tmp_path):
 
 
 def test_curve_learner_with_plaintext_gets_no_batch(tmp_path):
-    cfg, (spub, cpub, csec) = _curve_config()
+    cfg, (spub, cpub, csec) = _curve_config(tmp_path)
     with ServerThread(cfg, str(tmp_path)) as srv:
         actor = ActorClient(cfg, "good")
         actor.send(make_group("good", actor.next_seq(), completions=2, tokens=8))

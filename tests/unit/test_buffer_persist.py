@@ -1,6 +1,7 @@
 """Segment log: replay rebuilds exactly the resident set and the dedup memory; torn tails are
-ignored and counted; disk use stays bounded under a long stream; recycled segment files never
-bring back a record of their earlier life."""
+cut off and counted, while damage anywhere else stops the replay with the file and offset, and
+the salvage keeps every intact record; disk use stays bounded under a long stream; recycled
+segment files never bring back a record of their earlier life."""
 
 import os
 
@@ -35,7 +36,7 @@ def test_replay_rebuilds_resident_set_in_arrival_order(tmp_path):
     assert list(rep.groups) == [("a", 0), ("a", 3), ("a", 5)]
     assert rep.groups[("a", 3)] == raws[3]  # byte-exact: the learner gets what the actor sent
     assert sorted(rep.done_keys) == [("a", 1), ("a", 2), ("a", 4)]
-    assert rep.corrupt == 0
+    assert rep.torn == 0
 
 
 @pytest.mark.parametrize("cut", [1, 5, 9, 200])
@@ -49,23 +50,97 @@ def test_torn_tail_record_is_ignored_and_counted(tmp_path, cut):
     os.truncate(path, size - cut)  # the last record lost its last `cut` bytes
     _, rep = open_log(tmp_path)
     assert list(rep.groups) == [("a", 0), ("a", 1)]
-    assert rep.corrupt == 1
+    assert rep.torn == 1
     # the torn bytes were cut off, so nothing is ever appended after garbage
     data = open(path, "rb").read()
     *_, (end, _kind, _payload) = scan(data)[0]
     assert end == len(data)
 
 
-def test_flipped_byte_is_caught_by_crc(tmp_path):
-    lg, _ = open_log(tmp_path)
+def three_groups(d):
+    """A log of one segment file holding SEEN + groups 0, 1, 2; returns the file, the records'
+    end offsets and the groups' bytes."""
+    lg, _ = open_log(d)
+    raws = [raw(i) for i in range(3)]
     for i in range(3):
-        lg.append_group(("a", i), raw(i))
+        lg.append_group(("a", i), raws[i])
     lg.close()
-    data = bytearray(open(lg.active.path, "rb").read())
-    data[-100] ^= 0xFF  # inside the last group's payload
-    open(lg.active.path, "wb").write(bytes(data))
+    data = open(lg.active.path, "rb").read()
+    return lg.active.path, [after for after, _, _ in scan(data)[0]], raws
+
+
+def flip(path, offset):
+    data = bytearray(open(path, "rb").read())
+    data[offset] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+
+
+@pytest.mark.parametrize("where", ["middle_payload", "middle_header", "last_payload", "seen_record"])
+def test_a_flipped_byte_in_a_complete_record_stops_the_replay_with_file_and_offset(tmp_path, where):
+    """Not a torn tail: the replay refuses to go on (it would drop acknowledged groups, or revive
+    consumed ones) and names the file, the offset and the salvage command."""
+    path, ends, _ = three_groups(tmp_path)
+    start = {"middle_payload": ends[1], "middle_header": ends[1], "last_payload": ends[2],
+             "seen_record": 0}[where]
+    flip(path, start + {"middle_header": 3, "seen_record": HEADER.size}.get(where, HEADER.size + 5))
+    with pytest.raises(persist.CorruptLog) as e:
+        open_log(tmp_path)
+    assert e.value.path == path and e.value.offset == start
+    assert f"{path} at byte {start}" in str(e.value) and f"--salvage {tmp_path}" in str(e.value)
+
+
+def test_salvage_keeps_every_intact_record_and_reports_the_lost_one(tmp_path):
+    path, ends, raws = three_groups(tmp_path)
+    flip(path, ends[1] + HEADER.size + 20)  # inside group 1's payload
+    damaged = open(path, "rb").read()
+    report = persist.salvage(str(tmp_path))
+    assert "kept 3 intact records" in report[0] and "('a', 1)" in "\n".join(report)
+    moved = os.listdir(tmp_path / "damaged")
+    assert len(moved) == 1 and open(tmp_path / "damaged" / moved[0], "rb").read() == damaged
+    _, rep = open_log(tmp_path)  # replays now, without the damaged record
+    assert rep.groups == {("a", 0): raws[0], ("a", 2): raws[2]}
+    assert persist.salvage(str(tmp_path)) == [f"{tmp_path}: no damaged segment"]
+
+
+def test_what_a_cut_write_leaves_is_torn_only_where_a_cut_write_can_leave_it(tmp_path):
+    """scan's verdicts on hand-made files: a fresh file (SEEN_NEW) can only end in a short record;
+    a recycled one (SEEN) may end in a record whose tail is an earlier life's bytes; a tail of
+    zeros is never written data; and damage followed by intact records is corruption anywhere."""
+    def rec(kind, payload, seg):
+        return persist.encode_record(kind, payload, seg) + payload
+
+    old = b"".join(rec(persist.GROUP, raw(i, tokens=64), 1) for i in range(4))  # an earlier life
+    seen = b"\x80"  # msgpack {}
+    g0, g1 = rec(persist.GROUP, raw(10), 2), rec(persist.GROUP, raw(11), 2)
+    cut = g1[:len(g1) // 2]  # header intact, payload cut short
+    recycled = rec(persist.SEEN, seen, 2) + g0
+    fresh = rec(persist.SEEN_NEW, seen, 2) + g0
+    over_old = recycled + cut + old[len(recycled) + len(cut):]
+    assert scan(over_old, 2)[1:] == (len(recycled), "torn")  # a cut write over the old bytes
+    assert scan(recycled + old[len(recycled):], 2)[2] is None  # this life ends, the old one shows
+    assert scan(fresh + cut, 2)[1:] == (len(fresh), "torn")  # short: a cut write
+    assert scan(fresh + cut[:9], 2)[2] == "torn"  # a header cut short
+    assert scan(fresh + bytes(300), 2)[2] == "torn"  # zeros: allocated, never written
+    bad = bytearray(g1)
+    bad[-3] ^= 1
+    assert scan(fresh + bytes(bad), 2)[2] == "corrupt"  # complete, in a file of its own life
+    assert scan(recycled + bytes(bad) + g0, 2)[2] == "corrupt"  # intact records follow
+    assert scan(fresh + b"\x01" * 40 + g0, 2)[2] == "corrupt"
+
+
+def test_salvage_cli_repairs_the_log_in_place(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.support.buffer import ROOT
+
+    path, ends, _ = three_groups(tmp_path)
+    flip(path, ends[0] + 2)  # group 0's header
+    out = subprocess.run([sys.executable, "-m", "buffer.persist", "--salvage", str(tmp_path)],
+                         capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert out.returncode == 0 and "lost" in out.stdout and f"bytes {ends[0]}..{ends[1]}" in out.stdout
     _, rep = open_log(tmp_path)
-    assert list(rep.groups) == [("a", 0), ("a", 1)] and rep.corrupt == 1
+    assert list(rep.groups) == [("a", 1), ("a", 2)]
 
 
 def test_dedup_memory_survives_deletion_of_every_segment_that_held_the_keys(tmp_path):
@@ -232,8 +307,8 @@ def test_segments_recycle_and_replay_never_resurrects_an_earlier_life(tmp_path):
         num = int(name[4:-4])
         with open(tmp_path / name, "rb") as f:
             data = f.read()
-        _, end, torn = scan(data, num)
-        assert not torn
+        _, end, verdict = scan(data, num)
+        assert verdict is None
         old = [h for h in (parse_header(data, p, None) for p in range(end, len(data))) if h is not None]
         assert all(h[3] < num for h in old)  # an earlier life: a lower segment number
         stale_tails += bool(old)
@@ -242,7 +317,7 @@ def test_segments_recycle_and_replay_never_resurrects_an_earlier_life(tmp_path):
     lg2 = SegmentLog(str(tmp_path), 4096, fsync="never")
     try:
         rep = lg2.replay()
-        assert rep.corrupt == 0
+        assert rep.torn == 0
         # exactly the never-consumed groups, byte-exact, in arrival order: no consumed group
         # comes back from a recycled file's earlier life
         assert list(rep.groups) == kept
@@ -293,7 +368,7 @@ def test_record_header_names_its_segment_and_guards_itself(tmp_path):
     lg.close()
     data = open(lg.active.path, "rb").read()
     (after_seen, kind, _), (after, kind0, payload) = scan(data, lg.active.num)[0]
-    assert kind == persist.SEEN and kind0 == persist.GROUP and bytes(payload) == raw0
+    assert kind == persist.SEEN_NEW and kind0 == persist.GROUP and bytes(payload) == raw0
     assert parse_header(data, after_seen, lg.active.num)[1:3] == (len(raw0), persist.GROUP)
     assert parse_header(data, after_seen, lg.active.num + 1) is None  # another life's segment number
     bad = bytearray(data)

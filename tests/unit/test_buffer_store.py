@@ -120,6 +120,22 @@ def test_leases_are_not_served_twice_and_release_returns_them():
     assert sorted(e.key[1] for e in again) == [0, 1, 2]
 
 
+def test_consume_for_a_lessee_retires_only_what_it_holds():
+    """A learner can only have trained on groups leased to it: the rest of its Consumed (keys
+    never served, or served to an earlier learner) is counted and ignored."""
+    st = Store(capacity_groups=10, capacity_bytes=10**6)
+    for i in range(4):
+        st.offer(entry(seq=i))
+    st.take(2, 0, lessee="L1")  # seqs 0, 1
+    st.take(1, 0, lessee="L2")  # seq 2; seq 3 stays unleased
+    done = st.consume([("a", i) for i in range(5)], lessee="L1")
+    assert [e.key for e in done] == [("a", 0), ("a", 1)]
+    c = st.counters
+    assert (c.consumed, c.consumed_not_leased, c.consumed_unknown) == (2, 2, 1)
+    assert sorted(st.resident) == [("a", 2), ("a", 3)] and st.invariant_ok()
+    assert st.stats()["buffer/consumed_ignored"] == 3
+
+
 def test_take_at_least_leases_nothing_when_too_few_fresh_groups():
     st = Store(capacity_groups=10, capacity_bytes=10**6, max_staleness=0)
     st.offer(entry(seq=0, version=3))

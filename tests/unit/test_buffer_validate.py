@@ -7,13 +7,17 @@ import msgspec
 import numpy as np
 
 from buffer.store import entry_from_group
-from core.messages import (LOGPROB_DTYPE, SCHEMA_VERSION, TOKEN_DTYPE, VERSION_DTYPE, InvalidMessage,
-                           make_completion, validate_group)
+from core.messages import (LOGPROB_DTYPE, NO_LIMITS, SCHEMA_VERSION, TOKEN_DTYPE, VERSION_DTYPE, InvalidMessage,
+                           Limits, make_completion, validate_group)
 from tests.support.synth import make_group
 
 
-def reference_validate(g):
-    """validate_group as it was before vectorisation: one completion at a time."""
+def _ids_bad(ids, limits):
+    return ids.size and (ids.min() < 0 or (limits.vocab_size and ids.max() >= limits.vocab_size))
+
+
+def reference_validate(g, limits=NO_LIMITS):
+    """validate_group written plainly: one completion at a time."""
     if g.schema_version != SCHEMA_VERSION:
         raise InvalidMessage("schema_version")
     if not g.completions:
@@ -22,6 +26,15 @@ def reference_validate(g):
         raise InvalidMessage("negative_id")
     if len(g.prompt_tokens) % TOKEN_DTYPE.itemsize:
         raise InvalidMessage("ragged_bytes")
+    prompt = np.frombuffer(g.prompt_tokens, TOKEN_DTYPE)
+    if limits.group_size and len(g.completions) != limits.group_size:
+        raise InvalidMessage("group_size")
+    if not prompt.size:
+        raise InvalidMessage("empty_prompt")
+    if limits.max_prompt_tokens and prompt.size > limits.max_prompt_tokens:
+        raise InvalidMessage("prompt_too_long")
+    if _ids_bad(prompt, limits):
+        raise InvalidMessage("token_out_of_vocab")
     for c in g.completions:
         n_tok, r1 = divmod(len(c.tokens), TOKEN_DTYPE.itemsize)
         n_lp, r2 = divmod(len(c.logprobs), LOGPROB_DTYPE.itemsize)
@@ -30,6 +43,8 @@ def reference_validate(g):
             raise InvalidMessage("ragged_bytes")
         if not (n_tok == n_lp == n_ver):
             raise InvalidMessage("length_mismatch")
+        if limits.max_new_tokens and n_tok > limits.max_new_tokens:
+            raise InvalidMessage("completion_too_long")
         if not math.isfinite(c.reward):
             raise InvalidMessage("nonfinite_reward")
         if n_tok:
@@ -40,33 +55,53 @@ def reference_validate(g):
                 raise InvalidMessage("positive_logprob")
             if (np.frombuffer(c.versions, VERSION_DTYPE) < 0).any():
                 raise InvalidMessage("negative_version")
+            if _ids_bad(np.frombuffer(c.tokens, TOKEN_DTYPE), limits):
+                raise InvalidMessage("token_out_of_vocab")
         if c.finish_reason not in ("stop", "length"):
             raise InvalidMessage("finish_reason")
 
 
-def reason_of(fn, g):
+def reason_of(fn, g, limits=NO_LIMITS):
     try:
-        fn(g)
+        fn(g, limits)
     except InvalidMessage as e:
         return e.reason
     return None
 
 
-def corrupt(g, rng):
-    """One or two random defects of the kinds validate_group looks for, in random completions."""
+VOCAB, MAX_PROMPT, MAX_NEW = 32000, 40, 48
+LIMITS = Limits(group_size=3, max_prompt_tokens=MAX_PROMPT, max_new_tokens=MAX_NEW, vocab_size=VOCAB)
+
+
+def corrupt(g, rng, limited=False):
+    """One or two random defects of the kinds validate_group looks for, in random completions
+    (``limited``: also the kinds only the run's limits refuse)."""
     comps = list(g.completions)
     for _ in range(int(rng.integers(1, 3))):
         if not comps:
             break
         i = int(rng.integers(len(comps)))
         c = comps[i]
-        kind = int(rng.integers(10))
+        kind = int(rng.integers(14 if limited else 10))
         if kind in (0, 1, 2) and (len(c.logprobs) % 4 or len(c.versions) % 4):
             continue  # already ragged by the first defect
         lp = np.frombuffer(c.logprobs[: len(c.logprobs) // 4 * 4], LOGPROB_DTYPE).copy()
         ver = np.frombuffer(c.versions[: len(c.versions) // 4 * 4], VERSION_DTYPE).copy()
         j = int(rng.integers(max(1, lp.size)))
-        if kind == 0 and lp.size:
+        if kind == 10 and len(c.tokens) % 4 == 0 and c.tokens:
+            tok = np.frombuffer(c.tokens, TOKEN_DTYPE).copy()
+            tok[int(rng.integers(tok.size))] = rng.choice([-1, VOCAB, VOCAB - 1, 2**31 - 1])
+            c = msgspec.structs.replace(c, tokens=tok.tobytes())
+        elif kind == 11:
+            n = int(rng.choice([0, 1, MAX_PROMPT, MAX_PROMPT + 1]))
+            g = msgspec.structs.replace(g, prompt_tokens=rng.integers(-1, VOCAB + 1, n).astype("<i4").tobytes())
+        elif kind == 12:
+            comps.append(c)  # one completion too many
+            continue
+        elif kind == 13:
+            n = MAX_NEW + int(rng.integers(0, 2))
+            c = make_completion(rng.integers(0, VOCAB, n), -rng.random(n), np.zeros(n), "length", 0.0)
+        elif kind == 0 and lp.size:
             lp[j] = rng.choice([np.nan, np.inf, -np.inf])
         elif kind == 1 and lp.size:
             lp[j] = rng.choice([0.5, 1e-3, 1e-4, 0.0, 2e-4])  # around the 1e-4 tolerance
@@ -107,6 +142,21 @@ def test_vectorised_validate_group_gives_the_reference_verdict_and_reason():
     # the sample exercised every completion-level reason and the valid case
     assert {None, "empty_group", "ragged_bytes", "length_mismatch", "nonfinite_reward", "nonfinite_logprob",
             "positive_logprob", "negative_version", "finish_reason"} <= seen
+
+
+def test_with_the_runs_limits_the_vectorised_verdict_is_still_the_reference_one():
+    rng = np.random.default_rng(2)
+    seen = set()
+    for n in range(800):
+        g = make_group("a", n, completions=3, tokens=int(rng.integers(1, MAX_NEW + 1)),
+                       prompt_tokens=int(rng.integers(1, MAX_PROMPT + 1)), rng=rng, ragged=bool(n % 2))
+        if n % 5:
+            g = corrupt(g, rng, limited=True)
+        want = reason_of(reference_validate, g, LIMITS)
+        assert reason_of(validate_group, g, LIMITS) == want, g
+        seen.add(want)
+    assert {None, "group_size", "empty_prompt", "prompt_too_long", "token_out_of_vocab",
+            "completion_too_long", "length_mismatch", "nonfinite_logprob"} <= seen
 
 
 def test_all_empty_completions_are_valid_and_keep_the_start_version():

@@ -45,11 +45,82 @@ def test_socket_decoder_rejects_messages_not_meant_for_it():
         M.decoder(M.BUFFER_TO_ACTOR).decode(M.encode(M.Shutdown(reason="not the buffer's")))
 
 
-def test_a_schema_1_group_is_refused_by_validation():
-    # schema 1 frames carried by-reference fields; a peer still speaking it must be refused
-    assert M.SCHEMA_VERSION == 2
+@pytest.mark.parametrize("old", [1, 2])
+def test_a_group_of_an_older_schema_is_refused_by_validation(old):
+    # schema 1 frames carried by-reference fields, schema 2 Hellos no secret: refused
+    assert M.SCHEMA_VERSION == 3
     with pytest.raises(M.InvalidMessage, match="schema_version"):
-        M.validate_group(_group(schema_version=1))
+        M.validate_group(_group(schema_version=old))
+
+
+def test_hello_carries_the_token_last_and_defaults_to_none():
+    assert M.Hello("actor", "a0").token == ""
+    assert msgspec.msgpack.decode(M.encode(M.Hello("actor", "a0", token="t"))) == ["hello", "actor", "a0", 3, "t"]
+
+
+LIMITS = M.Limits(group_size=2, max_prompt_tokens=4, max_new_tokens=3, vocab_size=10)
+
+
+@pytest.mark.parametrize("bad, reason", [
+    (dict(completions=[M.make_completion([5, 6, 2], [-0.1] * 3, [3] * 3, "stop", 1.0)]), "group_size"),
+    (dict(prompt_tokens=b""), "empty_prompt"),
+    (dict(prompt_tokens=np.arange(5, dtype="<i4").tobytes()), "prompt_too_long"),
+    (dict(prompt_tokens=np.array([1, 10], dtype="<i4").tobytes()), "token_out_of_vocab"),
+    (dict(prompt_tokens=np.array([-1], dtype="<i4").tobytes()), "token_out_of_vocab"),
+    (dict(completions=[M.make_completion([5, 6, 2], [-0.1] * 3, [3] * 3, "stop", 1.0),
+                       M.make_completion([5, 10], [-0.1] * 2, [3] * 2, "stop", 1.0)]), "token_out_of_vocab"),
+    (dict(completions=[M.make_completion([5, 6, 2, 1], [-0.1] * 4, [3] * 4, "length", 1.0)] * 2),
+     "completion_too_long"),
+])
+def test_validate_group_enforces_the_runs_limits(bad, reason):
+    assert M.validate_group(_group(), LIMITS) == 3  # the base group is within them
+    with pytest.raises(M.InvalidMessage) as e:
+        M.validate_group(_group(**bad), LIMITS)
+    assert e.value.reason == reason
+
+
+def test_vocab_size_zero_skips_only_the_upper_bound():
+    big = dict(prompt_tokens=np.array([1, 10**6], dtype="<i4").tobytes())
+    assert M.validate_group(_group(**big), M.Limits(vocab_size=0)) == 3
+    with pytest.raises(M.InvalidMessage, match="token_out_of_vocab"):
+        M.validate_group(_group(prompt_tokens=np.array([-5], dtype="<i4").tobytes()), M.Limits())
+
+
+def test_bounded_decoder_refuses_oversized_arrays_before_building_them():
+    """A 40 MB frame of two million empty completions is refused at its array header, without the
+    memory of two million objects."""
+    import tracemalloc
+
+    empty = M.make_completion([], [], [], "stop", 0.0)
+    frame = M.encode(_group(completions=[empty] * 2_000_000))
+    dec = M.group_decoder(LIMITS, M.Hello)
+    tracemalloc.start()
+    with pytest.raises(msgspec.ValidationError) as e:
+        dec.decode(frame)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert M.decode_reason(e.value) == "over_limit"
+    assert peak < 1 << 20  # building them takes ~300 MB
+    for field, value in [("prompt_tokens", np.arange(5, dtype="<i4").tobytes()),
+                         ("completions", [M.make_completion([1] * 4, [-0.1] * 4, [0] * 4, "stop", 0.0)] * 2)]:
+        with pytest.raises(msgspec.ValidationError) as e:
+            dec.decode(M.encode(_group(**{field: value})))
+        assert M.decode_reason(e.value) == "over_limit"
+    ok = dec.decode(M.encode(_group()))
+    assert isinstance(ok, M.RolloutGroup) and ok.key == ("a0", 7) and M.validate_group(ok, LIMITS) == 3
+    assert isinstance(dec.decode(M.encode(M.Hello("actor", "a0"))), M.Hello)
+
+
+def test_group_key_reads_the_key_without_the_arrays():
+    assert M.group_key(M.encode(_group())) == ("a0", 7)
+    for other in (M.encode(M.Hello("actor", "a0")), b"\x93\x01", b"", M.encode(M.Ack("a", 1, "ok"))):
+        assert M.group_key(other) is None
+
+
+def test_max_version_is_the_newest_token_version_or_the_start_version():
+    comps = [M.make_completion([1, 2], [-0.1, -0.1], [3, 9], "stop", 0.0), M.make_completion([], [], [], "stop", 0.0)]
+    assert _group(completions=comps).max_version() == 9
+    assert _group(completions=comps[1:], start_version=4).max_version() == 4
 
 
 def test_completion_arrays_and_min_version():
