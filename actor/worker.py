@@ -21,11 +21,11 @@ import torch
 
 from actor.engines import Engine, make_engine
 from actor.tasks import Task, make_task
-from buffer.client import ActorClient
+from buffer.client import ActorClient, Stopped as BufferStopped
 from core import config as C
 from core import messages as M
 from core.admission import Admission
-from core.metrics import MetricsSink
+from core.metrics import sink_for
 from core.proc import die_with_parent, setup_logging, stop_event
 from model.tokenizer import Tokenizer
 from weightsync.base import Stopped, make_subscriber
@@ -40,10 +40,10 @@ class RolloutWorker:
         a = cfg.actor
         self.engine = make_engine(a, cfg.model.path, make_subscriber(cfg, run_dir, stop=stop),
                                   seed=cfg.run.seed * 1000 + index)
-        self.client = ActorClient(cfg, self.actor_id, run_dir=run_dir)
+        self.client = ActorClient(cfg, self.actor_id, run_dir=run_dir, stop=stop)
         self.admission: Admission | None = None  # set by the first weights applied (_wait_for_weights)
         self.rng: random.Random | None = None
-        self.metrics = MetricsSink(cfg.net.host, cfg.net.metrics_port, "actor", self.actor_id)
+        self.metrics = sink_for(cfg, run_dir, "actor", self.actor_id)
         self.last_eval = -1
         self.eval_set = self.task.eval_set(cfg.run.eval_prompts) if index == 0 and cfg.run.eval_every else []
 
@@ -198,6 +198,8 @@ def main(argv=None) -> None:
     log.info("actor %d started at version %d", args.index, worker.version)
     try:
         worker.run()
+    except BufferStopped:  # SIGTERM while waiting for the buffer; unsent groups stay in the spool
+        pass
     finally:
         worker.client.close()
         worker.engine.close()

@@ -45,7 +45,7 @@ import torch
 from buffer.client import LearnerClient
 from core import config as C
 from core import messages as M
-from core.metrics import MetricsSink
+from core.metrics import sink_for
 from core.proc import EXIT_WRITE_FAILED, die_with_parent, setup_logging, stop_event
 from core.stats import dense_histogram
 from learner import checkpoint, journal
@@ -66,8 +66,8 @@ class LearnerLoop:
         self.counts = collections.Counter()  # dropped_stale, skipped_batches, ... (see _emit)
         self._recover()
         self.publisher = make_publisher(cfg, run_dir, self.backend.named_tensors(), stop=stop)
-        self.client = client or LearnerClient(cfg)
-        self.metrics = metrics or MetricsSink(cfg.net.host, cfg.net.metrics_port, "learner", "learner0")
+        self.client = client or LearnerClient(cfg, run_dir=run_dir, stop=stop)
+        self.metrics = metrics or sink_for(cfg, run_dir, "learner", "learner0")
         self.stale_hist: list[float] = []
         self.window = collections.deque(maxlen=10)  # (wait_s, busy_s) of recent steps
         self._skips_in_a_row = 0

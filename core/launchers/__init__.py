@@ -92,8 +92,7 @@ def prepare(cfg: C.Config, run_dir: str | None = None) -> tuple[C.Config, str]:
     run_dir = os.path.abspath(run_dir or cfg.run.run_dir or new_run_dir())
     os.makedirs(os.path.join(run_dir, "logs"), mode=0o700, exist_ok=True)
     os.chmod(run_dir, 0o700)  # it holds CURVE keys and weights; also a run dir made before this rule
-    if hasattr(net, "create_run_secret"):
-        net.create_run_secret(run_dir)
+    net.create_run_secret(run_dir)  # every role presents it to the buffer and the metrics collector
     host = cfg.net.host
     ports = {k: getattr(cfg.net, k) or net.free_port(host if net.is_loopback(host) else "0.0.0.0")
              for k in ("buffer_actor_port", "buffer_learner_port", "metrics_port")}
@@ -236,14 +235,14 @@ class Launcher(abc.ABC):
 
     def run(self, run_dir: str | None = None, monitor=None, on_ready=None) -> RunResult:
         """Prepare, start, watch until the learner finishes its budget, then stop everything."""
-        from core.metrics import MetricsCollector, MetricsSink
+        from core.metrics import collector_for, sink_for
         from core.monitor import Monitor
 
         t0 = time.time()
         cfg, run_dir = prepare(self.cfg, run_dir)
         self.cfg = cfg
-        collector = MetricsCollector(run_dir, cfg.net.host, cfg.net.metrics_port, curve=net.curve_from_config(cfg.net))
-        sink = MetricsSink(cfg.net.host, collector.port, "launcher", "launcher")  # as the roles connect
+        collector = collector_for(cfg, run_dir)
+        sink = sink_for(cfg, run_dir, "launcher", "launcher")  # its own records: run/restarts/<role>
         monitor = monitor or Monitor(cfg)
         procs = roles(cfg, run_dir)
         by_name = {r.name: r for r in procs}
