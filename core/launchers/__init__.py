@@ -140,15 +140,6 @@ def _cause(code: int) -> str:
     return f"exited with {code}"
 
 
-def _feed(monitor, collector, timeout_ms: int) -> None:
-    """Collected records to metrics.jsonl and the view; a failed write (a full disk) is one line."""
-    try:
-        records = collector.poll(timeout_ms=timeout_ms)
-    except OSError as e:
-        raise RoleFailed(f"cannot write the metrics log {collector.path}: {e.strerror or e}") from None
-    monitor.update(records)
-
-
 class Launcher(abc.ABC):
     name = ""
 
@@ -223,7 +214,7 @@ class Launcher(abc.ABC):
         restarts: collections.Counter = collections.Counter()
         learner = next(r for r in procs if r.name == "learner")
         while True:
-            _feed(monitor, collector, 200)
+            monitor.update(collector.poll(timeout_ms=200))
             monitor.refresh()
             for role in procs:
                 code = self.returncode(role)
@@ -257,7 +248,7 @@ class Launcher(abc.ABC):
             with monitor:
                 self._watch(procs, run_dir, monitor, collector, sink)
                 self.stop_all(actors + [by_name["buffer"]])
-                _feed(monitor, collector, 200)
+                monitor.update(collector.poll(timeout_ms=200))
                 monitor.refresh(force=True)
         except KeyboardInterrupt:
             result.interrupted = True
@@ -265,8 +256,7 @@ class Launcher(abc.ABC):
             self.stop_all([by_name["learner"], *actors, by_name["buffer"]])
             try:
                 sink.close()
-                with contextlib.suppress(RoleFailed):  # already reported, if it is the cause
-                    _feed(monitor, collector, 100)
+                monitor.update(collector.poll(timeout_ms=100))
             finally:
                 collector.close()
                 self.close()

@@ -2,8 +2,8 @@
 
 Children run in their own sessions, so a terminal Ctrl-C reaches only the launcher, which then
 stops the roles in order by process id. Each child also asks the kernel for SIGTERM if the
-launcher itself dies (core/proc.py), so nothing is left behind even when the launcher is
-SIGKILLed.
+launcher itself dies, and watches the launcher's pid as a fallback that ends it even if a wait
+ignores the signal (core/proc.py), so nothing is left behind when the launcher is SIGKILLed.
 """
 
 from __future__ import annotations
