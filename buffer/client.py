@@ -296,13 +296,13 @@ class ActorClient:
     def _await_hello(self) -> None:
         """Without the buffer's answer no seq is safe to use (one it accepted before may be
         reused): raises Stopped or BufferUnavailable instead of guessing."""
-        t0 = time.monotonic()
-        answered = self._wait_until(lambda: self._server_next is not None, t0 + HELLO_TIMEOUT_S)
+        t0, limit = time.monotonic(), min(HELLO_TIMEOUT_S, self.timeout_s)
+        answered = self._wait_until(lambda: self._server_next is not None, t0 + limit)
         self.admission_wait_s += time.monotonic() - t0
         if not answered and self._stop():
             raise Stopped(f"{self.actor_id}: stopped while waiting for the buffer's Hello answer")
         if not answered:
-            raise BufferUnavailable(f"{self.actor_id}: no answer from the buffer in {HELLO_TIMEOUT_S:.0f}s")
+            raise BufferUnavailable(f"{self.actor_id}: no answer from the buffer in {limit:.0f}s")
 
     def _wait_until(self, done: Callable[[], bool], deadline: float | None) -> bool:
         """Pump until ``done()``; False once ``deadline`` passes or the stop flag is set. Without a

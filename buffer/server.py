@@ -610,10 +610,13 @@ def main(argv=None) -> None:
         cfg = C.from_json(f.read())
     sink = server = None
     if cfg.net.metrics_port:
-        from core.metrics import MetricsSink
+        from core.metrics import MetricsSink, sink_for
 
-        sink = MetricsSink(cfg.net.host, cfg.net.metrics_port, "buffer", "buffer",
-                           curve=net.curve_from_config(cfg.net))
+        if os.path.exists(os.path.join(args.run_dir, net.SECRET_FILE)):
+            sink = sink_for(cfg, args.run_dir, "buffer", "buffer")
+        else:  # started by hand, no launcher: a collector without a secret takes it
+            sink = MetricsSink(cfg.net.host, cfg.net.metrics_port, "buffer", "buffer",
+                               curve=net.curve_from_config(cfg.net))
 
     def emit(values: dict) -> None:
         sink.emit(server.learner_version or 0, values)

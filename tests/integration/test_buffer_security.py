@@ -99,3 +99,36 @@ def test_curve_learner_with_plaintext_gets_no_batch(tmp_path):
         assert srv.store.leased == 0 and srv.store.available() == 1
         thief.close()
         actor.close()
+
+
+def test_curve_without_a_client_allow_list_is_refused_even_past_config_validation(tmp_path):
+    """The attack: a non-loopback bind with server keys only was accepted and then answered any
+    key pair. Config validation refuses it (tests/unit/test_config_net.py); the server refuses
+    it too, for a config built without validation."""
+    spub, ssec = net.make_curve_keys()
+    for host in ("127.0.0.1", "0.0.0.0"):
+        cfg = make_config(run_dir=tmp_path, net_overrides=dict(host=host, curve_server_public=spub,
+                                                               curve_server_secret=ssec))
+        with pytest.raises(net.InsecureBindError, match="allow-list"):
+            BufferServer(cfg, str(tmp_path))
+
+
+def test_a_list_allow_list_admits_each_listed_key_and_no_other(tmp_path):
+    spub, ssec = net.make_curve_keys()
+    pairs = [net.make_curve_keys() for _ in range(3)]
+    cfg = make_config(run_dir=tmp_path, net_overrides=dict(
+        curve_server_public=spub, curve_server_secret=ssec, curve_client_public=[p for p, _ in pairs[:2]]))
+
+    def as_client(i):  # each client knows only its own secret; its public key is derived
+        return msgspec.structs.replace(cfg, net=msgspec.structs.replace(cfg.net, curve_client_secret=pairs[i][1]))
+
+    with ServerThread(cfg, str(tmp_path)) as srv:
+        actors = [ActorClient(as_client(i), f"a{i}", timeout_s=2.0) for i in range(3)]
+        for a in actors[:2]:
+            a.send(make_group(a.actor_id, a.next_seq(), completions=2, tokens=8))
+            assert a.flush(10)
+        with pytest.raises(Exception, match="no answer"):  # its handshake never completes
+            actors[2].next_seq()
+        assert sorted(srv.store.resident) == [("a0", 0), ("a1", 0)] and set(srv._actor_ident) == {"a0", "a1"}
+        for a in actors:
+            a.close()
