@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 from core import config as C
 import run
 from learner import checkpoint
+from tests.support.runs import alive, lines
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1",
@@ -52,22 +53,6 @@ def test_resume_continues_at_the_same_version_without_retraining(tmp_path):
     assert all(float(resumed_optim[k]) == 8 for k in step_keys)
 
 
-def _lines(path):
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f]
-
-
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-
-
 def test_resume_after_a_crash_of_everything_never_repeats_a_version(tmp_path):
     """Every process SIGKILLed mid-run (a power cut, the OOM killer): the resumed run publishes
     the newest checkpoint's weights under a version above every one published before, so no
@@ -81,7 +66,7 @@ def test_resume_after_a_crash_of_everything_never_repeats_a_version(tmp_path):
     p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 120
-        while time.time() < deadline and len(_lines(run_dir / "trained_keys.jsonl")) < 3:
+        while time.time() < deadline and len(lines(run_dir / "trained_keys.jsonl")) < 3:
             assert p.poll() is None, "the run ended early"
             time.sleep(0.05)
         pids = json.loads((run_dir / "pids.json").read_text())
@@ -96,16 +81,16 @@ def test_resume_after_a_crash_of_everything_never_repeats_a_version(tmp_path):
         if p.poll() is None:
             p.kill()
     deadline = time.time() + 30
-    while time.time() < deadline and any(_alive(pid) for pid in pids.values()):
+    while time.time() < deadline and any(alive(pid) for pid in pids.values()):
         time.sleep(0.1)
-    before = _lines(run_dir / "trained_keys.jsonl")
+    before = lines(run_dir / "trained_keys.jsonl")
     target = before[-1]["step"] + 3
 
     out = subprocess.run([sys.executable, "run.py", "resume", str(run_dir), f"run.max_steps={target}"], cwd=ROOT,
                          capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    steps = _lines(run_dir / "trained_keys.jsonl")
-    rolled = _lines(run_dir / "trained_keys.rolled_back.jsonl")
+    steps = lines(run_dir / "trained_keys.jsonl")
+    rolled = lines(run_dir / "trained_keys.rolled_back.jsonl")
     assert [s["step"] for s in steps] == list(range(1, target + 1))
     versions = [s["version"] for s in steps]
     assert versions == sorted(set(versions)) and not set(versions) & {s["version"] for s in rolled}

@@ -7,7 +7,6 @@ import os
 import pytest
 import torch
 
-from core import messages as M
 from learner import journal as J
 from learner.loop import LearnerLoop
 from tests.support.tiny import make_group, tiny_cfg, tiny_model_dir

@@ -1,0 +1,30 @@
+"""Helpers of the tests that run whole jobs: the tiny run's overrides, reading a run directory,
+and telling whether a role process is still there."""
+
+from __future__ import annotations
+
+import json
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY_RUN = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1",
+            "model.intermediate_size=64", "model.pretrain_steps=40", "learner.groups_per_step=4",
+            "actor.group_size=4", "actor.groups_per_batch=2", "run.eval_every=0", "monitor.live=off"]
+
+
+def lines(path) -> list[dict]:
+    """The JSON lines of ``path`` (none if it does not exist yet)."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def alive(pid: int) -> bool:
+    """True while ``pid`` runs; a zombie (exited, not yet reaped) counts as gone."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
