@@ -162,7 +162,7 @@ def main(argv=None) -> int:
         return 2
     except (launchers.RoleFailed, ContractError) as e:
         print(f"run failed: {e}", file=sys.stderr)
-        return 1
+        return getattr(e, "exit_code", 1)
     if result.interrupted:
         print(f"interrupted; all roles stopped. Resume with: python run.py resume {result.run_dir}")
         return 130

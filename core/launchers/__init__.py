@@ -62,7 +62,12 @@ class RunResult:
 
 
 class RoleFailed(RuntimeError):
-    """A role exited unexpectedly (or crashed more often than run.max_restarts)."""
+    """A role exited unexpectedly (or crashed more often than run.max_restarts); ``exit_code`` is
+    what ``run.py`` exits with (``core.proc.EXIT_WRITE_FAILED`` when a role could not write)."""
+
+    def __init__(self, message: str, exit_code: int = 1):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 def new_run_dir(base: str = "runs") -> str:
@@ -198,7 +203,7 @@ class Launcher(abc.ABC):
         code, limit = self.returncode(role), self.cfg.run.max_restarts
         if code == EXIT_WRITE_FAILED:
             raise RoleFailed(f"{role.name} stopped: {_last_line(role.log_path, 'ERROR')}; "
-                             f"resume with `python run.py resume {run_dir}` once it can write")
+                             f"resume with `python run.py resume {run_dir}` once it can write", EXIT_WRITE_FAILED)
         if restarts[role.name] >= limit:
             raise RoleFailed(f"{role.name} {_cause(code)} after {restarts[role.name]} restarts:\n"
                              f"{_tail(role.log_path)}")

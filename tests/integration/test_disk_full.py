@@ -40,7 +40,7 @@ def test_full_disk_is_one_line_and_the_run_resumes(tmp_path, small_disk):
     cache = f"model.cache_dir={tmp_path / 'models'}"
     out = _run(*TINY, cache, "run.max_steps=6", f"run.run_dir={run_dir}")
     text = out.stdout + out.stderr
-    assert out.returncode == 1, text[-3000:]
+    assert out.returncode == EXIT_WRITE_FAILED, text[-3000:]  # the exit status says "could not write"
     assert "Traceback" not in text
     failed = [line for line in text.splitlines() if line.startswith("run failed")]
     assert len(failed) == 1 and "No space left on device" in failed[0], text[-3000:]
