@@ -809,6 +809,8 @@ def main(argv=None) -> None:
     ap.add_argument("--salvage", metavar="DIR", required=True,
                     help="repair the damaged segments of RUN_DIR/buffer (with the buffer stopped)")
     args = ap.parse_args(argv)
+    if not os.path.isdir(args.salvage):
+        ap.error(f"{args.salvage} is not a directory (want RUN_DIR/buffer)")
     for line in salvage(args.salvage):
         print(line)
 

@@ -98,7 +98,10 @@ ZMQ_SLACK_BYTES = 64 << 10
 # served at least once per turn; with group commit, an fsync covers whatever arrived meanwhile
 # (8 measured ~5% faster than 16 or 32 in bench/buffer.py, 4 no better)
 MAX_BATCH_MSGS = 8
-MAX_BATCH_MSGS_LEARNER = 64  # a learner message is small; a stranger's flood must not starve actors
+# learner messages are small: more of them per turn lets the learner's own through a stranger's
+# flood of the learner port (ZeroMQ reads the peers in turn), while the actors still get theirs
+MAX_BATCH_MSGS_LEARNER = 64
+MAX_DRAIN_ON_CLOSE = 4096  # learner-port messages read before a closed learner's leases go back
 MAX_BATCH_BYTES = 4 << 20
 MAX_ID_CHARS = 128
 MAX_ACTORS = 4096  # authenticated actor connections remembered (each actor id keeps only its latest)
@@ -217,12 +220,12 @@ class BufferServer:
         ready = dict(self._poller.poll(timeout_ms))
         if self._wake_fd in ready:
             self.log.drain_wake()
-        if self._monitor in ready:  # before the learner's messages: a reused fd is a new connection
-            self._on_monitor()
         if self.learner_sock in ready:  # first: see the module docstring
             self._drain(self.learner_sock, self._on_learner, MAX_BATCH_MSGS_LEARNER)
             self._serve_requests()
             self._flush_outbox()
+        if self._monitor in ready:
+            self._on_monitor()
         if self.actor_sock in ready:
             self._drain(self.actor_sock, self._on_actor)
             self._serve_requests()
@@ -422,7 +425,8 @@ class BufferServer:
         return released
 
     def _on_monitor(self) -> None:
-        """The learner's connection closed: its leases go back (see the module docstring)."""
+        """The learner's connection closed: its leases go back (see the module docstring) -- after
+        whatever it sent before closing (its last Consumed) has been read."""
         while True:
             try:
                 ev = recv_monitor_message(self._monitor, zmq.NOBLOCK)
@@ -430,7 +434,9 @@ class BufferServer:
                 return
             st = self._learner
             if ev["event"] == zmq.EVENT_DISCONNECTED and st is not None and ev["value"] == st.fd:
-                self.leases_expired += self._drop_learner("disconnected")
+                self._drain(self.learner_sock, self._on_learner, MAX_DRAIN_ON_CLOSE)
+                if self._learner is st:  # (not replaced meanwhile by a new learner's Hello)
+                    self.leases_expired += self._drop_learner("disconnected")
 
     def _version_ok(self, st: _Learner, version: int) -> bool:
         """A learner incarnation's versions never go down (a new Hello may start anywhere)."""
