@@ -129,11 +129,17 @@ def contract_check(cfg: C.Config, run_dir: str | None) -> dict:
 
 def train(cfg: C.Config, run_dir: str | None = None, monitor=None, on_ready=None) -> launchers.RunResult:
     """Check the seams, resolve the model, check the contract, run every role to the budget."""
+    from weightsync.shm import remove_dead_region
+
     check_seams(cfg)
     cfg = resolve_model(cfg)
     report = contract_check(cfg, run_dir)
     log.info("contract check passed: %s", report)
-    result = launchers.launch(cfg, run_dir, monitor, on_ready)
+    run_dir = os.path.abspath(run_dir or cfg.run.run_dir or launchers.new_run_dir())
+    try:
+        result = launchers.launch(cfg, run_dir, monitor, on_ready)
+    finally:  # a learner that died for good leaves no shared-memory region behind
+        remove_dead_region(run_dir)
     result.contract = report
     return result
 

@@ -85,6 +85,7 @@ from buffer.store import Entry, Store, entry_from_group
 from core import config as C
 from core import net
 from core.files import atomic_write
+from core.proc import EXIT_CORRUPT_LOG
 from core.messages import (LEARNER_TO_BUFFER, SCHEMA_VERSION, Ack, Acks, Consumed, Hello, InvalidMessage,
                            Limits, RolloutGroup, SampleBatch, SampleRequest, decode_reason, decoder, encode,
                            group_decoder, group_key, validate_group)
@@ -112,7 +113,6 @@ METRICS_EVERY_S = 1.0
 # connection is disconnected (and its leases released) after this long without an answer
 HEARTBEAT_IVL_MS = 2000
 HEARTBEAT_TIMEOUT_MS = 20000
-EXIT_CORRUPT_LOG = 65  # EX_DATAERR: the segment log is damaged; see buffer.persist --salvage
 
 
 @dataclass

@@ -16,6 +16,7 @@ PR_SET_PDEATHSIG = 1
 # a role that could not write what it must (a checkpoint on a full disk, ...): EX_TEMPFAIL of
 # sysexits.h, "try again later": the run is resumable once the cause is fixed. Not restarted.
 EXIT_WRITE_FAILED = 75
+EXIT_CORRUPT_LOG = 65  # EX_DATAERR: the buffer's segment log is damaged; see buffer.persist --salvage
 ORPHAN_POLL_S = 0.5
 ORPHAN_GRACE_S = 15.0  # after the launcher is gone: time to stop cleanly before a hard exit
 

@@ -32,7 +32,7 @@ import msgspec
 from core import config as C
 from core import net
 from core.files import atomic_write
-from core.proc import EXIT_WRITE_FAILED
+from core.proc import EXIT_CORRUPT_LOG, EXIT_WRITE_FAILED
 from core.registry import resolve
 
 log = logging.getLogger("driftrl.launch")
@@ -204,6 +204,10 @@ class Launcher(abc.ABC):
         if code == EXIT_WRITE_FAILED:
             raise RoleFailed(f"{role.name} stopped: {_last_line(role.log_path, 'ERROR')}; "
                              f"resume with `python run.py resume {run_dir}` once it can write", EXIT_WRITE_FAILED)
+        if code == EXIT_CORRUPT_LOG:  # a restart would meet the same damage
+            raise RoleFailed(f"{role.name} stopped: {_last_line(role.log_path, 'ERROR')}; repair with "
+                             f"`python -m buffer.persist --salvage {run_dir}/buffer`, then "
+                             f"`python run.py resume {run_dir}`", EXIT_CORRUPT_LOG)
         if restarts[role.name] >= limit:
             raise RoleFailed(f"{role.name} {_cause(code)} after {restarts[role.name]} restarts:\n"
                              f"{_tail(role.log_path)}")

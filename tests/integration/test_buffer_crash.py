@@ -237,7 +237,7 @@ def test_a_damaged_log_stops_the_buffer_until_salvaged_and_loses_only_the_damage
     after it and reviving consumed ones; the salvage command keeps every intact record, and the
     buffer then starts with every other acknowledged group, the consumed ones still retired."""
     from buffer import persist
-    from buffer.server import EXIT_CORRUPT_LOG
+    from core.proc import EXIT_CORRUPT_LOG
 
     run = str(tmp_path / "run")
     cfg = make_config(run_dir=run, fsync="always")
