@@ -199,7 +199,7 @@ def main(argv=None) -> None:
     try:
         worker.run()
     except BufferStopped:  # SIGTERM while waiting for the buffer; unsent groups stay in the spool
-        pass
+        log.info("actor %d stopped while waiting for the buffer", args.index)
     finally:
         worker.client.close()
         worker.engine.close()
