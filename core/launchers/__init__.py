@@ -83,11 +83,9 @@ def new_run_dir(base: str = "runs") -> str:
 def _point_latest(run_dir: str) -> None:
     link = os.path.join(os.path.dirname(run_dir), "latest")
     tmp = f"{link}.{os.getpid()}"
-    try:
+    with contextlib.suppress(OSError):  # runs/latest is a convenience; no symlinks still runs
         os.symlink(os.path.basename(run_dir), tmp)
         os.replace(tmp, link)
-    except OSError:
-        pass  # runs/latest is a convenience; a filesystem without symlinks still runs
 
 
 def prepare(cfg: C.Config, run_dir: str | None = None) -> tuple[C.Config, str]:

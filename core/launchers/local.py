@@ -8,6 +8,7 @@ ignores the signal (core/proc.py), so nothing is left behind when the launcher i
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 
@@ -40,7 +41,5 @@ class LocalLauncher(Launcher):
         return role.handle.poll()
 
     def signal(self, role: Role, sig: int) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError):  # already gone: nothing to stop
             role.handle.send_signal(sig)
-        except ProcessLookupError:
-            pass  # already gone: nothing to stop

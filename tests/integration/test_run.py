@@ -11,6 +11,7 @@ import pytest
 
 from core import config as C
 import run
+from tests.support.runs import alive
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1",
@@ -29,14 +30,6 @@ def _records(run_dir):
         return [json.loads(line) for line in f]
 
 
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie is dead for our purposes
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split()[2] != "Z"
 
 
 @pytest.mark.parametrize("staleness", [0, 2])
@@ -66,7 +59,7 @@ def test_run_end_to_end(tmp_path, cache_dir, staleness):
         assert os.path.getsize(os.path.join(result.run_dir, "logs", f"{name}.log")) > 0
     with open(os.path.join(result.run_dir, "pids.json")) as f:
         pids = json.load(f)
-    assert not any(_alive(pid) for name, pid in pids.items() if name != "launcher")
+    assert not any(alive(pid) for name, pid in pids.items() if name != "launcher")
 
 
 def test_ctrl_c_leaves_nothing_behind(tmp_path, cache_dir):
@@ -92,7 +85,7 @@ def test_ctrl_c_leaves_nothing_behind(tmp_path, cache_dir):
             p.kill()
     assert p.returncode == 130, out.decode()[-2000:]
     assert b"resume" in out
-    assert not any(_alive(pid) for pid in pids.values())
+    assert not any(alive(pid) for pid in pids.values())
 
 
 def test_killed_actor_and_buffer_are_restarted_and_lose_nothing(tmp_path, cache_dir):
@@ -126,7 +119,7 @@ def test_killed_actor_and_buffer_are_restarted_and_lose_nothing(tmp_path, cache_
     with open(os.path.join(result.run_dir, "logs", "actor0.log")) as f:
         assert f.read().count("started at version") == 2  # the restarted incarnation ran
     with open(os.path.join(result.run_dir, "pids.json")) as f:
-        assert not any(_alive(pid) for name, pid in json.load(f).items() if name != "launcher")
+        assert not any(alive(pid) for name, pid in json.load(f).items() if name != "launcher")
 
 
 def test_run_dir_is_private(tmp_path, cache_dir):

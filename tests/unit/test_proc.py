@@ -7,17 +7,11 @@ import subprocess
 import sys
 import textwrap
 import time
+from tests.support.runs import alive
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is dead for our purposes
 
 
 def _env(**extra):
@@ -59,11 +53,11 @@ def test_a_role_that_ignores_sigterm_still_ends_when_its_launcher_dies(tmp_path)
         p.kill()
         p.wait()
         deadline = time.time() + 15
-        while _alive(child) and time.time() < deadline:
+        while alive(child) and time.time() < deadline:
             time.sleep(0.1)
-        assert not _alive(child), "the role outlived its launcher"
+        assert not alive(child), "the role outlived its launcher"
     finally:
-        if _alive(child):
+        if alive(child):
             os.kill(child, signal.SIGKILL)
         if p.poll() is None:
             p.kill()
