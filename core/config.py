@@ -62,12 +62,30 @@ class ModelSection(_Section):
     # fraction of pre-training answers that are correct; the rest carry the classic
     # "forgot the carry" mistake, so the base model knows the task but prefers a wrong habit
     pretrain_correct_frac: Annotated[float, Meta(ge=0, le=1)] = 0.25
+    # scratch task: fraction of pre-training answers that write their working out first
+    pretrain_worked_frac: Annotated[float, Meta(ge=0, le=1)] = 0.1
+    max_position_embeddings: PosInt = 128
 
 
 class TaskSection(_Section):
     name: str = "arith"  # actor/tasks/ TASKS
-    digits: Annotated[int, Meta(ge=1, le=6)] = 2
+    digits: Annotated[int, Meta(ge=1, le=12)] = 2  # arith: operand digits; scratch: the most
+    min_digits: Annotated[int, Meta(ge=1, le=12)] = 1  # scratch: difficulty ranges min_digits..digits
     eval_frac: Annotated[float, Meta(gt=0, lt=1)] = 0.1
+    # reasoning-gym: dataset names (reasoning_gym.create_dataset), `size` procedural items each
+    datasets: list[str] = []
+    size: PosInt = 10000
+    # JSONL / parquet with `prompt` and `answer` (optional `id`, `level`/`difficulty`), scored by
+    # math-verify; eval_path empty: a hashed eval_frac of `path` is held out
+    path: str = ""
+    eval_path: str = ""
+    instruction: str = ""  # appended to every prompt (e.g. "Put the final answer in \\boxed{}.")
+    # the tokenizer's chat template: auto = when the checkpoint has one (tiny built-in models have none)
+    chat_template: Literal["auto", "on", "off"] = "auto"
+    system_prompt: dict[str, str] = {}  # per tier ("default", "low", "medium", "high"); "" = none
+    # external scorers run in worker processes; a hung or crashed check scores 0 and is counted
+    reward_workers: PosInt = 2
+    reward_timeout_s: PosFloat = 10.0
 
 
 class ActorSection(_Section):
@@ -76,6 +94,8 @@ class ActorSection(_Section):
     group_size: Annotated[int, Meta(ge=2)] = 8
     groups_per_batch: PosInt = 16  # prompts decoded together by one engine batch
     max_new_tokens: PosInt = 8
+    # continuous batching: sequences decoded at once; a finished one's slot takes the next prompt
+    max_batch: PosInt = 256
     temperature: PosFloat = 1.0
     top_k: NonNegInt = 0  # 0 = off
     top_p: Annotated[float, Meta(gt=0, le=1)] = 1.0
@@ -115,6 +135,9 @@ class LearnerSection(_Section):
     fp32_attn_softmax: bool = True
     fp32_head: bool = True
     logprob_chunk: PosInt = 1024  # tokens per FP32 head chunk
+    # gradient accumulation: a step is cut into micro-batches of at most this many padded tokens
+    # (whole groups at least one sample each), so memory is bounded by the micro-batch; 0 = one
+    micro_batch_tokens: NonNegInt = 8192
     threads: PosInt = 1
     # start-up contract check: actor-vs-learner scoring of one fixed batch
     contract_max_abs_logp_diff: PosFloat = 0.05

@@ -21,6 +21,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from model.kvcache import KVCache
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -90,25 +92,6 @@ def _rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
-class KVCache:
-    """Pre-allocated per-layer K/V for a batch decoded in lock-step (left-padded prompts)."""
-
-    def __init__(self, cfg: ArchConfig, batch: int, max_len: int, dtype, device="cpu"):
-        shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
-        self.length = 0
-        self.max_len = max_len
-
-    def update(self, layer: int, k, v):
-        start, end = self.length, self.length + k.shape[2]
-        if end > self.max_len:
-            raise RuntimeError(f"KV cache overflow: {end} > {self.max_len}")
-        self.k[layer][:, :, start:end] = k
-        self.v[layer][:, :, start:end] = v
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ArchConfig, layer: int):
         super().__init__()
@@ -130,19 +113,8 @@ class Attention(nn.Module):
         k = k * cos + _rotate_half(k) * sin
         if cache is None:
             return self.o_proj(self._attend_full(q, k, v, bias, fp32_softmax))
-        k, v = cache.update(self.layer, k.to(cache.k[0].dtype), v.to(cache.v[0].dtype))
-        rep = self.nh // self.nkv
-        if rep > 1:
-            k = k.repeat_interleave(rep, dim=1)
-            v = v.repeat_interleave(rep, dim=1)
-        scores = torch.matmul(q, k.transpose(2, 3).to(q.dtype)) * (self.hd**-0.5)
-        if fp32_softmax:
-            probs = torch.softmax(scores.float() + bias, dim=-1).to(v.dtype)
-        else:
-            with torch.autocast(scores.device.type, enabled=False):
-                probs = torch.softmax(scores + bias.to(scores.dtype), dim=-1).to(v.dtype)
-        out = torch.matmul(probs, v).transpose(1, 2).reshape(b, t, self.nh * self.hd)
-        return self.o_proj(out)
+        # the actor's path: the cache owns its layout, so it writes k/v and computes attention
+        return self.o_proj(cache.attend(self.layer, q, k, v, bias))
 
     def _attend_full(self, q, k, v, bias, fp32_softmax: bool):
         """Cache-free attention (the learner's path): same values and dtypes as the cached path,
@@ -234,7 +206,7 @@ class Qwen3(nn.Module):
         for layer in self.model.layers:
             x = layer(x, cos, sin, bias, cache, self.fp32_attn_softmax)
         if cache is not None:
-            cache.length += t
+            cache.advance(t)
         return self.model.norm(x)
 
     def logits(self, hidden):

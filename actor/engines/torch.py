@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 
 from actor.engines import Engine, Sample
-from model.decoder import DTYPES, KVCache, Qwen3
+from model.decoder import DTYPES, Qwen3
+from model.kvcache import KVCache
 from model.hf import load_pretrained
 from model.sampling import SamplingSpec, sampling_logprobs
 from model.tokenizer import Tokenizer

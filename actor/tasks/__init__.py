@@ -45,6 +45,18 @@ class Task(abc.ABC):
     def reward(self, prompt: Prompt, completion_ids) -> float:
         """The verifiable reward of one completion (token ids as sampled, EOS included)."""
 
+    def rewards(self, items: list[tuple[Prompt, list[int]]]) -> list[float]:
+        """Rewards of many ``(prompt, completion_ids)`` at once, in order. Tasks whose checker is
+        slow or untrusted override this to score in a worker pool (``actor/rewards.py``)."""
+        return [self.reward(p, ids) for p, ids in items]
+
+    def metrics(self) -> dict[str, float]:
+        """Cumulative counters the worker reports (e.g. ``reward/timeouts``, ``reward/errors``)."""
+        return {}
+
+    def close(self) -> None:
+        """Release what the task holds (a reward pool's processes)."""
+
     def eval_set(self, n: int, seed: int = 1234) -> list[Prompt]:
         """A fixed held-out set: the same n prompts for every evaluation of a run."""
         rng = random.Random(seed)

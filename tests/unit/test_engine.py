@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from model.decoder import KVCache
+from model.kvcache import KVCache
 from tests.support.tiny import tiny_engine, tiny_model, tiny_task, tiny_tokenizer
 
 torch.set_num_threads(1)

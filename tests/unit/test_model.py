@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from model.decoder import ArchConfig, KVCache, Qwen3
+from model.decoder import ArchConfig, Qwen3
+from model.kvcache import KVCache
 from model.hf import load_pretrained, save_pretrained
 
 transformers = pytest.importorskip("transformers")
