@@ -95,10 +95,13 @@ def resolve_model(cfg: C.Config) -> C.Config:
     if path and not os.path.exists(os.path.join(path, "config.json")):
         raise C.ConfigError(f"`$.model.path` = {path!r} has no config.json")
     if not path:
-        from actor.tasks.arith import base_model
+        from actor.tasks import task_class
 
         t0 = time.time()
-        path = base_model(cfg)
+        try:
+            path = task_class(cfg.task.name).base_model(cfg)
+        except ValueError as e:
+            raise C.ConfigError(f"`$.model.path` is empty: {e}") from None
         log.info("base model ready in %.1fs: %s", time.time() - t0, path)
     with open(os.path.join(path, "config.json")) as f:
         vocab = int(json.load(f)["vocab_size"])

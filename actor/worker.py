@@ -114,10 +114,12 @@ class RolloutWorker:
     def generate_groups(self, n: int) -> list[M.RolloutGroup]:
         start_version = self.version
         prompts = [self.task.sample(self.rng, "train") for _ in range(n)]
-        groups = []
-        for p, samples in zip(prompts, sample_groups(self.engine, prompts, self.cfg.actor.group_size)):
+        per_prompt = sample_groups(self.engine, prompts, self.cfg.actor.group_size)
+        flat = self.task.rewards([(p, s.tokens) for p, samples in zip(prompts, per_prompt) for s in samples])
+        g_size, groups = self.cfg.actor.group_size, []
+        for i, (p, samples) in enumerate(zip(prompts, per_prompt)):
             groups.append(M.group_from_samples(
-                samples, [self.task.reward(p, s.tokens) for s in samples], actor_id=self.actor_id,
+                samples, flat[i * g_size:(i + 1) * g_size], actor_id=self.actor_id,
                 seq=self.client.next_seq(), group_id=f"{self.actor_id}-{p.id}", task=self.task.name, tier=p.tier,
                 prompt=p.tokens, start_version=start_version, created_at=time.time()))
         return groups
@@ -137,6 +139,7 @@ class RolloutWorker:
             "length/p90": float(np.percentile(lengths, 90)),
             "length/max": float(max(lengths)),
             **{k: float(v) for k, v in ws.items()},
+            **self.task.metrics(),
         })
 
     def _maybe_eval(self) -> None:
@@ -158,7 +161,7 @@ def sample_groups(engine: Engine, prompts, group_size: int) -> list[list]:
 def evaluate(engine: Engine, task: Task, prompts) -> tuple[float, float]:
     """Mean reward and length on a fixed held-out set, sampled exactly as training samples."""
     samples = engine.generate([list(p.tokens) for p in prompts])
-    rewards = [task.reward(p, s.tokens) for p, s in zip(prompts, samples)]
+    rewards = task.rewards([(p, s.tokens) for p, s in zip(prompts, samples)])
     return float(np.mean(rewards)), float(np.mean([len(s.tokens) for s in samples]))
 
 
@@ -171,7 +174,10 @@ def final_eval(run_dir: str) -> dict:
     model_dir = os.path.join(run_dir, "final_model")
     engine = make_engine(cfg.actor, model_dir, seed=cfg.run.seed)
     task = make_task(cfg.task, Tokenizer.from_dir(model_dir))
-    reward, length = evaluate(engine, task, task.eval_set(cfg.run.eval_prompts))
+    try:
+        reward, length = evaluate(engine, task, task.eval_set(cfg.run.eval_prompts))
+    finally:
+        task.close()
     rec = {"step": -1, "time": time.time(), "role": "launcher", "id": "final_eval",
            "eval/reward": reward, "eval/length": length, "eval/final": 1.0}
     with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
@@ -203,6 +209,7 @@ def main(argv=None) -> None:
     finally:
         worker.client.close()
         worker.engine.close()
+        worker.task.close()
         worker.metrics.close()
         log.info("actor %d stopped", args.index)
 

@@ -45,6 +45,12 @@ class Task(abc.ABC):
     def reward(self, prompt: Prompt, completion_ids) -> float:
         """The verifiable reward of one completion (token ids as sampled, EOS included)."""
 
+    @classmethod
+    def base_model(cls, cfg) -> str:
+        """Path of this task's built-in tiny base model (built on first use), for runs that set
+        no ``model.path``; tasks without one ask for a checkpoint."""
+        raise ValueError(f"task {cls.name!r} has no built-in base model: set model.path to a checkpoint directory")
+
     def rewards(self, items: list[tuple[Prompt, list[int]]]) -> list[float]:
         """Rewards of many ``(prompt, completion_ids)`` at once, in order. Tasks whose checker is
         slow or untrusted override this to score in a worker pool (``actor/rewards.py``)."""
@@ -72,5 +78,9 @@ class Task(abc.ABC):
 TASKS = {"arith": "actor.tasks.arith:ArithTask"}
 
 
+def task_class(name: str) -> type[Task]:
+    return resolve(TASKS, name, "task")
+
+
 def make_task(cfg_task, tokenizer) -> Task:
-    return resolve(TASKS, cfg_task.name, "task")(cfg_task, tokenizer)
+    return task_class(cfg_task.name)(cfg_task, tokenizer)

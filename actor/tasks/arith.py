@@ -81,11 +81,12 @@ class ArithTask(Task):
         return 1.0 if self.completion_text(completion_ids) == prompt.answer else 0.0
 
 
-def base_model(cfg) -> str:
-    """Path of this task's tiny base model, pre-trained on first use (``model/basemodel.py``)."""
-    from model.basemodel import ensure_base_model, pretrain
-    from model.tokenizer import Tokenizer
+    @classmethod
+    def base_model(cls, cfg) -> str:
+        """Path of this task's tiny base model, pre-trained on first use (``model/basemodel.py``)."""
+        from model.basemodel import ensure_base_model, pretrain
+        from model.tokenizer import Tokenizer
 
-    ids = special_ids()
-    task = ArithTask(cfg.task, Tokenizer.build(build_tokenizer(), ids, {}, {}))
-    return ensure_base_model(cfg, lambda out: pretrain(cfg, task, tokenizer_files(), ids, out))
+        ids = special_ids()
+        task = cls(cfg.task, Tokenizer.build(build_tokenizer(), ids, {}, {}))
+        return ensure_base_model(cfg, lambda out: pretrain(cfg, task, tokenizer_files(), ids, out))

@@ -1,6 +1,6 @@
 """Shared helpers for the learner/actor tests: one tiny pre-trained model per test process.
 
-The model is built by the real base-model recipe (``actor.tasks.arith.base_model``, a couple of
+The model is built by the real base-model recipe (``ArithTask.base_model``, a couple of
 seconds at this size), so the tests exercise the same code path as a run, only smaller. Built
 once per pytest process into a private temporary directory and removed at exit, so tests never
 depend on, or write to, the project's ``.cache``.
@@ -42,10 +42,10 @@ def tiny_cfg(*overrides: str, resolved: bool = True) -> C.Config:
 
 @functools.lru_cache(maxsize=None)
 def tiny_model_dir() -> str:
-    from actor.tasks.arith import base_model
+    from actor.tasks.arith import ArithTask
 
     torch.set_num_threads(1)
-    return base_model(tiny_cfg(resolved=False))
+    return ArithTask.base_model(tiny_cfg(resolved=False))
 
 
 def tiny_model():
