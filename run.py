@@ -2,6 +2,8 @@
 
     python run.py [--config FILE.toml] [section.key=value ...]    train (defaults: tiny CPU run)
     python run.py resume RUN_DIR [section.key=value ...]          continue a stopped run
+    python run.py eval CKPT [TASK ...] [section.key=value ...] [--k K]
+                                                                  pass@1/pass@k, lengths (JSON)
 
 Dataflow (ARCHITECTURE.md)::
 
@@ -50,14 +52,17 @@ log = logging.getLogger("driftrl")
 def parse(argv):
     ap = argparse.ArgumentParser(prog="run.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", help="TOML file with overrides of the defaults")
-    ap.add_argument("args", nargs="*", help="`resume RUN_DIR` and/or section.key=value overrides")
-    ns = ap.parse_args(argv)
-    resume_dir, rest = None, list(ns.args)
-    if rest and rest[0] == "resume":
+    ap.add_argument("--k", type=int, default=4, help="eval: samples per prompt for pass@k")
+    ap.add_argument("args", nargs="*", help="`resume RUN_DIR`, `eval CKPT [TASK ...]`, section.key=value overrides")
+    ns = ap.parse_intermixed_args(argv)
+    mode, target, rest = "train", None, list(ns.args)
+    if rest and rest[0] in ("resume", "eval"):
         if len(rest) < 2:
-            ap.error("resume needs a RUN_DIR")
-        resume_dir, rest = os.path.abspath(rest[1]), rest[2:]
-    return ns.config, resume_dir, rest
+            ap.error(f"{rest[0]} needs a {'RUN_DIR' if rest[0] == 'resume' else 'CKPT'}")
+        mode, target, rest = rest[0], os.path.abspath(rest[1]), rest[2:]
+    if ns.k < 1:
+        ap.error("--k must be >= 1")
+    return argparse.Namespace(config=ns.config, mode=mode, target=target, overrides=rest, k=ns.k)
 
 
 def load_config(toml_path, resume_dir, overrides) -> C.Config:
@@ -156,17 +161,43 @@ def first_eval(run_dir: str) -> float | None:
     return None
 
 
+def eval_main(args) -> int:
+    """``run.py eval``: a report per task (actor/evaluate.py); the JSON report is the last line."""
+    import torch
+
+    from actor.evaluate import resolve_checkpoint, task_report
+    from core.progress import progress
+
+    model_dir, run_cfg = resolve_checkpoint(args.target)
+    tasks = [a for a in args.overrides if "=" not in a]
+    overrides = [a for a in args.overrides if "=" in a]
+    base = load_config(args.config, os.path.dirname(run_cfg), overrides) if run_cfg else C.load(args.config, overrides)
+    base = msgspec.structs.replace(base, model=msgspec.structs.replace(base.model, path=model_dir))
+    check_seams(base)
+    torch.set_num_threads(base.actor.threads)
+    report = {"checkpoint": model_dir, "tasks": {}}
+    for name in tasks or [base.task.name]:
+        cfg = msgspec.structs.replace(base, task=msgspec.structs.replace(base.task, name=name))
+        check_seams(cfg)
+        report["tasks"][name] = task_report(cfg, model_dir, args.k, progress)
+    print(json.dumps(report))
+    return 0
+
+
 def main(argv=None) -> int:
-    from actor.worker import final_eval
+    from actor.evaluate import final_eval
     from learner.contract import ContractError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s launcher %(levelname)s: %(message)s")
-    toml_path, resume_dir, overrides = parse(sys.argv[1:] if argv is None else argv)
+    args = parse(sys.argv[1:] if argv is None else argv)
     # SIGTERM (e.g. from a job scheduler) stops the run exactly like Ctrl-C
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
-        result = train(load_config(toml_path, resume_dir, overrides), resume_dir)
-    except C.ConfigError as e:
+        if args.mode == "eval":
+            return eval_main(args)
+        resume_dir = args.target if args.mode == "resume" else None
+        result = train(load_config(args.config, resume_dir, args.overrides), resume_dir)
+    except (C.ConfigError, FileNotFoundError) as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     except (launchers.RoleFailed, ContractError) as e:

@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from actor.engines import Engine, make_engine
-from actor.tasks import Task, make_task
+from actor.evaluate import evaluate
+from actor.tasks import make_task
 from buffer.client import ActorClient, Stopped as BufferStopped
 from core import config as C
 from core import messages as M
@@ -156,33 +157,6 @@ def sample_groups(engine: Engine, prompts, group_size: int) -> list[list]:
     """``group_size`` samples of every prompt, decoded together in one engine batch."""
     flat = engine.generate([list(p.tokens) for p in prompts for _ in range(group_size)])
     return [flat[i * group_size:(i + 1) * group_size] for i in range(len(prompts))]
-
-
-def evaluate(engine: Engine, task: Task, prompts) -> tuple[float, float]:
-    """Mean reward and length on a fixed held-out set, sampled exactly as training samples."""
-    samples = engine.generate([list(p.tokens) for p in prompts])
-    rewards = task.rewards([(p, s.tokens) for p, s in zip(prompts, samples)])
-    return float(np.mean(rewards)), float(np.mean([len(s.tokens) for s in samples]))
-
-
-def final_eval(run_dir: str) -> dict:
-    """Held-out reward of ``run_dir/final_model``, sampled as the actors sample; the record is
-    appended to ``run_dir/metrics.jsonl`` (``eval/final`` = 1)."""
-    with open(os.path.join(run_dir, "config.json"), "rb") as f:
-        cfg = C.from_json(f.read())
-    torch.set_num_threads(1)
-    model_dir = os.path.join(run_dir, "final_model")
-    engine = make_engine(cfg.actor, model_dir, seed=cfg.run.seed)
-    task = make_task(cfg.task, Tokenizer.from_dir(model_dir))
-    try:
-        reward, length = evaluate(engine, task, task.eval_set(cfg.run.eval_prompts))
-    finally:
-        task.close()
-    rec = {"step": -1, "time": time.time(), "role": "launcher", "id": "final_eval",
-           "eval/reward": reward, "eval/length": length, "eval/final": 1.0}
-    with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
-        f.write(json.dumps(rec) + "\n")
-    return rec
 
 
 def main(argv=None) -> None:

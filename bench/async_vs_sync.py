@@ -10,7 +10,7 @@ while the learner trains.
 Per run: learner samples/s (completions trained on / training wall time), learner idle fraction
 (time waiting for data / learner wall), actor idle fraction (admission + buffer back-pressure
 wait / wall), where the time went (generation, learner compute, weight sync publish/apply,
-waits), mean staleness, and the held-out reward of the final weights (``actor.worker.final_eval``)
+waits), mean staleness, and the held-out reward of the final weights (``actor.evaluate.final_eval``)
 after that equal wall time. Target (issue): best async >= 1.5x sync samples/s, learner idle < 15%.
 
     python bench/async_vs_sync.py [--seconds 50] [--repeats 2] [--staleness 0,1,2] [-o actor.groups_per_batch=16]

@@ -2,7 +2,7 @@
 
 * pure helpers (tested in tests/test_bench_smoke.py): reading metrics.jsonl, turning a run's
   records into throughput / idle / where-the-time-went figures, threshold crossing, tables;
-* one held-out evaluation used for every system: driftrl's own ``actor.worker.evaluate`` with a
+* one held-out evaluation used for every system: driftrl's own ``actor.evaluate.evaluate`` with a
   ``TorchEngine`` seeded identically, so two systems' rewards differ only by their weights;
 * ``run_driftrl``: a whole driftrl job in-process (real role processes), optionally with a
   :class:`WeightObserver` that snapshots the published weights on a fixed wall-time grid through
@@ -219,7 +219,7 @@ class HeldOutEval:
     def __call__(self, state: dict) -> tuple[float, float]:
         import torch
 
-        from actor.worker import evaluate
+        from actor.evaluate import evaluate
 
         missing = self.names - set(state)
         if missing:
@@ -325,7 +325,7 @@ def make_observer(cfg: C.Config, run_dir: str, every_s: float):
 
 def run_driftrl(cfg: C.Config, run_dir: str, snapshot_every_s: float = 0.0):
     """One driftrl job, then run.py's final held-out eval. Returns (RunResult, records, snapshots)."""
-    from actor.worker import final_eval
+    from actor.evaluate import final_eval
     from run import train
 
     monitor = make_observer(cfg, run_dir, snapshot_every_s) if snapshot_every_s else None

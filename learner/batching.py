@@ -11,7 +11,7 @@ groups of unequal size raise ValueError, and the learner skips the batch instead
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -33,6 +33,35 @@ class Batch:
     @property
     def group_size(self) -> int:
         return self.rewards.shape[1]
+
+    def rows(self, start: int, stop: int) -> "Batch":
+        """Rows ``start:stop`` with the columns trimmed to their longest row (less padding to
+        compute on); ``rewards`` and ``keys`` stay the whole step's, since advantages are taken
+        over whole groups before the step is cut into micro-batches."""
+        width = int(self.key_mask[start:stop].sum(dim=1).max())
+        mask = self.mask[start:stop, : width - 1]
+        return replace(self, ids=self.ids[start:stop, :width], key_mask=self.key_mask[start:stop, :width],
+                       mask=mask, behaviour_logp=self.behaviour_logp[start:stop, : width - 1],
+                       staleness=self.staleness[start:stop], num_tokens=int(mask.sum().item()))
+
+
+def micro_batches(batch: Batch, max_tokens: int) -> list[tuple[int, int]]:
+    """Row ranges of consecutive micro-batches holding at most ``max_tokens`` padded tokens each
+    (rows x longest row; at least one row, so one very long sample is its own micro-batch).
+    ``max_tokens`` 0 = the whole batch at once. Gradient accumulation over these ranges bounds the
+    learner's activation memory by the micro-batch, not the step."""
+    n = batch.ids.shape[0]
+    if not max_tokens:
+        return [(0, n)]
+    lengths = batch.key_mask.sum(dim=1).tolist()
+    ranges, start, widest = [], 0, 0
+    for i, length in enumerate(lengths):
+        widest = max(widest, length)
+        if i > start and (i - start + 1) * widest > max_tokens:
+            ranges.append((start, i))
+            start, widest = i, length
+    ranges.append((start, n))
+    return ranges
 
 
 def check(groups: list[M.RolloutGroup], vocab_size: int = 0) -> None:

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from learner.advantages import group_advantages
 from learner.backends import Backend, NonFiniteError
-from learner.batching import Batch
+from learner.batching import Batch, micro_batches
 from learner.logprobs import token_logprobs
 from learner.losses import LossInputs, make_loss
 from learner.ratio_metrics import ratio_metrics
@@ -39,6 +39,19 @@ def _as_oserror(path: str):
         found = re.search(r"os error (\d+)", str(e))
         code = int(found.group(1)) if found else errno.EIO
         raise OSError(code, os.strerror(code), path) from None
+
+
+def _combine(parts: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
+    """One step's loss metrics from its micro-batches': the loss adds up (each part is already
+    scaled to its share); every other metric is a token-weighted mean."""
+    total = sum(tokens for tokens, _ in parts) or 1
+    out = {}
+    for key in parts[0][1]:
+        if key == "learner/loss":
+            out[key] = sum(m[key] for _, m in parts)
+        else:
+            out[key] = sum(tokens * m[key] for tokens, m in parts) / total
+    return out
 
 
 class TorchBackend(Backend):
@@ -82,23 +95,47 @@ class TorchBackend(Backend):
         return full, ent
 
     def forward_backward(self, batch: Batch) -> dict[str, float]:
+        """Loss and gradients of the step, accumulated over micro-batches of at most
+        ``learner.micro_batch_tokens`` padded tokens (learner/batching.py); advantages are taken
+        over whole groups first. Token normalisation has a constant divisor, so micro-batch
+        gradients add up to the full-batch one as they are; sample normalisation scales each
+        micro-batch's mean by its share of the rows."""
         lc = self.cfg.learner
-        logp, ent = self.logprobs(batch, with_entropy=True)
+        adv = group_advantages(batch.rewards).reshape(-1)
+        n = batch.ids.shape[0]
+        logp_all = torch.zeros(batch.mask.shape)
+        entropies, parts = [], []
+        for start, stop in micro_batches(batch, lc.micro_batch_tokens):
+            micro = batch.rows(start, stop)
+            share = (stop - start) / n if lc.norm == "sample" else 1.0
+            logp, ent, metrics = self._micro_step(micro, adv[start:stop], share)
+            logp_all[start:stop, : logp.shape[1]] = logp
+            entropies.append(ent.reshape(-1))
+            parts.append((micro.num_tokens, metrics))
+        metrics = _combine(parts)
+        metrics.update(ratio_metrics(logp_all, batch.behaviour_logp, batch.mask, batch.staleness, lc.eps_high))
+        ent = torch.cat(entropies)
+        metrics["learner/entropy"] = float(ent.mean().item()) if ent.numel() else math.nan
+        return metrics
+
+    def _micro_step(self, micro: Batch, adv, share: float):
+        """Forward and backward of one micro-batch; its loss is scaled by ``share``."""
+        lc = self.cfg.learner
+        logp, ent = self.logprobs(micro, with_entropy=True)
         ref_logp = None
         if self.ref is not None:
             with torch.no_grad():
-                ref_logp, _ = self.logprobs(batch, reference=True)
-        adv = group_advantages(batch.rewards).reshape(-1)
-        inp = LossInputs(logp=logp, behaviour_logp=batch.behaviour_logp, advantages=adv, mask=batch.mask,
+                ref_logp, _ = self.logprobs(micro, reference=True)
+        inp = LossInputs(logp=logp, behaviour_logp=micro.behaviour_logp, advantages=adv, mask=micro.mask,
                          norm=lc.norm, token_norm_divisor=self.token_divisor, ref_logp=ref_logp,
                          kl_beta=lc.kl_beta, kl_estimator=lc.kl_estimator)
         loss, metrics = self.loss_fn(inp)
         if not torch.isfinite(loss):
             raise NonFiniteError(f"non-finite loss {loss.item()}")
-        loss.backward()
-        metrics.update(ratio_metrics(logp.detach(), batch.behaviour_logp, batch.mask, batch.staleness, lc.eps_high))
-        metrics["learner/entropy"] = float(ent.mean().item()) if ent is not None and ent.numel() else math.nan
-        return metrics
+        (loss * share).backward()
+        metrics["learner/loss"] *= share
+        return logp.detach(), ent.detach(), metrics
+
 
     def optim_step(self) -> float:
         """Clip and apply; a non-finite gradient is discarded, never applied."""

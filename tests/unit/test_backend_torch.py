@@ -1,6 +1,7 @@
 """The torch backend on a tiny real model: the log-prob numerator, one learning step, NaN containment."""
 
 import copy
+import dataclasses
 import os
 import random
 
@@ -10,7 +11,7 @@ import torch
 from actor.tasks import Prompt
 from learner.backends import NonFiniteError
 from learner.backends.torch import TorchBackend
-from learner.batching import collate
+from learner.batching import collate, micro_batches
 from model.sampling import sampling_logprobs
 from tests.support.tiny import groups_from_samples, make_group, tiny_cfg, tiny_engine, tiny_model, tiny_task
 
@@ -182,3 +183,30 @@ def test_a_full_disk_under_safetensors_is_an_oserror(tmp_path, monkeypatch):
     with pytest.raises(checkpoint.WriteError, match=r"cannot write the checkpoint .*step_000001: No space left on device"):
         checkpoint.save(str(tmp_path), 1, trainer, {"version": 1})
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("norm", ["token", "sample"])
+def test_micro_batches_accumulate_the_full_batch_gradient(engine_batch, norm):
+    """Gradient accumulation over micro-batches gives the one-shot gradient and the same metrics:
+    memory is bounded by the micro-batch without changing what a step computes."""
+    grads, metrics = [], []
+    for tokens in (0, 40):  # 40 padded tokens: a few rows per micro-batch
+        cfg = tiny_cfg("learner.body_dtype=float32", f"learner.norm={norm}", f"learner.micro_batch_tokens={tokens}")
+        trainer = Trainer(cfg, tiny_model())
+        rewards = torch.arange(engine_batch.rewards.numel(), dtype=torch.float32).reshape(engine_batch.rewards.shape) % 3
+        metrics.append(trainer.forward_backward(dataclasses.replace(engine_batch, rewards=rewards)))
+        grads.append(torch.cat([p.grad.reshape(-1) for p in trainer.model.parameters()]))
+    assert len(micro_batches(engine_batch, 40)) > 2
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-7)
+    for key in ("learner/loss", "ratio/p99", "learner/entropy"):
+        assert metrics[1][key] == pytest.approx(metrics[0][key], rel=1e-4, abs=1e-7)
+
+
+def test_micro_batch_ranges_respect_the_token_budget(engine_batch):
+    lengths = engine_batch.key_mask.sum(dim=1)
+    ranges = micro_batches(engine_batch, 30)
+    assert ranges[0][0] == 0 and ranges[-1][1] == engine_batch.ids.shape[0]
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))  # consecutive, nothing dropped
+    for start, stop in ranges:
+        assert stop - start == 1 or (stop - start) * int(lengths[start:stop].max()) <= 30
+    assert micro_batches(engine_batch, 0) == [(0, engine_batch.ids.shape[0])]

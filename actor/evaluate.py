@@ -1,0 +1,123 @@
+"""Held-out evaluation: the actor's in-run eval, the run's final eval, and ``run.py eval``.
+
+Everything samples exactly as the actors sample (the engine built from ``cfg.actor``), so a
+held-out figure is the policy the run trained, not a greedy variant of it. ``run.py eval CKPT``
+reports, per task, pass@1 and pass@k over ``k`` samples per prompt, the mean response length,
+and the same split by tier and by difficulty::
+
+    pass@1 = mean over prompts of c/k          (c = correct samples of the prompt)
+    pass@k = fraction of prompts with c >= 1   (every prompt has exactly k samples)
+
+CKPT is a run directory (its config; its ``final_model``, else its newest checkpoint), a
+checkpoint directory (``checkpoints/step-N``), or any HF-format model directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import defaultdict
+
+import numpy as np
+import torch
+
+from actor.engines import Engine, make_engine
+from actor.tasks import Task, make_task
+from core import config as C
+from model.tokenizer import Tokenizer
+
+
+def evaluate(engine: Engine, task: Task, prompts) -> tuple[float, float]:
+    """Mean reward and length on a fixed held-out set, sampled exactly as training samples."""
+    samples = engine.generate([list(p.tokens) for p in prompts])
+    rewards = task.rewards([(p, s.tokens) for p, s in zip(prompts, samples)])
+    return float(np.mean(rewards)), float(np.mean([len(s.tokens) for s in samples]))
+
+
+def final_eval(run_dir: str) -> dict:
+    """Held-out reward of ``run_dir/final_model``, sampled as the actors sample; the record is
+    appended to ``run_dir/metrics.jsonl`` (``eval/final`` = 1)."""
+    with open(os.path.join(run_dir, "config.json"), "rb") as f:
+        cfg = C.from_json(f.read())
+    torch.set_num_threads(1)
+    model_dir = os.path.join(run_dir, "final_model")
+    engine = make_engine(cfg.actor, model_dir, seed=cfg.run.seed)
+    task = make_task(cfg.task, Tokenizer.from_dir(model_dir))
+    try:
+        reward, length = evaluate(engine, task, task.eval_set(cfg.run.eval_prompts))
+    finally:
+        task.close()
+    rec = {"step": -1, "time": time.time(), "role": "launcher", "id": "final_eval",
+           "eval/reward": reward, "eval/length": length, "eval/final": 1.0}
+    with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps(rec) + "\n")
+    return rec
+
+
+# ---- run.py eval ------------------------------------------------------------------------------
+
+
+def resolve_checkpoint(path: str) -> tuple[str, str | None]:
+    """``(model_dir, run_config_path or None)`` of a run, checkpoint or model directory."""
+    path = os.path.abspath(path)
+    run_cfg = os.path.join(path, "config.json")
+    if os.path.isdir(os.path.join(path, "final_model")) or os.path.isdir(os.path.join(path, "checkpoints")):
+        from learner import checkpoint  # a run directory: what it trained last
+
+        final = os.path.join(path, "final_model")
+        ck = None if os.path.isdir(final) else checkpoint.latest(os.path.join(path, "checkpoints"))
+        if ck is None and not os.path.isdir(final):
+            raise FileNotFoundError(f"run {path} has neither final_model/ nor an intact checkpoint")
+        return (final if ck is None else os.path.join(ck, "model")), run_cfg
+    if os.path.exists(os.path.join(path, "model", "config.json")):
+        return os.path.join(path, "model"), None
+    if os.path.exists(run_cfg):
+        return path, None
+    raise FileNotFoundError(f"{path} is not a run, checkpoint or model directory (no config.json)")
+
+
+def pass_at(correct: np.ndarray) -> dict[str, float]:
+    """pass@1 and pass@k of a ``[prompts, k]`` 0/1 matrix."""
+    return {"pass@1": float(correct.mean()) if correct.size else float("nan"),
+            "pass@k": float((correct.sum(axis=1) > 0).mean()) if correct.size else float("nan")}
+
+
+def _split(prompts, correct, lengths, key) -> dict[str, dict]:
+    rows = defaultdict(list)
+    for i, p in enumerate(prompts):
+        rows[str(key(p))].append(i)
+    return {name: {**pass_at(correct[idx]), "mean_length": float(lengths[idx].mean()), "prompts": len(idx)}
+            for name, idx in sorted(rows.items())}
+
+
+def _sample_all(engine: Engine, task: Task, prompts, k: int, progress) -> tuple[np.ndarray, np.ndarray]:
+    """``[prompts, k]`` correctness and lengths, ``chunk`` prompts per engine call."""
+    correct, lengths = np.zeros((len(prompts), k)), np.zeros((len(prompts), k))
+    chunk = max(1, 256 // k)
+    for start in range(0, len(prompts), chunk):
+        part = prompts[start:start + chunk]
+        samples = engine.generate([list(p.tokens) for p in part for _ in range(k)])
+        rewards = task.rewards([(p, s.tokens) for p, s in zip([p for p in part for _ in range(k)], samples)])
+        correct[start:start + len(part)] = np.asarray(rewards).reshape(len(part), k) > 0.5
+        lengths[start:start + len(part)] = np.asarray([len(s.tokens) for s in samples]).reshape(len(part), k)
+        progress(len(part))
+    return correct, lengths
+
+
+def task_report(cfg: C.Config, model_dir: str, k: int, progress_factory) -> dict:
+    """The report of one task (``cfg.task``) on ``model_dir``."""
+    engine = make_engine(cfg.actor, model_dir, seed=cfg.run.seed)
+    task = make_task(cfg.task, Tokenizer.from_dir(model_dir))
+    try:
+        prompts = task.eval_set(cfg.run.eval_prompts)
+        t0 = time.time()
+        with progress_factory(f"eval {cfg.task.name}", len(prompts)) as advance:
+            correct, lengths = _sample_all(engine, task, prompts, k, advance)
+    finally:
+        task.close()
+        engine.close()
+    return {**pass_at(correct), "k": k, "mean_length": float(lengths.mean()), "prompts": len(prompts),
+            "seconds": round(time.time() - t0, 1),
+            "by_tier": _split(prompts, correct, lengths, lambda p: p.tier),
+            "by_difficulty": _split(prompts, correct, lengths, lambda p: p.difficulty)}
