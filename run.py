@@ -161,11 +161,31 @@ def first_eval(run_dir: str) -> float | None:
     return None
 
 
+def resolve_checkpoint(path: str) -> tuple[str, str | None]:
+    """``(model_dir, run_config_path or None)`` of CKPT: a run directory (its config; its
+    ``final_model``, else its newest intact checkpoint), a checkpoint directory, or a model."""
+    from learner import checkpoint
+
+    path = os.path.abspath(path)
+    run_cfg = os.path.join(path, "config.json")
+    if os.path.isdir(os.path.join(path, "final_model")) or os.path.isdir(os.path.join(path, "checkpoints")):
+        final = os.path.join(path, "final_model")
+        ck = None if os.path.isdir(final) else checkpoint.latest(os.path.join(path, "checkpoints"))
+        if ck is None and not os.path.isdir(final):
+            raise FileNotFoundError(f"run {path} has neither final_model/ nor an intact checkpoint")
+        return (final if ck is None else os.path.join(ck, "model")), run_cfg
+    if os.path.exists(os.path.join(path, "model", "config.json")):
+        return os.path.join(path, "model"), None
+    if os.path.exists(run_cfg):
+        return path, None
+    raise FileNotFoundError(f"{path} is not a run, checkpoint or model directory (no config.json)")
+
+
 def eval_main(args) -> int:
     """``run.py eval``: a report per task (actor/evaluate.py); the JSON report is the last line."""
     import torch
 
-    from actor.evaluate import resolve_checkpoint, task_report
+    from actor.evaluate import task_report
     from core.progress import progress
 
     model_dir, run_cfg = resolve_checkpoint(args.target)

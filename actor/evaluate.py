@@ -8,8 +8,8 @@ and the same split by tier and by difficulty::
     pass@1 = mean over prompts of c/k          (c = correct samples of the prompt)
     pass@k = fraction of prompts with c >= 1   (every prompt has exactly k samples)
 
-CKPT is a run directory (its config; its ``final_model``, else its newest checkpoint), a
-checkpoint directory (``checkpoints/step-N``), or any HF-format model directory.
+Which directory CKPT names (a run, a checkpoint, a model) is decided in ``run.py``, which alone
+sees both the actor's and the learner's files.
 """
 
 from __future__ import annotations
@@ -56,25 +56,6 @@ def final_eval(run_dir: str) -> dict:
 
 
 # ---- run.py eval ------------------------------------------------------------------------------
-
-
-def resolve_checkpoint(path: str) -> tuple[str, str | None]:
-    """``(model_dir, run_config_path or None)`` of a run, checkpoint or model directory."""
-    path = os.path.abspath(path)
-    run_cfg = os.path.join(path, "config.json")
-    if os.path.isdir(os.path.join(path, "final_model")) or os.path.isdir(os.path.join(path, "checkpoints")):
-        from learner import checkpoint  # a run directory: what it trained last
-
-        final = os.path.join(path, "final_model")
-        ck = None if os.path.isdir(final) else checkpoint.latest(os.path.join(path, "checkpoints"))
-        if ck is None and not os.path.isdir(final):
-            raise FileNotFoundError(f"run {path} has neither final_model/ nor an intact checkpoint")
-        return (final if ck is None else os.path.join(ck, "model")), run_cfg
-    if os.path.exists(os.path.join(path, "model", "config.json")):
-        return os.path.join(path, "model"), None
-    if os.path.exists(run_cfg):
-        return path, None
-    raise FileNotFoundError(f"{path} is not a run, checkpoint or model directory (no config.json)")
 
 
 def pass_at(correct: np.ndarray) -> dict[str, float]:

@@ -1,77 +1,38 @@
-"""A compact Qwen3 decoder with a KV cache, plus the body's precision policy (HF load/save: model/hf.py).
+"""One compact decoder for the Llama, Qwen2 and Qwen3 families, plus the body's precision policy.
 
-Why our own module instead of ``transformers.Qwen3ForCausalLM``: the actor needs a KV cache whose
-weights can be swapped between decode steps, and the learner needs the attention softmax and the
-LM head precision under its control (DESIGN §4). Parameter names, shapes and numerics follow the
-HF implementation exactly (``tests/unit/test_model.py`` compares against transformers), so checkpoints
-load in both directions and real Qwen3 checkpoints plug in unchanged.
+Why our own module instead of ``transformers``' models: the actor needs a KV cache whose weights
+can be swapped between decode steps, and the learner needs the attention softmax and the LM head
+precision under its control (DESIGN §4). The three families differ only in switches that
+``model/arch.py`` reads from ``config.json`` (q/k-norm, attention and MLP biases, tied head, rope
+scaling: ``model/rope.py``); parameter names, shapes and numerics follow transformers exactly
+(``tests/unit/test_families.py`` compares log-probs against it), so checkpoints load in both
+directions and weights travel to actors under their HF names. HF-format load/save: model/hf.py.
 
 Precision policy (learner): master weights FP32; the body's matmuls run in ``body_dtype`` under
 autocast; the attention softmax runs in FP32 when ``fp32_attn_softmax``; RMSNorm statistics are
-FP32 as in HF; the LM head and log-softmax live in ``learner/logprobs.py``; the sampler's truncation rule, which
-both sides share, in ``model/sampling.py``.
+FP32 as in HF; rope frequencies and cos/sin stay FP32 whatever the weights' dtype; the LM head and
+log-softmax live in ``learner/logprobs.py``; the sampler's truncation rule, which both sides
+share, in ``model/sampling.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model.kvcache import KVCache
+from model.arch import ArchConfig
+from model.rope import inv_freq
+
+if TYPE_CHECKING:
+    from model.kvcache import KVCache
+
+__all__ = ["DTYPES", "ArchConfig", "Decoder", "Qwen3", "body_autocast"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class ArchConfig:
-    vocab_size: int
-    hidden_size: int = 128
-    intermediate_size: int = 384
-    num_hidden_layers: int = 4
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    head_dim: int = 32
-    max_position_embeddings: int = 128
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-6
-    tie_word_embeddings: bool = True
-    bos_token_id: int | None = None
-    eos_token_id: int | None = None
-    pad_token_id: int | None = None
-    extra: dict = field(default_factory=dict)  # other HF keys, written back untouched
-
-    def to_hf(self) -> dict:
-        d = asdict(self)
-        extra = d.pop("extra")
-        d.update(
-            architectures=["Qwen3ForCausalLM"],
-            model_type="qwen3",
-            hidden_act="silu",
-            attention_bias=False,
-            attention_dropout=0.0,
-            torch_dtype="float32",
-            use_cache=True,
-            rope_scaling=None,
-            use_sliding_window=False,
-        )
-        return {**extra, **d}
-
-    @classmethod
-    def from_hf(cls, d: dict) -> "ArchConfig":
-        if d.get("model_type") not in ("qwen3", None):
-            raise ValueError(f"unsupported model_type {d.get('model_type')!r}: driftrl's engine speaks qwen3")
-        names = set(cls.__dataclass_fields__) - {"extra"}
-        known = {k: v for k, v in d.items() if k in names}
-        if known.get("head_dim") is None:
-            known["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
-        rope = d.get("rope_parameters") or {}
-        if "rope_theta" not in known and "rope_theta" in rope:
-            known["rope_theta"] = rope["rope_theta"]
-        return cls(**known, extra={k: v for k, v in d.items() if k not in names})
 
 
 class RMSNorm(nn.Module):
@@ -97,12 +58,13 @@ class Attention(nn.Module):
         super().__init__()
         self.layer = layer
         self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.nh * self.hd, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=False)
-        self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+        self.q_proj = nn.Linear(cfg.hidden_size, self.nh * self.hd, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=cfg.o_bias)
+        # no module at all where the family has none: state_dict keys are exactly the checkpoint's
+        self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
 
     def forward(self, x, cos, sin, bias, cache: KVCache | None, fp32_softmax: bool):
         b, t, _ = x.shape
@@ -144,9 +106,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ArchConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -173,7 +135,31 @@ class Body(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class Qwen3(nn.Module):
+class Rotary(nn.Module):
+    """cos/sin of each position, ``[B, 1, T, hd]`` FP32, already multiplied by the rope type's
+    attention factor (YaRN's; 1 elsewhere), as transformers' rotary embedding does."""
+
+    def __init__(self, cfg: ArchConfig):
+        super().__init__()
+        inv, self.scale = inv_freq(cfg.rope(), cfg.head_dim, cfg.max_position_embeddings)
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        """Moves apply, downcasts do not: ``model.to(bfloat16)`` would round the frequencies to 8
+        bits, a phase error of whole radians a few thousand positions in."""
+        inv = self.inv_freq
+        super()._apply(fn, recurse)
+        if not inv.is_meta:
+            self.inv_freq = inv.to(self.inv_freq.device, torch.promote_types(self.inv_freq.dtype, torch.float32))
+        return self
+
+    def forward(self, position_ids):
+        freqs = position_ids[..., None].float() * self.inv_freq  # [B, T, hd/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scale)[:, None], (emb.sin() * self.scale)[:, None]
+
+
+class Decoder(nn.Module):
     """``forward`` returns final-normed hidden states; the head is applied by the caller."""
 
     def __init__(self, cfg: ArchConfig):
@@ -182,17 +168,28 @@ class Qwen3(nn.Module):
         self.model = Body(cfg)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
-        self.register_buffer("inv_freq", inv, persistent=False)
+        self.rotary = Rotary(cfg)
         self.fp32_attn_softmax = True
+
+    @classmethod
+    def shapes(cls, cfg: ArchConfig) -> dict[str, tuple[int, ...]]:
+        """Every state_dict name and shape of a model of ``cfg``, without allocating it."""
+        with torch.device("meta"):
+            return {k: tuple(v.shape) for k, v in cls(cfg).state_dict().items()}
+
+    @classmethod
+    def from_state(cls, cfg: ArchConfig, state: dict[str, torch.Tensor]) -> "Decoder":
+        """A model holding ``state``'s tensors (HF names, all of them): built on the meta device
+        and the tensors assigned, so no weight is first initialised and then overwritten (minutes
+        and a second model-sized allocation for a 7B checkpoint)."""
+        with torch.device("meta"):
+            model = cls(cfg)
+        model.load_state_dict(state, strict=True, assign=True)
+        model.rotary = Rotary(cfg)  # not in the state (not persistent): built for real
+        return model
 
     def head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
-
-    def _rope(self, position_ids, dtype):
-        freqs = position_ids[..., None].float() * self.inv_freq  # [B, T, hd/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos()[:, None].to(dtype), emb.sin()[:, None].to(dtype)
 
     def forward(self, input_ids, position_ids, key_mask, cache: KVCache | None = None):
         """input_ids/position_ids [B, T]; key_mask [B, S] bool over all keys (cache + new), True = attend."""
@@ -202,7 +199,7 @@ class Qwen3(nn.Module):
         allowed = causal[None, None] & key_mask[:, None, None, :]
         bias = torch.zeros(allowed.shape, dtype=torch.float32, device=x.device)
         bias.masked_fill_(~allowed, torch.finfo(torch.float32).min)
-        cos, sin = self._rope(position_ids, torch.float32)
+        cos, sin = self.rotary(position_ids)
         for layer in self.model.layers:
             x = layer(x, cos, sin, bias, cache, self.fp32_attn_softmax)
         if cache is not None:
@@ -211,6 +208,9 @@ class Qwen3(nn.Module):
 
     def logits(self, hidden):
         return F.linear(hidden.float(), self.head_weight().float())
+
+
+Qwen3 = Decoder  # the name most callers know it by
 
 
 def body_autocast(dtype_name: str, device: str = "cpu"):

@@ -1,19 +1,44 @@
-"""HF-format model directories: load into / save from :class:`model.decoder.Qwen3`.
+"""HF-format model directories: load into / save from :class:`model.decoder.Decoder`.
 
-A directory holds ``config.json``, ``*.safetensors`` and the tokenizer's files; driftrl writes
-the same layout back (``transformers.AutoModelForCausalLM.from_pretrained`` loads it), carrying
-the input's tokenizer files along so every checkpoint is usable on its own.
+A directory holds ``config.json``, the weights as ``model.safetensors`` or as shards listed in
+``model.safetensors.index.json`` (the two layouts transformers writes), and the tokenizer's files.
+
+Loading checks before it reads: ``config.json`` first (``model/arch.py`` refuses what the
+decoder would only approximate, naming the key), then the safetensors headers against the
+model's own names, shapes and float dtypes -- a missing, unexpected or misshapen tensor is an
+error listing them, never a partly random model. Only then are the shards read, one at a time,
+each tensor cast to the requested dtype as it arrives (peak memory: the model plus one tensor),
+with a ``driftrl.hf`` log line per shard. Pickled ``*.bin`` weights are refused: nothing pickled
+is ever loaded.
+
+Saving writes one ``model.safetensors`` in the requested dtype (default: the model's own; the
+learner's FP32 master weights stay FP32) and a ``config.json`` carrying every key of the input's
+(``ArchConfig.to_hf``) with ``dtype``/``torch_dtype`` saying what was written; a tied head is not
+written twice, as transformers does, so ``transformers.AutoModelForCausalLM.from_pretrained``
+loads the directory unchanged. The input's tokenizer files travel along, so every checkpoint
+is usable on its own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
+import time
 
-from model.decoder import DTYPES, ArchConfig, Qwen3
+import torch
+
+from model.decoder import DTYPES, ArchConfig, Decoder
+
+log = logging.getLogger("driftrl.hf")
 
 # files that travel with the weights: what a tokenizer and a generation loop need
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+INDEX = "model.safetensors.index.json"
+FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")  # safetensors' names; anything else is quantised or not weights
+# transformers < 4.31 saved the (non-persistent) rope buffer; transformers ignores it on load, so do we
+IGNORED_SUFFIX = "rotary_emb.inv_freq"
 
 
 def read_config(path: str) -> dict:
@@ -21,23 +46,102 @@ def read_config(path: str) -> dict:
         return json.load(f)
 
 
-def load_pretrained(path: str, dtype: str = "float32") -> Qwen3:
-    from safetensors.torch import load_file
+def weight_files(path: str) -> list[str]:
+    """The safetensors files of ``path``: the shards its index names, or ``model.safetensors``."""
+    if os.path.exists(os.path.join(path, INDEX)):
+        with open(os.path.join(path, INDEX)) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        absent = [name for name in files if not os.path.exists(os.path.join(path, name))]
+        if absent:
+            raise FileNotFoundError(f"{path}/{INDEX} lists shards that are not there: {absent}")
+        return files
+    if os.path.exists(os.path.join(path, "model.safetensors")):
+        return ["model.safetensors"]
+    if any(name.endswith(".bin") for name in os.listdir(path)):
+        raise ValueError(f"{path} holds only pickled *.bin weights, which driftrl never loads: convert them "
+                         "to safetensors (transformers: model.save_pretrained(dir, safe_serialization=True))")
+    raise FileNotFoundError(f"no model.safetensors or {INDEX} in {path}")
 
-    cfg = ArchConfig.from_hf(read_config(path))
-    model = Qwen3(cfg)
-    files = sorted(x for x in os.listdir(path) if x.endswith(".safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {path}")
-    state = {}
+
+def _headers(path: str, files: list[str]) -> dict[str, tuple[str, tuple[int, ...], str]]:
+    """name -> (file, shape, safetensors dtype) of every tensor, read from the headers only."""
+    from safetensors import safe_open
+
+    found = {}
     for name in files:
-        state.update(load_file(os.path.join(path, name)))
+        with safe_open(os.path.join(path, name), framework="pt") as f:
+            for key in f.keys():
+                if key in found:
+                    raise ValueError(f"{path}: tensor {key} is in both {found[key][0]} and {name}")
+                piece = f.get_slice(key)
+                found[key] = (name, tuple(piece.get_shape()), piece.get_dtype())
+    return found
+
+
+def _check(path: str, cfg: ArchConfig, found: dict, expected: dict) -> None:
+    """ValueError listing every tensor that is missing, unexpected, misshapen or not a float."""
+    names = {k for k in found if not k.endswith(IGNORED_SUFFIX)}
     if cfg.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"checkpoint {path} does not match qwen3: missing={missing} unexpected={unexpected}")
-    return model.to(DTYPES[dtype])
+        names.discard("lm_head.weight")  # a tied copy some writers keep; compared after reading
+    missing, unexpected = sorted(set(expected) - names), sorted(names - set(expected))
+    shapes = [f"{k} {found[k][1]} != {expected[k]}" for k in sorted(names & set(expected))
+              if found[k][1] != expected[k]]
+    dtypes = [f"{k} {found[k][2]}" for k in sorted(names) if found[k][2] not in FLOAT_DTYPES]
+    if missing or unexpected or shapes or dtypes:
+        raise ValueError(
+            f"{path} does not match its config.json (model_type={cfg.model_type!r}, tie_word_embeddings="
+            f"{cfg.tie_word_embeddings}, attention_bias={cfg.attention_bias}, mlp_bias={cfg.mlp_bias}): "
+            f"missing {missing[:8]}, unexpected {unexpected[:8]}, wrong shapes {shapes[:8]}, "
+            f"non-float dtypes {dtypes[:8]}")
+
+
+def _read_shard(file: str, keys: list[str], dtype, state: dict) -> int:
+    """Read ``keys`` of one safetensors file into ``state`` cast to ``dtype``; bytes read."""
+    from safetensors import safe_open
+
+    nbytes = 0
+    with safe_open(file, framework="pt") as f:
+        for key in keys:
+            tensor = f.get_tensor(key)
+            nbytes += tensor.numel() * tensor.element_size()
+            state[key] = tensor.to(dtype)
+    return nbytes
+
+
+def _read(path: str, files: list[str], found: dict, dtype) -> dict[str, torch.Tensor]:
+    state, start = {}, time.perf_counter()
+    total = 0
+    for i, name in enumerate(files, 1):
+        t0 = time.perf_counter()
+        keys = [k for k, (file, _, _) in found.items() if file == name and not k.endswith(IGNORED_SUFFIX)]
+        nbytes = _read_shard(os.path.join(path, name), keys, dtype, state)
+        total += nbytes
+        log.info("loaded %s shard %d/%d %s: %d tensors, %.1f MB in %.2f s", path, i, len(files), name,
+                 len(keys), nbytes / 1e6, time.perf_counter() - t0)
+    log.info("loaded %s: %.1f MB in %.2f s", path, total / 1e6, time.perf_counter() - start)
+    return state
+
+
+def _untie(path: str, state: dict) -> None:
+    """Drop a tied head's stored copy, refusing one that differs from the embedding it is tied to."""
+    head = state.pop("lm_head.weight", None)
+    if head is not None and not torch.equal(head, state["model.embed_tokens.weight"]):
+        raise ValueError(f"{path}: config.json says tie_word_embeddings=true but lm_head.weight differs from "
+                         "model.embed_tokens.weight; set tie_word_embeddings=false to use both")
+
+
+def load_pretrained(path: str, dtype: str = "float32") -> Decoder:
+    """The model in ``path`` with its weights in ``dtype`` (rope frequencies stay FP32)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r}: expected one of {sorted(DTYPES)}")
+    cfg = ArchConfig.from_hf(read_config(path))
+    files = weight_files(path)
+    found = _headers(path, files)
+    _check(path, cfg, found, Decoder.shapes(cfg))
+    state = _read(path, files, found, DTYPES[dtype])
+    if cfg.tie_word_embeddings:
+        _untie(path, state)
+    return Decoder.from_state(cfg, state)
 
 
 def tokenizer_files(model_dir: str) -> dict[str, bytes]:
@@ -51,19 +155,30 @@ def tokenizer_files(model_dir: str) -> dict[str, bytes]:
     return out
 
 
-def save_pretrained(model: Qwen3, path: str, extra_files: dict[str, bytes] | None = None) -> None:
-    """Write config.json + model.safetensors (+ extra files such as tokenizer.json) into ``path``.
+def save_pretrained(model: Decoder, path: str, extra_files: dict[str, bytes] | None = None,
+                    dtype: str | None = None) -> None:
+    """Write config.json + model.safetensors (+ extra files such as tokenizer.json) into ``path``,
+    the weights in ``dtype`` (default: the model's own).
 
     Plain writes: callers that need atomicity write into a temporary directory and rename it
     (``core.files.atomic_dir``).
     """
     from safetensors.torch import save_file
 
+    names = {v: k for k, v in DTYPES.items()}
+    target = DTYPES[dtype] if dtype is not None else next(model.parameters()).dtype
+    if target not in names:
+        raise ValueError(f"cannot save weights as {target}: expected one of {sorted(DTYPES)}")
     os.makedirs(path, exist_ok=True)
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    t0 = time.perf_counter()
+    state = {k: v.detach().to(target).contiguous() for k, v in model.state_dict().items()}
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(path, INDEX))  # a leftover index would make loaders read old shards
     save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(model.cfg.to_hf(), f, indent=2)
+        json.dump(model.cfg.to_hf(names[target]), f, indent=2)
     for name, data in (extra_files or {}).items():
         with open(os.path.join(path, name), "wb") as f:
             f.write(data)
+    log.info("saved %s (%s): %.1f MB in %.2f s", path, names[target],
+             sum(v.numel() * v.element_size() for v in state.values()) / 1e6, time.perf_counter() - t0)

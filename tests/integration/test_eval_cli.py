@@ -10,7 +10,8 @@ import sys
 import numpy as np
 import pytest
 
-from actor.evaluate import pass_at, resolve_checkpoint
+from actor.evaluate import pass_at
+from run import resolve_checkpoint
 from tests.support.runs import ROOT
 from tests.support.tiny import tiny_model_dir
 

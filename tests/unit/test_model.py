@@ -1,5 +1,7 @@
 """Our Qwen3 module must match transformers' implementation on the same HF checkpoint."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -69,3 +71,33 @@ def test_round_trip_and_mismatch_error(tmp_path):
     (tmp_path / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError):
         load_pretrained(str(tmp_path))
+
+
+def test_built_in_config_is_a_tied_qwen3_and_round_trips():
+    """The direct-construction path (model/basemodel.py's tiny model) stays a tied Qwen3, and its
+    config.json -- today's and the one written before families existed -- parses back to it."""
+    cfg = ArchConfig(vocab_size=40, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, eos_token_id=3)
+    keys = set(Qwen3(cfg).state_dict())
+    assert "model.layers.0.self_attn.q_norm.weight" in keys and "lm_head.weight" not in keys
+    assert not any(k.endswith(".bias") for k in keys)
+    hf = cfg.to_hf("float32")
+    assert (hf["model_type"], hf["architectures"], hf["tie_word_embeddings"]) == ("qwen3", ["Qwen3ForCausalLM"], True)
+    assert hf["dtype"] == hf["torch_dtype"] == "float32"
+    written_before = {**{k: v for k, v in hf.items() if k not in ("dtype", "extra")}, "rope_scaling": None,
+                      "attention_bias": False, "use_sliding_window": False}
+    for d in (hf, written_before):
+        back = ArchConfig.from_hf(d)
+        assert dataclasses.replace(back, extra={}) == cfg  # every field (source_keys is not compared)
+        assert back.to_hf() == d  # every key written back as read
+
+
+def test_rope_frequencies_stay_fp32_when_the_weights_are_cast():
+    m = Qwen3(ArchConfig(vocab_size=40, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16))
+    inv = m.rotary.inv_freq.clone()
+    m.to(torch.bfloat16)
+    assert m.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert m.rotary.inv_freq.dtype == torch.float32 and torch.equal(m.rotary.inv_freq, inv)
+    m.double()  # an upcast still applies (float64 references)
+    assert m.rotary.inv_freq.dtype == torch.float64

@@ -1,0 +1,183 @@
+"""What a checkpoint's ``config.json`` says, and whether driftrl's decoder can run it exactly.
+
+:class:`ArchConfig` is the one parsed view of an HF config that ``model/decoder.py`` builds from.
+Three families share that decoder; they differ only in a few switches, one :class:`Family` row
+each, and in transformers' defaults for keys a ``config.json`` may leave out (``FAMILIES``):
+
+    llama   attention_bias -> q/k/v/o biases, mlp_bias -> MLP biases, head_dim = hidden/heads
+    qwen2   q/k/v biases always (o_proj none), head_dim = hidden/heads
+    qwen3   RMSNorm on each head's q and k, attention_bias -> q/k/v/o biases, head_dim 128
+
+All three default ``tie_word_embeddings`` to False in transformers; only a directly constructed
+ArchConfig (the tiny built-in model, ``model/basemodel.py``) defaults to a tied Qwen3.
+
+Round trip: :meth:`ArchConfig.from_hf` parses the family's keys into fields and keeps every other
+key in ``extra`` verbatim -- ``architectures``, the rope settings in the input's own spelling
+(``rope_scaling`` or ``rope_parameters``), ``layer_types``, ``transformers_version`` -- and
+remembers which keys it read, so :meth:`ArchConfig.to_hf` writes exactly the input's keys and
+values, which ``transformers`` loads as the same model. Only ``dtype`` / ``torch_dtype`` change,
+to say what was written.
+
+Refusals: whatever the decoder would only approximate (another activation, sliding-window
+layers, dropout in attention, quantised weights, a rope type it does not implement,
+``model/rope.py``) raises ValueError naming the key and its value, at load time, before any
+weight is read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from model.rope import rope_parameters
+
+COMMON_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+               "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings", "rope_theta",
+               "rms_norm_eps", "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
+
+
+@dataclass(frozen=True)
+class Family:
+    architecture: str
+    qk_norm: bool  # RMSNorm over each head's q and k before rope (Qwen3)
+    fixed_qkv_bias: bool  # q/k/v biases always and o_proj none, whatever attention_bias says (Qwen2)
+    keys: tuple[str, ...]  # the config keys parsed into ArchConfig fields; all others stay in `extra`
+    defaults: dict  # transformers' values for those keys when config.json omits them
+    sliding: bool  # the config class has use_sliding_window / layer_types (refused when in use)
+
+
+_QWEN_SIZES = dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
+                   num_attention_heads=32, num_key_value_heads=32, head_dim=None, max_position_embeddings=32768,
+                   bos_token_id=None, eos_token_id=None)
+_COMMON_DEFAULTS = dict(rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, pad_token_id=None)
+
+FAMILIES = {
+    "llama": Family("LlamaForCausalLM", qk_norm=False, fixed_qkv_bias=False,
+                    keys=(*COMMON_KEYS, "attention_bias", "mlp_bias"), sliding=False,
+                    defaults=dict(_COMMON_DEFAULTS, vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=None,
+                                  head_dim=None, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2,
+                                  attention_bias=False, mlp_bias=False)),
+    "qwen2": Family("Qwen2ForCausalLM", qk_norm=False, fixed_qkv_bias=True, keys=COMMON_KEYS, sliding=True,
+                    defaults=dict(_COMMON_DEFAULTS, **_QWEN_SIZES)),
+    "qwen3": Family("Qwen3ForCausalLM", qk_norm=True, fixed_qkv_bias=False, keys=(*COMMON_KEYS, "attention_bias"),
+                    sliding=True,
+                    defaults={**_COMMON_DEFAULTS, **_QWEN_SIZES, "head_dim": 128, "attention_bias": False}),
+}
+
+
+def family(model_type) -> Family:
+    if model_type not in FAMILIES:
+        raise ValueError(f"config.json model_type={model_type!r} is not supported: driftrl runs {sorted(FAMILIES)}")
+    return FAMILIES[model_type]
+
+
+@dataclass
+class ArchConfig:
+    vocab_size: int
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 32
+    max_position_embeddings: int = 128
+    rope_theta: float = 10000.0  # the top-level key; a theta inside rope_scaling/rope_parameters wins
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True  # the built-in tiny model's; from_hf applies each family's default
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    model_type: str = "qwen3"
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    extra: dict = field(default_factory=dict)  # other HF keys, written back untouched
+    source_keys: tuple[str, ...] | None = field(default=None, compare=False, repr=False)  # from_hf's input keys
+
+    def __post_init__(self):
+        fam = family(self.model_type)
+        if self.num_key_value_heads <= 0 or self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"config.json num_attention_heads={self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads={self.num_key_value_heads}")
+        if fam.fixed_qkv_bias and self.attention_bias:
+            raise ValueError("qwen2 has no attention_bias switch (its q/k/v biases are always on)")
+        self.rope()  # refuse an unsupported rope here, not when the model is built
+
+    @property
+    def qk_norm(self) -> bool:
+        return FAMILIES[self.model_type].qk_norm
+
+    @property
+    def qkv_bias(self) -> bool:
+        return FAMILIES[self.model_type].fixed_qkv_bias or self.attention_bias
+
+    @property
+    def o_bias(self) -> bool:
+        return self.attention_bias and not FAMILIES[self.model_type].fixed_qkv_bias
+
+    def rope(self) -> dict:
+        """The effective rope settings (``rope_type``, ``rope_theta``, the type's keys)."""
+        return rope_parameters({**self.extra, "rope_theta": self.rope_theta}, self.max_position_embeddings)
+
+    def to_hf(self, dtype: str | None = None) -> dict:
+        """The config.json to write. Read from one: exactly its keys (fields under their HF names,
+        the rest from ``extra``); built here: a complete config of the family. ``dtype`` names the
+        weights' dtype in whichever of ``dtype`` / ``torch_dtype`` the input used (else both)."""
+        fam = FAMILIES[self.model_type]
+        if self.source_keys is None:
+            own = {"architectures": [fam.architecture], "hidden_act": "silu", "attention_dropout": 0.0,
+                   "use_cache": True, **({"use_sliding_window": False} if fam.sliding else {}),
+                   **{k: getattr(self, k) for k in fam.keys}}
+        else:  # no key the input lacked: a top-level rope_theta beside rope_parameters' own would mislead
+            own = {k: getattr(self, k) for k in fam.keys if k in self.source_keys}
+        out = {**own, **self.extra}
+        if dtype is not None:
+            for key in [k for k in ("dtype", "torch_dtype") if k in self.extra] or ["dtype", "torch_dtype"]:
+                out[key] = dtype
+        return out
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "ArchConfig":
+        fam = family(d.get("model_type"))
+        _refuse_unsupported(d, fam)
+        known = {**fam.defaults, **{k: d[k] for k in fam.keys if k in d}}
+        if known["num_key_value_heads"] is None:
+            known["num_key_value_heads"] = known["num_attention_heads"]
+        if known["head_dim"] is None:
+            known["head_dim"] = known["hidden_size"] // known["num_attention_heads"]
+        if known["rope_theta"] is None:
+            known["rope_theta"] = fam.defaults["rope_theta"]
+        return cls(**known, extra={k: v for k, v in d.items() if k not in fam.keys}, source_keys=tuple(d))
+
+
+def _refuse_unsupported(d: dict, fam: Family) -> None:
+    """ValueError naming the key for every setting the decoder would not reproduce exactly."""
+    act = d.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(f"config.json hidden_act={act!r} is not supported: driftrl's MLP is SwiGLU (silu)")
+    if d.get("attention_dropout") not in (None, 0, 0.0):
+        raise ValueError(f"config.json attention_dropout={d['attention_dropout']!r} is not supported: "
+                         "the learner trains without dropout")
+    if d.get("quantization_config") is not None:
+        method = (d["quantization_config"] or {}).get("quant_method")
+        raise ValueError(f"config.json quantization_config (quant_method={method!r}): quantised checkpoints "
+                         "are not supported; use BF16/FP16/FP32 weights")
+    if fam.sliding:
+        _refuse_sliding(d)
+
+
+def _refuse_sliding(d: dict) -> None:
+    """Qwen2/Qwen3 layers slide when listed so in layer_types, or (layer_types absent) when
+    use_sliding_window is on and the layer's index is at least max_window_layers."""
+    kinds = d.get("layer_types")
+    if kinds:
+        sliding = [i for i, kind in enumerate(kinds) if kind != "full_attention"]
+        if sliding:
+            raise ValueError(f"config.json layer_types={kinds!r}: layers {sliding} are not full attention; "
+                             "sliding-window attention is not supported")
+        return
+    if d.get("use_sliding_window") and d.get("sliding_window", 4096) is not None:
+        first, layers = d.get("max_window_layers", 28), d.get("num_hidden_layers", 32)
+        if first < layers:
+            raise ValueError(f"config.json use_sliding_window=True (sliding_window={d.get('sliding_window', 4096)}, "
+                             f"max_window_layers={first} < num_hidden_layers={layers}): sliding-window attention "
+                             "is not supported")
