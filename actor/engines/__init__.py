@@ -12,12 +12,20 @@ it, and when, is the only difference between the two kinds of engine:
   with the version the server reports having applied.
 
 The worker never touches weights directly: it calls ``refresh_weights`` and reads ``version``.
+
+Two ways to get completions: :meth:`Engine.generate` returns one Sample per prompt, in order;
+:meth:`Engine.stream` yields ``(index, Sample)`` as each sequence finishes (a continuous-batching
+engine finishes short completions first), so the worker can send a group the moment its last
+sample is done instead of waiting for the batch's longest sequence. An engine that cannot stream
+inherits a ``stream`` that generates the whole batch, then yields it in order.
+
 One file per engine, one line in :data:`ENGINES` (``actor.engine`` selects it).
 """
 
 from __future__ import annotations
 
 import abc
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from core.registry import resolve
@@ -48,6 +56,13 @@ class Engine(abc.ABC):
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int | None = None,
                  greedy: bool = False) -> list[Sample]:
         """One Sample per prompt, in order; sampled as configured unless ``greedy``."""
+
+    def stream(self, prompts: list[list[int]], *, max_new_tokens: int | None = None,
+               greedy: bool = False) -> Iterator[tuple[int, Sample]]:
+        """``(index into prompts, Sample)`` for every prompt, each index exactly once, as soon as
+        its sequence finishes (completion order). This default, for engines that cannot stream,
+        yields the whole batch in prompt order once ``generate`` returns."""
+        yield from enumerate(self.generate(prompts, max_new_tokens=max_new_tokens, greedy=greedy))
 
     @abc.abstractmethod
     def sampling(self) -> SamplingSpec:

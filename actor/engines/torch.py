@@ -1,24 +1,82 @@
-"""The embedded PyTorch engine: batched sampling with a KV cache and in-flight weight updates.
+"""The embedded PyTorch engine: continuous batching over a preallocated KV cache, with in-flight
+weight updates.
+
+Scheduling. Up to ``max_batch`` sequences decode at once, one per slot of the engine's
+:class:`model.kvcache.KVCache`. Each loop turn runs one forward, then retires what finished:
+
+- prompts waiting and slots free: the newly admitted prompts are prefilled together, in one
+  forward over just their slots (right-padded; the cache records each row's real length, so the
+  padding is overwritten by the row's next token), and sample their first token;
+- otherwise a decode step: one token for every running sequence, each at its own position.
+
+A finished sequence's slot goes to the next waiting prompt at once; the running sequences do not
+wait for the batch's longest member. When nothing waits, the last running sequence moves into
+the hole (one copy of its K/V), so the running rows stay packed at the front of the cache and a
+decode step reads it as a view: finished rows cost nothing more, and no step gathers K/V.
+
+The cache is allocated once per engine and grown geometrically (slots up to ``max_batch``,
+positions to the longest prompt plus ``max_new_tokens``) when a call needs more than it holds.
+
+Streaming: :meth:`TorchEngine.stream` yields ``(index, Sample)`` the moment a sequence finishes,
+so the worker can send a group as soon as its last sample is done; :meth:`generate` collects it.
 
 Behaviour log-probs are those of the distribution actually sampled from
 (``model.sampling.sampling_logprobs``, the rule the learner's numerator applies too).
 
-Weights may change between two decode steps (:meth:`Engine.refresh_weights` runs before each);
-every sampled token records the version of the weights whose logits produced it. The KV cache
-of running sequences is kept across an update, as PipelineRL does: the prefix keys were computed by
-older weights, which is exactly what the per-token versions describe.
+Weights may change between two forwards (:meth:`Engine.refresh_weights` runs before each, prefill
+or decode); every sampled token records the version of the weights whose logits produced it. The
+KV cache of running sequences is kept across an update, as PipelineRL does: the prefix keys were
+computed by older weights, which is exactly what the per-token versions describe.
+
+Speed: ``bench/engine.py`` compares this engine with ``transformers``' ``generate`` on the same
+checkpoint, prompts, batch, sampling and threads; its docstring has the figures.
 """
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
 import torch
 
 from actor.engines import Engine, Sample
-from model.decoder import DTYPES, Qwen3
-from model.kvcache import KVCache
+from model.decoder import DTYPES
 from model.hf import load_pretrained
+from model.kvcache import KVCache
 from model.sampling import SamplingSpec, sampling_logprobs
 from model.tokenizer import Tokenizer
+
+
+@dataclass
+class _Seq:
+    """One prompt's sequence: what it has produced so far, and why it stopped (once it has)."""
+
+    index: int
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish: str | None = None
+
+    def sample(self) -> Sample:
+        return Sample(self.tokens, self.logprobs, self.versions, self.finish)
+
+
+def _grown(need: int, have: int, cap: int | None = None) -> int:
+    """Geometric growth: at least ``need``, else double ``have`` (never beyond ``cap``)."""
+    return max(need, min(2 * have, cap if cap is not None else 2 * have))
+
+
+def _pack(cache: KVCache, running: list[_Seq | None]) -> None:
+    """Fill every hole with the last running sequence, so the running rows are slots [0, m)."""
+    while None in running:
+        if running[-1] is None:
+            running.pop()
+            continue
+        hole = running.index(None)
+        cache.move(len(running) - 1, hole)
+        running[hole] = running.pop()
 
 
 class TorchEngine(Engine):
@@ -26,24 +84,27 @@ class TorchEngine(Engine):
 
     name = "torch"
 
-    def __init__(self, model: Qwen3, spec: SamplingSpec, *, eos_ids, pad_id: int, max_new_tokens: int = 16,
-                 dtype: str = "float32", seed: int = 0, weights=None):
+    def __init__(self, model, spec: SamplingSpec, *, eos_ids, pad_id: int, max_new_tokens: int = 16,
+                 max_batch: int = 256, dtype: str = "float32", seed: int = 0, weights=None):
         super().__init__(weights)
         self.model = model.to(DTYPES[dtype]).eval()
         self.model.fp32_attn_softmax = True
         self.dtype = DTYPES[dtype]
         self.spec = spec
         self.max_new_tokens = max_new_tokens
+        self.max_batch = max_batch
         self.eos_ids = torch.tensor(sorted(set(eos_ids)), dtype=torch.long)
         self.pad_id = pad_id
         self.gen = torch.Generator().manual_seed(seed)
         self._params = self.params()
+        self._cache: KVCache | None = None
 
     @classmethod
     def from_config(cls, actor_cfg, model_dir: str, weights=None, seed: int = 0) -> "TorchEngine":
         tok = Tokenizer.from_dir(model_dir)
         return cls(load_pretrained(model_dir), SamplingSpec.of(actor_cfg), eos_ids=tok.eos_ids, pad_id=tok.pad_id,
-                   max_new_tokens=actor_cfg.max_new_tokens, dtype=actor_cfg.dtype, seed=seed, weights=weights)
+                   max_new_tokens=actor_cfg.max_new_tokens, max_batch=actor_cfg.max_batch, dtype=actor_cfg.dtype,
+                   seed=seed, weights=weights)
 
     def sampling(self) -> SamplingSpec:
         return self.spec
@@ -59,43 +120,99 @@ class TorchEngine(Engine):
     def _apply_weights(self) -> int | None:
         return self.weights.apply(self._params)
 
-    def _prefill_inputs(self, prompts: list[list[int]]):
-        n, width = len(prompts), max(map(len, prompts))
-        ids = torch.full((n, width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros(n, width, dtype=torch.bool)
-        for i, p in enumerate(prompts):  # left-padded: every row's next token is at column -1
-            ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-            mask[i, width - len(p):] = True
-        return ids, (mask.long().cumsum(-1) - 1).clamp(min=0), mask
+    def generate(self, prompts: list[list[int]], *, max_new_tokens: int | None = None,
+                 greedy: bool = False) -> list[Sample]:
+        out: list[Sample | None] = [None] * len(prompts)
+        for i, sample in self.stream(prompts, max_new_tokens=max_new_tokens, greedy=greedy):
+            out[i] = sample
+        return out
+
+    @torch.inference_mode()
+    def stream(self, prompts: list[list[int]], *, max_new_tokens: int | None = None,
+               greedy: bool = False) -> Iterator[tuple[int, Sample]]:
+        budget = max_new_tokens or self.max_new_tokens
+        if not prompts:
+            return
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"prompt {i} is empty: a sequence needs at least one token to condition on")
+        cache = self._cache_for(min(self.max_batch, len(prompts)), max(map(len, prompts)) + budget)
+        waiting = deque(_Seq(i, list(p)) for i, p in enumerate(prompts))
+        running: list[_Seq | None] = []  # running[i] lives in cache slot i
+        while True:
+            fresh = self._admit(cache, running, waiting)
+            if not running:
+                return
+            if fresh:
+                self._prefill(cache, running, fresh, budget, greedy)
+            else:
+                self._decode(cache, running, budget, greedy)
+            for slot, seq in enumerate(running):
+                if seq.finish:
+                    running[slot] = None
+                    yield seq.index, seq.sample()
+
+    def _cache_for(self, slots: int, max_len: int) -> KVCache:
+        """The engine's one cache, grown (and reallocated: nothing runs between calls) if needed."""
+        old = self._cache
+        if old is None or not old.fits(slots, max_len):
+            have = (old.slots, old.max_len) if old is not None else (0, 0)
+            self._cache = None  # free the old buffers before the new ones: peak memory is one cache
+            self._cache = KVCache(self.model.cfg, _grown(slots, have[0], self.max_batch),
+                                  _grown(max_len, have[1]), self.dtype)
+        self._cache.reset(slice(None))
+        return self._cache
+
+    def _admit(self, cache: KVCache, running: list[_Seq | None], waiting: deque) -> list[int]:
+        """Give free slots to waiting prompts, holes first; pack the rest. Returns the new slots."""
+        fresh = []
+        for slot in range(min(self.max_batch, cache.slots)):
+            if not waiting:
+                break
+            if slot == len(running):
+                running.append(None)
+            if running[slot] is None:
+                running[slot] = waiting.popleft()
+                fresh.append(slot)
+        _pack(cache, running)
+        return fresh
+
+    def _prefill(self, cache: KVCache, running: list[_Seq], fresh: list[int], budget: int, greedy: bool) -> None:
+        """One forward over the newly admitted slots only, right-padded; samples each first token."""
+        seqs = [running[i] for i in fresh]
+        lens = torch.tensor([len(s.prompt) for s in seqs])
+        ids = torch.full((len(seqs), int(lens.max())), self.pad_id, dtype=torch.long)
+        for row, s in enumerate(seqs):
+            ids[row, : len(s.prompt)] = torch.tensor(s.prompt, dtype=torch.long)
+        cols = torch.arange(ids.shape[1])
+        rows = torch.tensor(fresh)
+        cache.reset(rows)
+        cache.bind(rows, lens)
+        version = self.refresh_weights()
+        hidden = self.model(ids, cols.expand_as(ids), cols[None] < lens[:, None], cache)
+        self._record(seqs, hidden[torch.arange(len(seqs)), lens - 1], version, budget, greedy)
+
+    def _decode(self, cache: KVCache, running: list[_Seq], budget: int, greedy: bool) -> None:
+        """One token for every running sequence (slots [0, m)), each at its own position."""
+        pos = cache.lengths[: len(running), None].clone()  # the pending token's position
+        ids = torch.tensor([[s.tokens[-1]] for s in running], dtype=torch.long)
+        mask = torch.arange(int(pos.max()) + 1)[None] <= pos
+        version = self.refresh_weights()
+        hidden = self.model(ids, pos, mask, cache)
+        self._record(running, hidden[:, -1], version, budget, greedy)
+
+    def _record(self, seqs: list[_Seq], hidden, version: int, budget: int, greedy: bool) -> None:
+        nxt, lp = self._next_token(hidden, greedy)
+        stops = torch.isin(nxt, self.eos_ids).tolist()
+        for seq, tok, logp, stop in zip(seqs, nxt.tolist(), lp.tolist(), stops):
+            seq.tokens.append(tok)
+            seq.logprobs.append(logp)
+            seq.versions.append(version)
+            if stop or len(seq.tokens) >= budget:
+                seq.finish = "stop" if stop else "length"
 
     def _next_token(self, hidden, greedy: bool):
         s = self.spec
         logp = sampling_logprobs(self.model.logits(hidden), s.temperature, s.top_k, s.top_p)
         nxt = logp.argmax(-1) if greedy else torch.multinomial(logp.exp(), 1, generator=self.gen).squeeze(-1)
         return nxt, logp.gather(-1, nxt[:, None]).squeeze(-1)
-
-    @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], *, max_new_tokens: int | None = None,
-                 greedy: bool = False) -> list[Sample]:
-        n, budget = len(prompts), max_new_tokens or self.max_new_tokens
-        ids, pos, mask = self._prefill_inputs(prompts)
-        cache = KVCache(self.model.cfg, n, ids.shape[1] + budget, self.dtype)
-        out_tok = torch.zeros(n, budget, dtype=torch.long)
-        out_lp = torch.zeros(n, budget, dtype=torch.float32)
-        out_ver = torch.zeros(n, budget, dtype=torch.int32)
-        done = torch.zeros(n, dtype=torch.bool)
-        lengths = torch.full((n,), budget, dtype=torch.long)
-        for t in range(budget):
-            version = self.refresh_weights()
-            nxt, lp = self._next_token(self.model(ids, pos, mask, cache)[:, -1], greedy)
-            out_tok[:, t] = torch.where(done, torch.full_like(nxt, self.pad_id), nxt)
-            out_lp[:, t], out_ver[:, t] = lp, version
-            finished_now = (~done) & torch.isin(nxt, self.eos_ids)
-            lengths[finished_now] = t + 1
-            done |= finished_now
-            if bool(done.all()):
-                break
-            ids, pos = out_tok[:, t:t + 1], pos[:, -1:] + 1
-            mask = torch.cat([mask, torch.ones(n, 1, dtype=torch.bool)], dim=1)
-        return [Sample(out_tok[i, :k].tolist(), out_lp[i, :k].tolist(), out_ver[i, :k].tolist(),
-                       "stop" if bool(done[i]) else "length") for i, k in enumerate(lengths.tolist())]

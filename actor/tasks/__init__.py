@@ -74,8 +74,23 @@ class Task(abc.ABC):
         end = next((i for i, t in enumerate(ids) if t in self.tok.eos_ids), None)
         return None if end is None else self.tok.decode(ids[:end])
 
+    def prompt_tokens(self, text: str, tier: str = "default") -> tuple[int, ...]:
+        """Prompt ids of a task's question ``text`` (+ ``task.instruction``): through the chat
+        template when ``task.chat_template`` asks for it (model/tokenizer.py), with the system
+        prompt of ``tier`` (else ``task.system_prompt["default"]``), else plain text after BOS."""
+        if self.cfg.instruction:
+            text = f"{text}\n\n{self.cfg.instruction}"
+        system = self.cfg.system_prompt.get(tier, self.cfg.system_prompt.get("default", ""))
+        return tuple(self.tok.prompt(text, self.tok.wants_chat(self.cfg.chat_template), system))
 
-TASKS = {"arith": "actor.tasks.arith:ArithTask"}
+
+def tier_of(difficulty: float) -> str:
+    """The tier of a difficulty normalised to [0, 1]: thirds, "low" to "high"."""
+    return "low" if difficulty < 1 / 3 else "medium" if difficulty < 2 / 3 else "high"
+
+
+TASKS = {"arith": "actor.tasks.arith:ArithTask", "scratch": "actor.tasks.scratch:ScratchTask",
+         "gym": "actor.tasks.gym:GymTask", "math": "actor.tasks.mathfile:MathTask"}
 
 
 def task_class(name: str) -> type[Task]:

@@ -33,7 +33,7 @@ def build_tokenizer():
     return tok
 
 
-def tokenizer_files() -> dict[str, bytes]:
+def tokenizer_files(model_max_length: int = 128) -> dict[str, bytes]:
     """Files that make the tokenizer loadable by ``tokenizers`` and ``transformers``; the special
     ids themselves go into the model's config.json (:func:`special_ids`)."""
     cfg = {
@@ -43,7 +43,7 @@ def tokenizer_files() -> dict[str, bytes]:
         "pad_token": "<pad>",
         "unk_token": "<unk>",
         "padding_side": "left",
-        "model_max_length": 128,
+        "model_max_length": model_max_length,
     }
     return {
         "tokenizer.json": build_tokenizer().to_str().encode(),
@@ -80,6 +80,14 @@ class ArithTask(Task):
         """1.0 iff the text before the first EOS is exactly the sum; EOS must have been produced."""
         return 1.0 if self.completion_text(completion_ids) == prompt.answer else 0.0
 
+    def pretrain_completion(self, prompt: Prompt, rng: random.Random, model_cfg) -> str:
+        """Pre-training text: the sum with probability ``pretrain_correct_frac``, else its digits
+        backwards -- a wrong habit that leaves the arithmetic latent for RL to elicit."""
+        return prompt.answer if rng.random() < model_cfg.pretrain_correct_frac else prompt.answer[::-1]
+
+    def pretrain_recipe(self, model_cfg) -> dict:
+        """Fields beyond the shared ones that shape the corpus: none."""
+        return {}
 
     @classmethod
     def base_model(cls, cfg) -> str:
@@ -89,4 +97,6 @@ class ArithTask(Task):
 
         ids = special_ids()
         task = cls(cfg.task, Tokenizer.build(build_tokenizer(), ids, {}, {}))
-        return ensure_base_model(cfg, lambda out: pretrain(cfg, task, tokenizer_files(), ids, out))
+        files = tokenizer_files(cfg.model.max_position_embeddings)
+        return ensure_base_model(cfg, lambda out: pretrain(cfg, task, files, ids, out),
+                                 task.pretrain_recipe(cfg.model))
