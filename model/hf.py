@@ -34,7 +34,8 @@ from model.decoder import DTYPES, ArchConfig, Decoder
 log = logging.getLogger("driftrl.hf")
 
 # files that travel with the weights: what a tokenizer and a generation loop need
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                   "chat_template.jinja")
 INDEX = "model.safetensors.index.json"
 FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")  # safetensors' names; anything else is quantised or not weights
 # transformers < 4.31 saved the (non-persistent) rope buffer; transformers ignores it on load, so do we

@@ -25,7 +25,8 @@ from __future__ import annotations
 import functools
 import json
 import os
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass
 from datetime import datetime
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
@@ -67,8 +68,8 @@ def read_chat_template(path: str, tok_config: dict) -> str | None:
     return named["default"]
 
 
-def _template_tokens(tok_config: dict) -> dict[str, str]:
-    return {k: _token_name(tok_config[k]) for k in TEMPLATE_TOKENS if tok_config.get(k) is not None}
+def _template_tokens(tok_config: dict) -> tuple[tuple[str, str], ...]:
+    return tuple((k, _token_name(tok_config[k])) for k in TEMPLATE_TOKENS if tok_config.get(k) is not None)
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,7 @@ class Tokenizer:
     eos_ids: tuple[int, ...]
     pad_id: int
     chat_template: str | None = None  # jinja source; None: the checkpoint has none
-    template_tokens: dict[str, str] = field(default_factory=dict)  # bos_token etc. by name
+    template_tokens: tuple[tuple[str, str], ...] = ()  # (bos_token, "<s>") etc.: template variables
 
     @property
     def eos_id(self) -> int:
@@ -103,7 +104,7 @@ class Tokenizer:
                              "in tokenizer_config.json)")
         text = _compile(self.chat_template).render(
             messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
-            **self.template_tokens)
+            **dict(self.template_tokens))
         return self.encode(text)
 
     def wants_chat(self, mode: str) -> bool:
@@ -154,8 +155,22 @@ class Tokenizer:
 
 # ---- chat templates: transformers' sandboxed jinja environment ------------------------------
 
+def _require_jinja() -> None:
+    """jinja2 >= 3.1.6, as transformers requires: older versions have known sandbox escapes, and a
+    checkpoint's template is untrusted code."""
+    try:
+        import jinja2
+    except ImportError:
+        raise ImportError("rendering a chat template needs jinja2>=3.1.6: pip install jinja2 "
+                          "(or set task.chat_template=off)") from None
+    version = tuple(int(x) for x in re.findall(r"\d+", jinja2.__version__)[:3])
+    if version < (3, 1, 6):
+        raise ImportError(f"jinja2 {jinja2.__version__} has known sandbox escapes: pip install -U 'jinja2>=3.1.6'")
+
+
 @functools.lru_cache(maxsize=16)
 def _compile(template: str):
+    _require_jinja()
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 

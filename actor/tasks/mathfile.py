@@ -1,0 +1,191 @@
+"""Math problems from a JSONL or parquet file, scored by ``math-verify`` in the reward pool.
+
+Each row has ``prompt`` (text) and ``answer`` (text or number); optionally ``id`` (else a hash of
+the prompt: stable across runs and file reorderings), ``difficulty`` (a number) or ``level`` (a
+number, or MATH's ``"Level 3"``). Other fields are ignored. Every row is checked on load, and a
+bad one is an error naming the file, line (parquet: row) and field.
+
+Splits: ``task.eval_path`` is the eval split when set; otherwise a stable hash of each row's id
+holds out ``task.eval_frac`` of ``task.path``. ``Prompt.difficulty`` is the row's difficulty
+(else its level, else 0); the tier is its third of the range the loaded rows span ("default"
+when the rows carry none, or all the same).
+
+Parquet needs ``pyarrow`` (the ``tasks`` extra: ``pip install 'driftrl[tasks]'``), imported only for a
+``.parquet`` path.
+
+Scoring (in a reward-pool worker): the reference is parsed as LaTeX inside ``$...$`` (so
+``\\frac{1}{2}`` and ``3\\sqrt{2}`` parse whole; bare text as a fallback) and cached, the
+completion by math-verify's default extraction (``\\boxed{}`` first, then LaTeX and plain
+expressions), and ``math_verify.verify(gold, prediction)`` decides. math-verify bounds its own
+parse and comparison with ``signal.alarm`` -- which works because the worker runs it in its main
+thread -- each given a third of the pool's per-answer budget, so a slow expression usually
+scores 0 inside math-verify and the pool's kill stays the backstop for what ignores the alarm.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import random
+import re
+
+import msgspec
+
+from actor.rewards import PooledTask
+from actor.tasks import Prompt, tier_of
+
+
+class Row(msgspec.Struct):
+    prompt: str
+    answer: str | int | float
+    id: str | int | None = None
+    level: int | float | str | None = None
+    difficulty: int | float | None = None
+
+
+def _bad(where: str, message: str) -> ValueError:
+    return ValueError(f"{where}: {message}")
+
+
+def _level(value, where: str) -> float | None:
+    if value is None or isinstance(value, (int, float)):
+        return None if value is None else float(value)
+    m = re.fullmatch(r"\s*(?:level\s*)?(-?\d+(?:\.\d+)?)\s*", value, flags=re.IGNORECASE)
+    if m is None:
+        raise _bad(where, f"field `level` = {value!r} is not a number or 'Level N'")
+    return float(m.group(1))
+
+
+def _problem(raw, where: str) -> dict:
+    """A checked row as ``{id, prompt, answer, difficulty}`` (difficulty None when absent)."""
+    try:
+        row = msgspec.convert(raw, Row)
+    except msgspec.ValidationError as e:
+        raise _bad(where, str(e).replace("`$.", "field `")) from None
+    if not row.prompt.strip():
+        raise _bad(where, "field `prompt` is empty")
+    answer = str(row.answer).strip()
+    if not answer:
+        raise _bad(where, "field `answer` is empty")
+    level = _level(row.level, where)
+    pid = str(row.id) if row.id is not None else hashlib.blake2b(row.prompt.encode(), digest_size=8).hexdigest()
+    return {"id": pid, "prompt": row.prompt, "answer": answer,
+            "difficulty": float(row.difficulty) if row.difficulty is not None else level}
+
+
+def _jsonl_rows(path: str):
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    yield json.loads(line), f"{path} line {n}"
+                except json.JSONDecodeError as e:
+                    raise _bad(f"{path} line {n}", f"not JSON ({e})") from None
+
+
+def _parquet_rows(path: str):
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ValueError(f"{path} is parquet, which needs pyarrow: pip install pyarrow (or the extra: "
+                         "pip install 'driftrl[tasks]'), or convert the file to JSONL") from None
+    for n, raw in enumerate(pq.read_table(path).to_pylist(), 1):
+        yield raw, f"{path} row {n}"
+
+
+def load_problems(path: str) -> list[dict]:
+    """Every row of a ``.jsonl``/``.json`` or ``.parquet`` file, checked."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"task file {path!r} does not exist")
+    if path.endswith(".parquet"):
+        rows = _parquet_rows(path)
+    elif path.endswith((".jsonl", ".json", ".ndjson")):
+        rows = _jsonl_rows(path)
+    else:
+        raise ValueError(f"task file {path!r}: expected .jsonl or .parquet")
+    problems = [_problem(raw, where) for raw, where in rows]
+    if not problems:
+        raise ValueError(f"task file {path!r} has no rows")
+    return problems
+
+
+def _is_eval(pid: str, frac: float) -> bool:
+    h = int.from_bytes(hashlib.blake2b(pid.encode(), digest_size=4).digest(), "little")
+    return (h % 10_000) < frac * 10_000
+
+
+class MathTask(PooledTask):
+    name = "math"
+    scorer = "actor.tasks.mathfile:score"
+
+    def __init__(self, cfg_task, tokenizer):
+        super().__init__(cfg_task, tokenizer)
+        if not cfg_task.path:
+            raise ValueError("task.path is empty: set it to a JSONL or parquet file with `prompt` and `answer`")
+        tokenizer.wants_chat(cfg_task.chat_template)  # "on" without a template fails now, not mid-run
+        self.splits = self._split(load_problems(cfg_task.path),
+                                  load_problems(cfg_task.eval_path) if cfg_task.eval_path else None)
+        known = [p["difficulty"] for rows in self.splits.values() for p in rows if p["difficulty"] is not None]
+        self.span = (min(known), max(known)) if known else (0.0, 0.0)
+        self._prompts: dict[tuple[str, str], Prompt] = {}
+
+    def _split(self, rows: list[dict], eval_rows: list[dict] | None) -> dict[str, list[dict]]:
+        if eval_rows is None:
+            frac = self.cfg.eval_frac
+            eval_rows = [p for p in rows if _is_eval(p["id"], frac)]
+            rows = [p for p in rows if not _is_eval(p["id"], frac)]
+        for split, part in (("train", rows), ("eval", eval_rows)):
+            if not part:
+                raise ValueError(f"task.path {self.cfg.path!r}: no rows left for the {split} split "
+                                 f"({len(rows) + len(eval_rows)} rows, task.eval_frac={self.cfg.eval_frac}); "
+                                 "add rows or set task.eval_path")
+        return {"train": rows, "eval": eval_rows}
+
+    def _tier(self, difficulty: float | None) -> str:
+        lo, hi = self.span
+        return "default" if difficulty is None or hi <= lo else tier_of((difficulty - lo) / (hi - lo))
+
+    def sample(self, rng: random.Random, split: str = "train") -> Prompt:
+        row = rng.choice(self.splits[split])
+        key = (split, row["id"])
+        if key not in self._prompts:  # tokenised once, on first use: files can be large
+            tier = self._tier(row["difficulty"])
+            self._prompts[key] = Prompt(row["id"], self.prompt_tokens(row["prompt"], tier), tier,
+                                        row["difficulty"] or 0.0, row["answer"])
+        return self._prompts[key]
+
+    def payload(self, prompt: Prompt, text: str) -> dict:
+        return {"text": text, "answer": prompt.answer, "budget_s": self.cfg.reward_timeout_s}
+
+
+# ---- the scorer (runs in a reward-pool worker) ------------------------------------------------
+
+def _alarm_s(budget_s: float) -> int:
+    """math-verify's own timeout per phase (whole seconds: signal.alarm): a third of the budget."""
+    return max(1, int(budget_s / 3))
+
+
+@functools.lru_cache(maxsize=4096)
+def _gold(answer: str, alarm_s: int):
+    from math_verify import parse
+
+    return parse(f"${answer}$", parsing_timeout=alarm_s) or parse(answer, parsing_timeout=alarm_s)
+
+
+def score(payload: dict) -> float:
+    """1.0 iff math-verify finds the completion ``payload["text"]`` equal to ``payload["answer"]``."""
+    from math_verify import parse, verify
+
+    alarm_s = _alarm_s(float(payload.get("budget_s", 10.0)))
+    gold = _gold(str(payload["answer"]), alarm_s)
+    if not gold:
+        raise ValueError(f"math-verify cannot parse the reference answer {payload['answer']!r}")
+    pred = parse(payload["text"], parsing_timeout=alarm_s)
+    return 1.0 if pred and verify(gold, pred, timeout_seconds=alarm_s) else 0.0
+
+
+def warmup() -> None:
+    """Import math-verify (sympy, ~1-2 s) and run one check before the first answer's clock starts."""
+    score({"text": "\\boxed{\\frac{1}{2}}", "answer": "0.5"})
