@@ -4,8 +4,9 @@ Weights: an engine holds a weight *source* (a ``weightsync`` Subscriber, or None
 weights) and :meth:`Engine.refresh_weights` adopts the newest complete version from it. Who calls
 it, and when, is the only difference between the two kinds of engine:
 
-- in process (``torch``): the engine calls it itself before every decode step, so an update lands
-  between two tokens of a running sequence and each token records the version that produced it;
+- in process (``torch``): the engine calls it itself before every forward (a decode step, or the
+  prefill of newly admitted prompts), so an update lands between two tokens of a running
+  sequence and each token records the version that produced it;
 - out of process (an inference server such as SGLang, which cannot run a Python callback between
   its decode steps): it pushes the update through the server's own API (HTTP load-from-disk, or
   an NCCL broadcast into the server) when the worker calls it between batches, and tags tokens

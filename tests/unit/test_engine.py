@@ -1,8 +1,9 @@
 """TorchEngine: behaviour log-probs, finish reasons, per-token versions, determinism.
 
 The reference for every log-prob is an independent full forward of ``prompt + completion`` with
-no KV cache and no padding, so a slip in the cache, the left padding, the positions or the
-temperature/top-k transform shows up as a mismatch.
+no KV cache and no padding, so a slip in the cache, the padding, the positions or the
+temperature/top-k transform shows up as a mismatch. Continuous batching itself (more prompts
+than slots, refills, packing, streaming) has its own file, ``test_engine_batching.py``.
 """
 
 import random
@@ -30,13 +31,13 @@ def _prompt(a: int, b: int) -> list[int]:
 def _prompts(task, n, seed=0):
     rng = random.Random(seed)
     out = [list(task.sample(rng).tokens) for _ in range(n)]
-    out.append(_prompt(3, 4))  # a short prompt: real left padding
+    out.append(_prompt(3, 4))  # a short prompt: real padding
     return out
 
 
-def _engine(model=None, max_new_tokens=6, seed=0, weights=None, **spec):
+def _engine(model=None, max_new_tokens=6, seed=0, weights=None, max_batch=256, **spec):
     engine = tiny_engine(model, seed=seed, **spec)
-    engine.max_new_tokens = max_new_tokens
+    engine.max_new_tokens, engine.max_batch = max_new_tokens, max_batch
     if weights is not None:
         engine.weights, engine.version = weights, -1
     return engine
@@ -64,9 +65,12 @@ def _ref_logp(logits, temperature, top_k=0, top_p=1.0):
     return torch.log_softmax(z, dim=-1)
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 0, 1.0), (0.7, 5, 1.0), (1.0, 5, 1.0), (1.0, 0, 0.8)])
-def test_behaviour_logprobs_match_full_forward(task, temperature, top_k, top_p):
-    engine = _engine(temperature=temperature, top_k=top_k, top_p=top_p, seed=3)
+# max_batch 3 < 7 prompts: sampled rows finish at different times, slots are refilled and packed
+@pytest.mark.parametrize("temperature,top_k,top_p,max_batch", [(0.7, 0, 1.0, 256), (0.7, 5, 1.0, 256),
+                                                                (1.0, 5, 1.0, 256), (1.0, 0, 0.8, 256),
+                                                                (0.7, 5, 0.9, 3), (1.0, 0, 1.0, 3)])
+def test_behaviour_logprobs_match_full_forward(task, temperature, top_k, top_p, max_batch):
+    engine = _engine(temperature=temperature, top_k=top_k, top_p=top_p, seed=3, max_batch=max_batch)
     ref_model = tiny_model()
     prompts = _prompts(task, 6)
     samples = engine.generate(prompts)
