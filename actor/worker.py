@@ -105,25 +105,36 @@ class RolloutWorker:
             if n == 0:
                 break
             self.admission.start(n)
-            t0 = time.time()
-            groups = self.generate_groups(n)
-            gen_s = time.time() - t0
-            self.client.send_many(groups)
-            self._emit(groups, gen_s, waited)
+            t0, sending, groups = time.time(), 0.0, []
+            for group in self.generate_groups(n):  # each sent as soon as its last sample is done
+                t_send = time.time()
+                self.client.send_many([group])  # may wait for the buffer's window: not generation
+                sending += time.time() - t_send
+                groups.append(group)
+            self._emit(groups, time.time() - t0 - sending, waited)
         self.client.flush(timeout_s=5.0)
 
-    def generate_groups(self, n: int) -> list[M.RolloutGroup]:
+    def generate_groups(self, n: int):
+        """Yield ``n`` RolloutGroups in completion order: the engine streams samples as their
+        sequences finish (continuous batching), so a group whose samples are all short goes to
+        the buffer while the batch's long tail is still being decoded."""
         start_version = self.version
         prompts = [self.task.sample(self.rng, "train") for _ in range(n)]
-        per_prompt = sample_groups(self.engine, prompts, self.cfg.actor.group_size)
-        flat = self.task.rewards([(p, s.tokens) for p, samples in zip(prompts, per_prompt) for s in samples])
-        g_size, groups = self.cfg.actor.group_size, []
-        for i, (p, samples) in enumerate(zip(prompts, per_prompt)):
-            groups.append(M.group_from_samples(
-                samples, flat[i * g_size:(i + 1) * g_size], actor_id=self.actor_id,
-                seq=self.client.next_seq(), group_id=f"{self.actor_id}-{p.id}", task=self.task.name, tier=p.tier,
-                prompt=p.tokens, start_version=start_version, created_at=time.time()))
-        return groups
+        size = self.cfg.actor.group_size
+        done: dict[int, dict] = {}
+        for index, sample in self.engine.stream([list(p.tokens) for p in prompts for _ in range(size)]):
+            got = done.setdefault(index // size, {})
+            got[index % size] = sample
+            if len(got) == size:
+                del done[index // size]
+                yield self._group(prompts[index // size], [got[j] for j in range(size)], start_version)
+
+    def _group(self, prompt, samples, start_version: int) -> M.RolloutGroup:
+        rewards = self.task.rewards([(prompt, s.tokens) for s in samples])
+        return M.group_from_samples(
+            samples, rewards, actor_id=self.actor_id, seq=self.client.next_seq(),
+            group_id=f"{self.actor_id}-{prompt.id}", task=self.task.name, tier=prompt.tier, prompt=prompt.tokens,
+            start_version=start_version, created_at=time.time())
 
     def _emit(self, groups, gen_s: float, waited: float) -> None:
         rewards = [c.reward for g in groups for c in g.completions]

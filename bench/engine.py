@@ -90,6 +90,7 @@ PRESETS = {
 ARCHS = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
 PAD, BOS, EOS = 0, 1, 2
 PROMPT_LENGTHS = (24, 64)
+STOP_EVERY = 128  # rollout workload: 1 id in 128 stops a sequence
 WARMUP_TOKENS = 4
 
 
@@ -116,14 +117,23 @@ def make_prompts(batch: int, vocab: int, seed: int = 0) -> list[list[int]]:
 # ---- one side, in its own process ------------------------------------------------------------------
 
 
-def engine_generate(model_dir: str, prompts: list[list[int]]):
-    """The driftrl side: a TorchEngine on the checkpoint; returns generate(new_tokens)."""
+def stop_ids(workload: str, vocab: int) -> list[int]:
+    """``fixed``: none (every sequence runs to the cap). ``rollout``: every 128th id, so a
+    random-initialised model (whose next-token distribution is near uniform) stops with
+    probability ~1/128 per token: lengths spread over 1..cap with a mean near 110 of 256, the
+    ragged lengths of an RL batch that a single EOS id would never give a random model."""
+    return [] if workload == "fixed" else list(range(EOS + 1, vocab, STOP_EVERY))
+
+
+def engine_generate(model_dir: str, prompts: list[list[int]], stops: list[int], batch: int):
+    """The driftrl side: a TorchEngine on the checkpoint with ``batch`` slots; every prompt is
+    handed over at once and continuous batching refills a slot as soon as its sequence stops."""
     from actor.engines.torch import TorchEngine
     from model.hf import load_pretrained
     from model.sampling import SamplingSpec
 
-    engine = TorchEngine(load_pretrained(model_dir), SamplingSpec(temperature=1.0, top_k=0, top_p=1.0), eos_ids=[],
-                         pad_id=PAD, max_batch=len(prompts), dtype="float32", seed=0)
+    engine = TorchEngine(load_pretrained(model_dir), SamplingSpec(temperature=1.0, top_k=0, top_p=1.0),
+                         eos_ids=stops, pad_id=PAD, max_batch=batch, dtype="float32", seed=0)
 
     def run(new_tokens: int) -> list[int]:
         return [len(s.tokens) for s in engine.generate(prompts, max_new_tokens=new_tokens)]
@@ -131,25 +141,46 @@ def engine_generate(model_dir: str, prompts: list[list[int]]):
     return run
 
 
-def hf_generate(model_dir: str, prompts: list[list[int]]):
-    """The transformers side: ``from_pretrained`` + ``generate`` on left-padded prompts."""
+def _left_padded(prompts: list[list[int]]):
     import torch
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None  # the same fixed-length work as the engine
     width = max(map(len, prompts))
     ids = torch.full((len(prompts), width), PAD, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):
         ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
+    return ids, mask
+
+
+def _lengths(new, stops: set[int]) -> list[int]:
+    """Tokens generated per row: up to and including the first stop id, else all of them."""
+    out = []
+    for row in new.tolist():
+        end = next((i for i, t in enumerate(row) if t in stops), None)
+        out.append(len(row) if end is None else end + 1)
+    return out
+
+
+def hf_generate(model_dir: str, prompts: list[list[int]], stops: list[int], batch: int):
+    """The transformers side: ``from_pretrained`` + ``generate`` on left-padded prompts, ``batch``
+    prompts per call (a call runs until its longest member stops, as ``generate`` does)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = stops or None  # the same stopping rule as the engine
+    chunks = [_left_padded(prompts[i:i + batch]) for i in range(0, len(prompts), batch)]
     torch.manual_seed(0)
 
     def run(new_tokens: int) -> list[int]:
+        lengths = []
         with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
-                                 top_p=1.0, max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=PAD)
-        return [out.shape[1] - width] * len(prompts)
+            for ids, mask in chunks:
+                out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
+                                     top_p=1.0, max_new_tokens=new_tokens, eos_token_id=stops or None,
+                                     pad_token_id=PAD)
+                lengths += _lengths(out[:, ids.shape[1]:], set(stops))
+        return lengths
 
     return run
 
@@ -169,16 +200,18 @@ def side_main(args) -> None:
     torch.set_num_threads(args.threads)
     with open(args.prompts) as f:
         prompts = json.load(f)
-    run = (engine_generate if args.side == "engine" else hf_generate)(args.model_dir, prompts)
+    stops = stop_ids(args.workload, PRESETS[args.preset]["vocab_size"])
+    side = engine_generate if args.side == "engine" else hf_generate
+    run = side(args.model_dir, prompts, stops, args.batch)
     run(WARMUP_TOKENS)
     wall, cpu = time.perf_counter(), time.process_time()
     lengths = run(args.new_tokens)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    if set(lengths) != {args.new_tokens}:
+    if args.workload == "fixed" and set(lengths) != {args.new_tokens}:
         raise RuntimeError(f"{args.side} generated {sorted(set(lengths))} tokens, not {args.new_tokens}")
-    tokens = len(prompts) * args.new_tokens
-    print(json.dumps({"side": args.side, "tokens": tokens, "wall_s": wall, "cpu_s": cpu,
-                      "tokens_per_s": tokens / wall, "peak_rss_mb": peak_rss_mb()}))
+    tokens = sum(lengths)
+    print(json.dumps({"side": args.side, "tokens": tokens, "mean_length": tokens / len(lengths), "wall_s": wall,
+                      "cpu_s": cpu, "tokens_per_s": tokens / wall, "peak_rss_mb": peak_rss_mb()}))
 
 
 # ---- the comparison --------------------------------------------------------------------------------
@@ -186,7 +219,8 @@ def side_main(args) -> None:
 
 def run_side(side: str, model_dir: str, prompts_path: str, args) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--side", side, "--model-dir", model_dir,
-           "--prompts", prompts_path, "--new-tokens", str(args.new_tokens), "--threads", str(args.threads)]
+           "--prompts", prompts_path, "--new-tokens", str(args.new_tokens), "--threads", str(args.threads),
+           "--batch", str(args.batch), "--workload", args.workload, "--preset", args.preset]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     if out.returncode != 0:
@@ -198,7 +232,9 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
     med = {side: {k: statistics.median(r[k] for r in rs) for k in ("tokens_per_s", "wall_s", "cpu_s")}
            for side, rs in runs.items()}
     rss = {side: max(r["peak_rss_mb"] for r in rs) for side, rs in runs.items()}
+    lengths = {side: statistics.median(r["mean_length"] for r in rs) for side, rs in runs.items()}
     return {"ratio": med["engine"]["tokens_per_s"] / med["hf"]["tokens_per_s"],
+            "engine_mean_length": lengths["engine"], "hf_mean_length": lengths["hf"],
             "ratio_cpu": med["hf"]["cpu_s"] / med["engine"]["cpu_s"],
             "engine_tokens_per_s": med["engine"]["tokens_per_s"], "hf_tokens_per_s": med["hf"]["tokens_per_s"],
             "engine_peak_rss_mb": rss["engine"], "hf_peak_rss_mb": rss["hf"],
@@ -211,21 +247,25 @@ def compare(args) -> dict:
         model_dir = os.path.join(tmp, "model")
         params = build_checkpoint(model_dir, args.preset, args.arch)
         prompts_path = os.path.join(tmp, "prompts.json")
-        prompts = make_prompts(args.batch, PRESETS[args.preset]["vocab_size"])
+        n = args.batch * (args.waves if args.workload == "rollout" else 1)
+        prompts = make_prompts(n, PRESETS[args.preset]["vocab_size"])
         with open(prompts_path, "w") as f:
             json.dump(prompts, f)
         runs: dict[str, list[dict]] = {"engine": [], "hf": []}
         for _ in range(args.repeats):
             for side in runs:  # alternate, so load drift hits both sides
                 runs[side].append(run_side(side, model_dir, prompts_path, args))
-    return {"model_params": params, "prompt_tokens": sum(map(len, prompts)), **summarize(runs), "runs": runs}
+    return {"model_params": params, "prompts": len(prompts), "prompt_tokens": sum(map(len, prompts)),
+            **summarize(runs), "runs": runs}
 
 
 def report(args, res: dict, load: tuple) -> None:
     rows = [[name, res[f"{side}_tokens_per_s"], res[f"{side}_wall_s"], res[f"{side}_cpu_s"], res[f"{side}_peak_rss_mb"]]
             for side, name in (("engine", "driftrl engine"), ("hf", "transformers generate"))]
-    print(f"engine vs transformers generate: preset {args.preset} ({args.arch}, {res['model_params'] / 1e6:.1f}M "
-          f"params, fp32), batch {args.batch}, {args.new_tokens} new tokens, {args.threads} thread(s), median of "
+    print(f"engine vs transformers generate, {args.workload} workload: preset {args.preset} ({args.arch}, "
+          f"{res['model_params'] / 1e6:.1f}M params, fp32), batch {args.batch}, {res['prompts']} prompts, up to "
+          f"{args.new_tokens} new tokens (mean {res['engine_mean_length']:.0f} / {res['hf_mean_length']:.0f}), "
+          f"{args.threads} thread(s), median of "
           f"{args.repeats}; load average {load[0]:.2f} -> {load_avg()[0]:.2f} on {os.cpu_count()} cpus")
     print(format_table(["side", "tokens/s", "wall s", "cpu s", "peak RSS MB"], rows))
     print(f"ratio (engine / transformers tokens/s) = {res['ratio']:.2f}  (by CPU seconds: {res['ratio_cpu']:.2f})")
@@ -236,7 +276,10 @@ def main() -> None:
     ap.add_argument("--preset", choices=sorted(PRESETS), default="135m")
     ap.add_argument("--arch", choices=sorted(ARCHS), default="llama")
     ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=16, help="sequences decoded at once (engine max_batch)")
+    ap.add_argument("--workload", choices=("rollout", "fixed"), default="rollout",
+                    help="rollout: --waves x --batch prompts, ragged stop lengths; fixed: --batch prompts, no stop")
+    ap.add_argument("--waves", type=int, default=4, help="rollout: prompts = waves x batch")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads on each side")
     ap.add_argument("--repeats", type=int, default=1, help="timed runs per side, alternating")
     ap.add_argument("--side", choices=("engine", "hf"), help=argparse.SUPPRESS)  # internal: one side's process
@@ -248,7 +291,8 @@ def main() -> None:
     load = load_avg()
     res = compare(args)
     report(args, res, load)
-    print(json.dumps({"bench": "engine", "preset": args.preset, "arch": args.arch, "new_tokens": args.new_tokens,
+    print(json.dumps({"bench": "engine", "workload": args.workload, "preset": args.preset, "arch": args.arch,
+                      "new_tokens": args.new_tokens,
                       "batch": args.batch, "threads": args.threads, "repeats": args.repeats,
                       "load_avg": round(load[0], 2), **{k: v for k, v in res.items() if k != "runs"},
                       "runs": res["runs"]}))

@@ -1,4 +1,5 @@
-"""Actor admission after a resume starts from the version of the first weights it applies."""
+"""The rollout worker without sockets: admission after a resume starts from the version of the
+first weights it applies; groups leave in completion order."""
 
 import threading
 
@@ -45,3 +46,36 @@ def test_stop_ends_the_wait_for_weights():
     stop.set()
     w = _worker(Engine(polls_before=10**9), stop)
     assert w._wait_for_weights(timeout_s=60) is False and w.admission is None
+
+
+def test_groups_leave_in_completion_order_before_the_batch_ends():
+    """With continuous batching the worker yields a group as soon as its last sample is done,
+    while other sequences are still decoding: its bytes reach the buffer before the long tail."""
+    import random
+
+    from tests.support.tiny import tiny_engine, tiny_task
+
+    class Seq:
+        n = 0
+
+        def next_seq(self):
+            Seq.n += 1
+            return Seq.n
+
+    engine = tiny_engine()
+    engine.max_batch = 2
+    forwards = []
+    real = engine.model.forward
+    engine.model.forward = lambda *a, **k: forwards.append(1) or real(*a, **k)
+    w = RolloutWorker.__new__(RolloutWorker)
+    w.cfg = tiny_cfg("actor.group_size=2")
+    w.engine, w.client, w.task, w.rng, w.actor_id = engine, Seq(), tiny_task(), random.Random(0), "actor0"
+    seen_at = []
+    groups = []
+    for g in w.generate_groups(4):
+        seen_at.append(len(forwards))
+        groups.append(g)
+    assert len(groups) == 4
+    assert all(len(g.completions) == 2 for g in groups)
+    assert seen_at[0] < len(forwards)  # the first group left while the engine was still decoding
+    assert sorted(g.seq for g in groups) == [g.seq for g in groups]  # seqs in sending order
