@@ -1,18 +1,30 @@
 """The tiny base model: built by driftrl itself, deterministically, then cached.
 
-No model hub is reachable, so the default run pre-trains its own "base model" on text of the
-built-in task. The pre-training corpus states each sum correctly with probability
-``pretrain_correct_frac`` and otherwise writes the digits of the sum backwards -- a habit that
-leaves the base model knowing the arithmetic but answering correctly only some of the time.
-That is the zero-RL setting in miniature: the ability is latent and RL has to elicit it.
+No model hub is reachable, so a built-in task's run pre-trains its own "base model" on text of
+that task. The task writes every pre-training completion (``Task.pretrain_completion(prompt, rng,
+model_cfg)``) and names what else shapes its corpus (``Task.pretrain_recipe(model_cfg)``), so a
+habit is the task's: the arithmetic task states each sum correctly with probability
+``pretrain_correct_frac`` and otherwise writes its digits backwards, leaving the base model knowing
+the arithmetic but answering correctly only some of the time. That is the zero-RL setting in
+miniature: the ability is latent and RL has to elicit it.
+
+A task that can write its working out (the scratch task reads ``model.pretrain_worked_frac``;
+tasks that cannot ignore it) is pre-trained in two stages. In the method stage, the first
+:data:`METHOD_FRAC` of the steps, every completion is worked: a tiny model learns the long-division
+method from worked solutions alone in ~600 steps, but had not begun to after 1200 larger steps
+in which 70% of each batch was bare answers it could not yet compute (measured). In the habit
+stage that follows, only ``pretrain_worked_frac`` of the completions are worked, so the base model
+keeps the method but answers mostly without it -- what RL then has to elicit.
 
 The result is an HF-format directory (config.json, model.safetensors, tokenizer.json) keyed by a
 hash of everything that shapes it, built into a temporary directory and renamed into place, so a
-crash mid-build never leaves a half model behind and concurrent builders don't collide.
+crash mid-build never leaves a half model behind and concurrent builders don't collide. Long
+builds log their progress (step, loss, elapsed, estimated time left).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -22,6 +34,7 @@ import shutil
 import tempfile
 import time
 
+import msgspec
 import torch
 import torch.nn.functional as F
 
@@ -29,7 +42,8 @@ from model.decoder import ArchConfig, Qwen3
 from model.hf import save_pretrained
 
 log = logging.getLogger("driftrl.basemodel")
-BUILD_VERSION = 3  # bump when the recipe below changes
+BUILD_VERSION = 4  # bump when the recipe below changes
+METHOD_FRAC = 0.8  # share of the steps in the method stage (module docstring)
 
 
 def _arch(mc, vocab_size: int, special_ids: dict) -> ArchConfig:
@@ -59,44 +73,33 @@ def recipe_key(cfg, task_recipe: dict | None = None) -> str:
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def _corpus_rows(task, rng: random.Random, n: int, mc) -> list[tuple[list[int], int]]:
-    """``n`` rows ``prompt COMPLETION EOS``, each with where its completion starts; the task
-    writes each completion (``pretrain_completion``), so the habits taught are the task's."""
-    tok, rows = task.tok, []
+def _corpus_batch(task, rng: random.Random, n: int, mc):
+    """Token rows ``prompt COMPLETION EOS`` (right-padded) and a mask over the completion tokens;
+    the task writes each completion (``pretrain_completion``), so the habits taught are the task's."""
+    rows, starts = [], []
+    tok = task.tok
     for _ in range(n):
         p = task.sample(rng, "train")
-        rows.append(([*p.tokens, *tok.encode(task.pretrain_completion(p, rng, mc)), tok.eos_id], len(p.tokens)))
-    width = max(len(r) for r, _ in rows)
+        rows.append([*p.tokens, *tok.encode(task.pretrain_completion(p, rng, mc)), tok.eos_id])
+        starts.append(len(p.tokens))
+    width = max(map(len, rows))
     if width > mc.max_position_embeddings:
         raise ValueError(f"a pre-training row has {width} tokens > model.max_position_embeddings="
-                         f"{mc.max_position_embeddings}: raise it or shorten the task")
-    return rows
-
-
-def _buckets(rows) -> list[list[int]]:
-    """Row indices in one or two micro-batches: split at the length that wastes least padding,
-    but only when that saves a third of the padded tokens -- short direct answers padded to a
-    long worked one's width would otherwise cost most of a step, while a batch of similar
-    lengths stays one pass (and the arithmetic task's build bit for bit what it was)."""
-    order = sorted(range(len(rows)), key=lambda i: len(rows[i][0]))
-    lens = [len(rows[i][0]) for i in order]
-    n = len(lens)
-    if n < 2:
-        return [order]
-    cost, k = min((k * lens[k - 1] + (n - k) * lens[-1], k) for k in range(1, n))
-    return [order[:k], order[k:]] if cost <= n * lens[-1] * 2 / 3 else [list(range(n))]
-
-
-def _pad(rows, idx: list[int], pad_id: int):
-    """Right-padded token ids of ``rows[idx]`` and a mask over their completion tokens."""
-    width = max(len(rows[i][0]) for i in idx)
-    ids = torch.full((len(idx), width), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(idx), width)
-    for j, i in enumerate(idx):
-        r, s = rows[i]
-        ids[j, : len(r)] = torch.tensor(r)
-        mask[j, s : len(r)] = 1.0  # positions whose token is predicted (completion + EOS)
+                         f"{mc.max_position_embeddings}: raise it or shorten the task's completions")
+    ids = torch.full((n, width), tok.pad_id, dtype=torch.long)
+    mask = torch.zeros(n, width)
+    for i, (r, s) in enumerate(zip(rows, starts)):
+        ids[i, : len(r)] = torch.tensor(r)
+        mask[i, s : len(r)] = 1.0  # positions whose token is predicted (completion + EOS)
     return ids, mask
+
+
+def _stage_cfg(mc, step: int):
+    """The model config a step's corpus is drawn with: in the method stage every completion is
+    worked; tasks without working (``pretrain_worked_frac`` = 0) have no such stage."""
+    if mc.pretrain_worked_frac > 0 and step < METHOD_FRAC * mc.pretrain_steps:
+        return msgspec.structs.replace(mc, pretrain_worked_frac=1.0)
+    return mc
 
 
 def _init_model(mc, vocab_size: int, special_ids: dict) -> Qwen3:
@@ -108,23 +111,12 @@ def _init_model(mc, vocab_size: int, special_ids: dict) -> Qwen3:
     return model
 
 
-def _nll_sum(model, ids, mask, pad_id: int):
-    """Summed next-token NLL over the masked (completion) positions."""
+def _loss(model, ids, mask, pad_id: int):
+    """Mean next-token NLL over the masked (completion) positions."""
     pos = torch.arange(ids.shape[1]).expand_as(ids)
     hidden = model(ids[:, :-1], pos[:, :-1], ids[:, :-1] != pad_id)
     nll = F.cross_entropy(model.logits(hidden).transpose(1, 2), ids[:, 1:], reduction="none")
-    return (nll * mask[:, 1:]).sum()
-
-
-def _backward(model, rows, pad_id: int) -> float:
-    """Gradient of the mean completion NLL of ``rows`` (accumulated over its micro-batches)."""
-    total = float(sum(len(r) - s for r, s in rows))
-    loss = 0.0
-    for idx in _buckets(rows):
-        part = _nll_sum(model, *_pad(rows, idx, pad_id), pad_id) / total
-        part.backward()
-        loss += part.item()
-    return loss
+    return (nll * mask[:, 1:]).sum() / mask[:, 1:].sum()
 
 
 def _log_progress(step: int, total: int, loss: float, t0: float) -> None:
@@ -134,6 +126,34 @@ def _log_progress(step: int, total: int, loss: float, t0: float) -> None:
         elapsed = time.time() - t0
         eta = elapsed / (step + 1) * (total - step - 1)
         log.info("pretrain step %d/%d loss %.3f elapsed %.0fs eta %.0fs", step + 1, total, loss, elapsed, eta)
+
+
+def _train(model, opt, sched, task, rng: random.Random, mc, t0: float) -> float:
+    """The pre-training steps (the corpus drawn per step, :func:`_stage_cfg`); the last loss."""
+    loss_v = float("nan")
+    for step in range(mc.pretrain_steps):
+        batch = _corpus_batch(task, rng, mc.pretrain_batch, _stage_cfg(mc, step))
+        loss = _loss(model, *batch, task.tok.pad_id)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        loss_v = loss.item()
+        _log_progress(step, mc.pretrain_steps, loss_v, t0)
+    return loss_v
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """Train on one thread, then give the caller back its setting: a tiny model's matmuls are too
+    small to split, and on shared cores a second thread made each step 15x slower (measured)."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(prev)
 
 
 def pretrain(cfg, task, files: dict[str, bytes], special_ids: dict, out_dir: str) -> dict:
@@ -146,14 +166,9 @@ def pretrain(cfg, task, files: dict[str, bytes], special_ids: dict, out_dir: str
     opt = torch.optim.AdamW(model.parameters(), lr=mc.pretrain_lr, weight_decay=0.01, betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=mc.pretrain_lr, total_steps=max(mc.pretrain_steps, 1),
                                                 pct_start=0.05)
-    t0, loss_v = time.time(), float("nan")
-    for step in range(mc.pretrain_steps):
-        opt.zero_grad(set_to_none=True)
-        loss_v = _backward(model, _corpus_rows(task, rng, mc.pretrain_batch, mc), task.tok.pad_id)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        _log_progress(step, mc.pretrain_steps, loss_v, t0)
+    t0 = time.time()
+    with _one_thread():
+        loss_v = _train(model, opt, sched, task, rng, mc, t0)
     info = {"pretrain_loss": loss_v, "pretrain_s": time.time() - t0,
             "recipe": recipe_key(cfg, task.pretrain_recipe(mc))}
     save_pretrained(model, out_dir, {**files, "driftrl_base.json": json.dumps(info).encode()})

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+from collections.abc import Sequence
 
 from actor.tasks import Prompt, Task
 
@@ -22,10 +23,12 @@ SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 CHARS = list("0123456789+-*=?: \n") + [chr(c) for c in range(ord("a"), ord("z") + 1)]
 
 
-def build_tokenizer():
+def build_tokenizer(chars: Sequence[str] = CHARS):
+    """The character-level tokenizer over ``chars`` (a task with more symbols appends them, so
+    the ids of these stay put)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    vocab = {t: i for i, t in enumerate(SPECIALS + CHARS)}
+    vocab = {t: i for i, t in enumerate([*SPECIALS, *chars])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"<s>|</s>|<pad>|<unk>|[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
@@ -33,7 +36,7 @@ def build_tokenizer():
     return tok
 
 
-def tokenizer_files(model_max_length: int = 128) -> dict[str, bytes]:
+def tokenizer_files(model_max_length: int = 128, chars: Sequence[str] = CHARS) -> dict[str, bytes]:
     """Files that make the tokenizer loadable by ``tokenizers`` and ``transformers``; the special
     ids themselves go into the model's config.json (:func:`special_ids`)."""
     cfg = {
@@ -46,7 +49,7 @@ def tokenizer_files(model_max_length: int = 128) -> dict[str, bytes]:
         "model_max_length": model_max_length,
     }
     return {
-        "tokenizer.json": build_tokenizer().to_str().encode(),
+        "tokenizer.json": build_tokenizer(chars).to_str().encode(),
         "tokenizer_config.json": json.dumps(cfg, indent=2).encode(),
     }
 
