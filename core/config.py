@@ -69,7 +69,7 @@ class ModelSection(_Section):
 
 class TaskSection(_Section):
     name: str = "arith"  # actor/tasks/ TASKS
-    digits: Annotated[int, Meta(ge=1, le=12)] = 2  # arith: operand digits; scratch: the most
+    digits: Annotated[int, Meta(ge=1, le=12)] = 2  # arith: operand digits; scratch: most quotient digits
     min_digits: Annotated[int, Meta(ge=1, le=12)] = 1  # scratch: difficulty ranges min_digits..digits
     eval_frac: Annotated[float, Meta(gt=0, lt=1)] = 0.1
     # reasoning-gym: dataset names (reasoning_gym.create_dataset), `size` procedural items each

@@ -48,7 +48,10 @@ class Task(abc.ABC):
     @classmethod
     def base_model(cls, cfg) -> str:
         """Path of this task's built-in tiny base model (built on first use), for runs that set
-        no ``model.path``; tasks without one ask for a checkpoint."""
+        no ``model.path``; tasks without one ask for a checkpoint. A task that has one also
+        writes its pre-training corpus for ``model/basemodel.py`` (which cannot import actor/):
+        ``pretrain_completion(prompt, rng, model_cfg) -> str`` and ``pretrain_recipe(model_cfg)
+        -> dict`` of what else shapes the build (part of its cache key); see arith and scratch."""
         raise ValueError(f"task {cls.name!r} has no built-in base model: set model.path to a checkpoint directory")
 
     def rewards(self, items: list[tuple[Prompt, list[int]]]) -> list[float]:
