@@ -26,10 +26,15 @@ class ContractError(RuntimeError):
     """Actor and learner disagree on log-probs of the same tokens with the same weights."""
 
 
-def sample_fixed_batch(engine, task, n_prompts: int = 16, group_size: int = 4, seed: int = 4321):
+def sample_fixed_batch(engine, task, n_prompts: int = 16, group_size: int = 4, seed: int = 4321,
+                       max_new_tokens: int = 32):
+    """The fixed batch both sides score. Responses are capped at ``max_new_tokens``: the check
+    compares per-token numerics, which 2k tokens show as well as a run's full lengths would --
+    at 256-token responses on a 100M+ model the uncapped batch took minutes before any role started."""
     rng = random.Random(seed)
     prompts = [task.sample(rng, "train") for _ in range(n_prompts)]
-    samples = engine.generate([list(p.tokens) for p in prompts for _ in range(group_size)])
+    samples = engine.generate([list(p.tokens) for p in prompts for _ in range(group_size)],
+                              max_new_tokens=min(max_new_tokens, getattr(engine, "max_new_tokens", max_new_tokens)))
     groups = [M.group_from_samples(samples[i * group_size:(i + 1) * group_size], [0.0] * group_size,
                                    actor_id="contract", seq=i, group_id=f"contract-{p.id}", task=task.name,
                                    tier=p.tier, prompt=p.tokens, start_version=0)
