@@ -19,7 +19,7 @@ import time
 import numpy as np
 import torch
 
-from actor.engines import Engine, make_engine
+from actor.engines import Engine, EngineStopped, make_engine
 from actor.evaluate import evaluate
 from actor.tasks import make_task
 from buffer.client import ActorClient, Stopped as BufferStopped
@@ -41,6 +41,7 @@ class RolloutWorker:
         a = cfg.actor
         self.engine = make_engine(a, cfg.model.path, make_subscriber(cfg, run_dir, stop=stop),
                                   seed=cfg.run.seed * 1000 + index)
+        self.engine.stop = stop
         self.client = ActorClient(cfg, self.actor_id, run_dir=run_dir, stop=stop)
         self.admission: Admission | None = None  # set by the first weights applied (_wait_for_weights)
         self.rng: random.Random | None = None
@@ -191,6 +192,8 @@ def main(argv=None) -> None:
         worker.run()
     except BufferStopped:  # SIGTERM while waiting for the buffer; unsent groups stay in the spool
         log.info("actor %d stopped while waiting for the buffer", args.index)
+    except EngineStopped:  # SIGTERM mid-batch: finished groups were sent, the rest never started
+        log.info("actor %d stopped mid-generation", args.index)
     finally:
         worker.client.close()
         worker.engine.close()

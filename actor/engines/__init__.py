@@ -41,8 +41,14 @@ class Sample:
     finish_reason: str  # "stop" | "length"
 
 
+class EngineStopped(RuntimeError):
+    """Generation given up because the engine's ``stop`` event was set (SIGTERM mid-batch): the
+    unfinished samples were never sent, so nothing accepted is lost."""
+
+
 class Engine(abc.ABC):
     name = ""
+    stop = None  # a threading.Event the worker sets on SIGTERM; a long generate checks it per step
 
     def __init__(self, weights=None):
         self.weights = weights

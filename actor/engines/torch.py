@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from actor.engines import Engine, Sample
+from actor.engines import Engine, EngineStopped, Sample
 from model.decoder import DTYPES
 from model.hf import load_pretrained
 from model.kvcache import KVCache
@@ -188,6 +188,8 @@ class TorchEngine(Engine):
         waiting = deque(_Seq(i, list(p)) for i, p in enumerate(prompts))
         running: list[_Seq | None] = []  # running[i] lives in cache slot i
         while True:
+            if self.stop is not None and self.stop.is_set():
+                raise EngineStopped("stopped mid-generation")
             fresh = self._admit(cache, running, waiting)
             if not running:
                 return

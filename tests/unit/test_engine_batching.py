@@ -234,3 +234,29 @@ def test_cache_overflow_names_the_limit():
     ids = torch.ones(2, 5, dtype=torch.long)
     with torch.no_grad(), pytest.raises(RuntimeError, match="position 4 in a cache of 4 positions"):
         model(ids, torch.arange(5).expand(2, 5), torch.ones(2, 5, dtype=torch.bool), cache)
+
+
+def test_a_set_stop_event_ends_generation_between_two_steps():
+    """SIGTERM mid-batch: the engine gives up at the next step instead of finishing a long batch
+    (the launcher SIGKILLs an actor that takes 20 s to stop)."""
+    import threading
+
+    from actor.engines import EngineStopped
+    from tests.support.tiny import tiny_engine
+
+    engine = tiny_engine()
+    engine.stop = threading.Event()
+    engine.eos_ids = torch.zeros(0, dtype=torch.long)  # nothing stops by itself: 50 steps unless stopped
+    calls = []
+    real = engine.model.forward
+
+    def forward(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            engine.stop.set()
+        return real(*a, **k)
+
+    engine.model.forward = forward
+    with pytest.raises(EngineStopped):
+        engine.generate([[1, 5, 6]] * 4, max_new_tokens=50)
+    assert len(calls) == 3
