@@ -141,6 +141,9 @@ class RolloutWorker:
         rewards = [c.reward for g in groups for c in g.completions]
         lengths = [c.num_tokens for g in groups for c in g.completions]
         ws = self.engine.weights.metrics()
+        by_tier: dict[str, list[float]] = {}
+        for g in groups:
+            by_tier.setdefault(g.tier, []).extend(c.reward for c in g.completions)
         self.metrics.emit(self.version, {
             "actor/tokens_per_s": sum(lengths) / max(gen_s, 1e-9),
             "actor/groups_per_s": len(groups) / max(gen_s + waited, 1e-9),
@@ -148,6 +151,7 @@ class RolloutWorker:
             "actor/buffer_wait_s": float(self.client.admission_wait_s),
             "actor/version": float(self.version),
             "reward/mean": float(np.mean(rewards)),
+            **{f"reward/by_tier/{tier}": float(np.mean(r)) for tier, r in by_tier.items()},
             "length/mean": float(np.mean(lengths)),
             "length/p90": float(np.percentile(lengths, 90)),
             "length/max": float(max(lengths)),

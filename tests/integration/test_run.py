@@ -51,6 +51,7 @@ def test_run_end_to_end(tmp_path, cache_dir, staleness):
     assert all(r["ratio/p50"] is None or 0.5 < r["ratio/p50"] < 2 for r in learner)
     actor = [r for r in recs if r["role"] == "actor" and "reward/mean" in r]
     assert actor and all(0.0 <= r["reward/mean"] <= 1.0 for r in actor)
+    assert all(r["reward/by_tier/default"] == r["reward/mean"] for r in actor)  # arith has one tier
     assert any("eval/reward" in r for r in recs)
     if staleness:
         assert any(r["staleness/max"] >= 1 for r in learner), "async run never ran ahead"
