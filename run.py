@@ -37,7 +37,6 @@ import argparse
 import json
 import logging
 import os
-import signal
 import sys
 import time
 
@@ -211,7 +210,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s launcher %(levelname)s: %(message)s")
     args = parse(sys.argv[1:] if argv is None else argv)
     # SIGTERM (e.g. from a job scheduler) stops the run exactly like Ctrl-C
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    launchers.Interrupt.install()
     try:
         if args.mode == "eval":
             return eval_main(args)

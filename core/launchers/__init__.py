@@ -221,6 +221,7 @@ class Launcher(abc.ABC):
         restarts: collections.Counter = collections.Counter()
         learner = next(r for r in procs if r.name == "learner")
         while True:
+            Interrupt.check()
             monitor.update(collector.poll(timeout_ms=200))
             monitor.refresh()
             for role in procs:
@@ -271,6 +272,30 @@ class Launcher(abc.ABC):
             result.wall_s = time.time() - t0
             result.summary = monitor.summary()
         return result
+
+
+class Interrupt:
+    """Ctrl-C / SIGTERM for the launcher, made sticky: the handler records the signal before it
+    raises KeyboardInterrupt, and the watch loop re-raises it while the record stands. A signal
+    that lands while Python runs a finalizer has its KeyboardInterrupt swallowed ("Exception
+    ignored in ...") and the run would go on; the record makes the next loop turn stop it."""
+
+    signalled = False
+
+    @classmethod
+    def install(cls) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, cls._handler)
+
+    @classmethod
+    def _handler(cls, signum, frame):
+        cls.signalled = True
+        raise KeyboardInterrupt
+
+    @classmethod
+    def check(cls) -> None:
+        if cls.signalled:
+            raise KeyboardInterrupt
 
 
 LAUNCHERS = {"local": "core.launchers.local:LocalLauncher"}

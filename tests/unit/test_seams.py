@@ -60,3 +60,20 @@ def test_a_new_task_is_one_class_and_one_registry_line(monkeypatch):
     p = task.sample(random.Random(0))
     assert isinstance(task, EchoTask) and task.reward(p, [p.tokens[0]]) == 1.0 and task.reward(p, []) == 0.0
     assert len(task.eval_set(3)) == 3  # the base class supplies the held-out set
+
+
+def test_a_swallowed_interrupt_still_stops_the_watch_loop():
+    """A Ctrl-C whose KeyboardInterrupt is lost (raised inside a finalizer) is re-raised at the
+    launcher's next watch turn."""
+    import pytest
+
+    from core.launchers import Interrupt
+
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            Interrupt._handler(2, None)  # what a finalizer would swallow
+        with pytest.raises(KeyboardInterrupt):
+            Interrupt.check()
+    finally:
+        Interrupt.signalled = False
+    Interrupt.check()  # no signal: nothing raised
