@@ -19,7 +19,7 @@ import time
 import numpy as np
 import torch
 
-from actor.engines import Engine, EngineStopped, make_engine
+from actor.engines import EngineStopped, make_engine
 from actor.evaluate import evaluate
 from actor.tasks import make_task
 from buffer.client import ActorClient, Stopped as BufferStopped
@@ -167,12 +167,6 @@ class RolloutWorker:
         reward, length = evaluate(self.engine, self.task, self.eval_set)
         self.metrics.emit(self.version, {"eval/reward": reward, "eval/length": length,
                                          "eval/version": float(self.version)})
-
-
-def sample_groups(engine: Engine, prompts, group_size: int) -> list[list]:
-    """``group_size`` samples of every prompt, decoded together in one engine batch."""
-    flat = engine.generate([list(p.tokens) for p in prompts for _ in range(group_size)])
-    return [flat[i * group_size:(i + 1) * group_size] for i in range(len(prompts))]
 
 
 def main(argv=None) -> None:

@@ -261,16 +261,16 @@ def engine_batch(cfg: C.Config, seed: int = 0):
     samples from the configured engine), collated as the learner receives them."""
     import random
 
-    from actor.worker import sample_groups
     from core import messages as M
     from learner.batching import collate
 
     task, rng = make_task(cfg), random.Random(seed)
     prompts = [task.sample(rng) for _ in range(cfg.learner.groups_per_step)]
-    groups = [M.group_from_samples(s, [0.0] * len(s), actor_id="bench", seq=i, group_id=f"b{i}", task=task.name,
-                                   tier=p.tier, prompt=p.tokens, start_version=0)
-              for i, (p, s) in enumerate(zip(prompts, sample_groups(make_engine(cfg, seed=seed), prompts,
-                                                                     cfg.actor.group_size)))]
+    size = cfg.actor.group_size
+    flat = make_engine(cfg, seed=seed).generate([list(p.tokens) for p in prompts for _ in range(size)])
+    groups = [M.group_from_samples(flat[i * size:(i + 1) * size], [0.0] * size, actor_id="bench", seq=i,
+                                   group_id=f"b{i}", task=task.name, tier=p.tier, prompt=p.tokens, start_version=0)
+              for i, p in enumerate(prompts)]
     return collate(groups, learner_version=0)
 
 
