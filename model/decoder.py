@@ -8,11 +8,12 @@ scaling: ``model/rope.py``); parameter names, shapes and numerics follow transfo
 (``tests/unit/test_families.py`` compares log-probs against it), so checkpoints load in both
 directions and weights travel to actors under their HF names. HF-format load/save: model/hf.py.
 
-Precision policy (learner): master weights FP32; the body's matmuls run in ``body_dtype`` under
-autocast; the attention softmax runs in FP32 when ``fp32_attn_softmax``; RMSNorm statistics are
-FP32 as in HF; rope frequencies and cos/sin stay FP32 whatever the weights' dtype; the LM head and
-log-softmax live in ``learner/logprobs.py``; the sampler's truncation rule, which both sides
-share, in ``model/sampling.py``.
+Precision policy: learner master weights FP32, the body's matmuls in ``body_dtype`` under
+autocast; the engine's weights in its own dtype. On both paths the attention island
+(``fp32_attn_softmax``: :func:`attention_probs`, :func:`attention_values`) computes scores,
+softmax and PV in FP32; RMSNorm statistics are FP32 as in HF; rope frequencies and cos/sin stay
+FP32 whatever the weights' dtype; the LM head and log-softmax live in ``learner/logprobs.py``; the
+sampler's truncation rule, which both sides share, in ``model/sampling.py``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from model.rope import inv_freq
 if TYPE_CHECKING:
     from model.kvcache import KVCache
 
-__all__ = ["DTYPES", "ArchConfig", "Decoder", "Qwen3", "body_autocast"]
+__all__ = ["DTYPES", "ArchConfig", "Decoder", "Qwen3", "attention_probs", "attention_values", "body_autocast"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -76,7 +77,7 @@ class Attention(nn.Module):
         if cache is None:
             return self.o_proj(self._attend_full(q, k, v, bias, fp32_softmax))
         # the actor's path: the cache owns its layout, so it writes k/v and computes attention
-        return self.o_proj(cache.attend(self.layer, q, k, v, bias))
+        return self.o_proj(cache.attend(self.layer, q, k, v, bias, fp32_softmax))
 
     def _attend_full(self, q, k, v, bias, fp32_softmax: bool):
         """Cache-free attention (the learner's path): same values and dtypes as the cached path,
@@ -90,17 +91,47 @@ class Attention(nn.Module):
         b, _, t, hd = q.shape
         rep = self.nh // self.nkv
         qg = q.reshape(b, self.nkv, rep * t, hd)
-        scores = torch.matmul(k.to(qg.dtype), qg.transpose(2, 3)) * (hd**-0.5)
         bias = bias.transpose(2, 3)
         if rep > 1:
             bias = bias.repeat(1, 1, 1, rep)  # column r*T + i is query i of head kv*rep + r
-        if fp32_softmax:
-            probs = torch.softmax(scores.float() + bias, dim=-2).to(v.dtype)
-        else:
-            with torch.autocast(scores.device.type, enabled=False):
-                probs = torch.softmax(scores + bias.to(scores.dtype), dim=-2).to(v.dtype)
-        out = torch.matmul(probs.transpose(2, 3), v)  # [B, nkv, rep*T, hd]
+        probs_t = attention_probs(k, qg.transpose(2, 3), bias, hd**-0.5, -2, fp32_softmax, v.dtype)
+        out = attention_values(probs_t.transpose(2, 3), v)  # [B, nkv, rep*T, hd]
         return out.view(b, self.nh, t, hd).transpose(1, 2).reshape(b, t, self.nh * hd)
+
+
+def _island():
+    """No autocast inside the island: under a BF16 autocast torch.matmul would round its FP32
+    operands (and its output) back to BF16, which is exactly what the island is for avoiding."""
+    return torch.autocast("cpu", enabled=False) if torch.is_autocast_enabled("cpu") else contextlib.nullcontext()
+
+
+def attention_probs(a, b, bias, scale: float, dim: int, fp32: bool, dtype: torch.dtype):
+    """softmax(a @ b * scale + bias) over ``dim``: the attention-precision decision, one place for
+    the learner's and the engine's paths (DESIGN §4). ``dtype`` is the body's compute dtype.
+
+    ``fp32`` (the island): the scores are the FP32 product of q and k as they arrive -- FP32 from
+    the rotary embedding (which runs in FP32), keys read back from a BF16 engine's cache in BF16.
+    On CPU the operands are upcast first: BF16 -> FP32 is exact and so is the product of two 8-bit
+    mantissas, so for BF16 operands this is what a GPU tensor core computes (BF16 inputs, FP32
+    accumulate and output). Nothing rounds the scores before the softmax, which runs in FP32.
+    Off: q and k are rounded to ``dtype``, the scores come out of a ``dtype`` matmul (in BF16 a
+    logit of 20 is then only known to 0.06) and the softmax runs in ``dtype``: all-BF16."""
+    with _island():
+        if not fp32:
+            scores = torch.matmul(a.to(dtype), b.to(dtype)) * scale
+            return torch.softmax(scores + bias.to(dtype), dim=dim)
+        wide = torch.promote_types(a.dtype, torch.float32)  # a float64 reference stays float64
+        return torch.softmax(torch.matmul(a.to(wide), b.to(wide)) * scale + bias.to(wide), dim=dim)
+
+
+def attention_values(probs, v):
+    """``probs @ v``, rounded to ``v``'s dtype (the body's) once on the way out. FP32
+    probabilities stay FP32 for the product, ``v`` upcast exactly: a deliberate choice. Rounding
+    them to BF16 first, as FlashAttention-style GPU kernels do, costs each weight up to 2^-9
+    relative, and on CPU the FP32 matmul is no slower (faster without native BF16). Body-dtype
+    probabilities (island off) meet ``v`` in that dtype."""
+    with _island():
+        return torch.matmul(probs, v.to(probs.dtype)).to(v.dtype)
 
 
 class MLP(nn.Module):

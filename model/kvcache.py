@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import torch
 
+from model.decoder import attention_probs, attention_values
+
 
 class KVCache:
     """Preallocated K/V for ``slots`` rows of up to ``max_len`` positions, one length per row."""
@@ -98,10 +100,11 @@ class KVCache:
             self.lengths[self._where[0][:, 0]] += t if self._valid is None else self._valid
         self._rows = self._valid = self._where = None
 
-    def attend(self, layer: int, q, k, v, bias):
+    def attend(self, layer: int, q, k, v, bias, fp32_softmax: bool = True):
         """Write ``k``/``v`` [B, nkv, T, hd] and attend ``q`` [B, nh, T, hd] over each row's first
-        ``S`` keys; ``bias`` [B, 1, T, S] is 0 where allowed, -inf-like elsewhere. Softmax in FP32
-        (the actor's numerics are the engine's own, DESIGN §4). Returns [B, T, nh*hd].
+        ``S`` keys; ``bias`` [B, 1, T, S] is 0 where allowed, -inf-like elsewhere. Precision is the
+        decoder's (``model.decoder.attention_probs``): FP32 scores and softmax when
+        ``fp32_softmax``, the cache's dtype throughout otherwise. Returns [B, T, nh*hd].
 
         Plain matmuls and softmax, the learner's formulation, rather than
         ``scaled_dot_product_attention``: over 30 layers of the 135M shape, one decode step
@@ -114,7 +117,6 @@ class KVCache:
         qg = q.reshape(b, keys.shape[1], rep * t, hd)  # row r*T + i: query i of head kv*rep + r
         if rep > 1 and t > 1:
             bias = bias.repeat(1, 1, rep, 1)
-        scores = torch.matmul(qg, keys.transpose(2, 3).to(q.dtype)) * (hd**-0.5)
-        probs = torch.softmax(scores.float() + bias, dim=-1).to(vals.dtype)
-        out = torch.matmul(probs, vals)  # [B, nkv, rep*T, hd]
+        probs = attention_probs(qg, keys.transpose(2, 3), bias, hd**-0.5, -1, fp32_softmax, vals.dtype)
+        out = attention_values(probs, vals)  # [B, nkv, rep*T, hd]
         return out.view(b, nh, t, hd).transpose(1, 2).reshape(b, t, nh * hd)

@@ -128,12 +128,13 @@ class TorchEngine(Engine):
     name = "torch"
 
     def __init__(self, model, spec: SamplingSpec, *, eos_ids, pad_id: int, max_new_tokens: int = 16,
-                 max_batch: int = 256, dtype: str = "float32", seed: int = 0, weights=None):
+                 max_batch: int = 256, dtype: str = "bfloat16", fp32_attn_softmax: bool = True, seed: int = 0,
+                 weights=None):
         super().__init__(weights)
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1 (sequences decoded at once), got {max_batch}")
         self.model = model.to(DTYPES[dtype]).eval()
-        self.model.fp32_attn_softmax = True
+        self.model.fp32_attn_softmax = fp32_attn_softmax
         self.dtype = DTYPES[dtype]
         self.spec = spec
         self.max_new_tokens = max_new_tokens
@@ -149,7 +150,7 @@ class TorchEngine(Engine):
         tok = Tokenizer.from_dir(model_dir)
         return cls(load_pretrained(model_dir), SamplingSpec.of(actor_cfg), eos_ids=tok.eos_ids, pad_id=tok.pad_id,
                    max_new_tokens=actor_cfg.max_new_tokens, max_batch=actor_cfg.max_batch, dtype=actor_cfg.dtype,
-                   seed=seed, weights=weights)
+                   fp32_attn_softmax=actor_cfg.fp32_attn_softmax, seed=seed, weights=weights)
 
     def sampling(self) -> SamplingSpec:
         return self.spec

@@ -71,7 +71,7 @@ class Backend(abc.ABC):
         return metrics
 
 
-BACKENDS = {"torch": "learner.backends.torch:TorchBackend"}
+BACKENDS = {"torch": "learner.backends.torch:TorchBackend", "megatron": "learner.backends.megatron:MegatronBackend"}
 
 
 def make_backend(cfg, model_dir: str) -> Backend:

@@ -60,11 +60,10 @@ class TorchBackend(Backend):
     def __init__(self, cfg, model_dir: str, model=None):
         self.cfg, self.model_dir = cfg, model_dir
         lc = cfg.learner
-        self.model = (model if model is not None else load_pretrained(model_dir)).float().train()
-        self.model.fp32_attn_softmax = lc.fp32_attn_softmax
+        self.model = self._build_model(model_dir, model)
         self.ref = None
         if lc.kl_beta > 0:
-            self.ref = copy.deepcopy(self.model).eval().requires_grad_(False)
+            self.ref = self._frozen_copy()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lc.lr, betas=tuple(lc.betas),
                                      weight_decay=lc.weight_decay)
         self.loss_fn = make_loss(lc.loss, eps_high=lc.eps_high, eps_clip=lc.eps_clip)
@@ -81,18 +80,49 @@ class TorchBackend(Backend):
         model = self.ref if reference else self.model
         lc, s = self.cfg.learner, sampling or self.sampling
         ids = batch.ids
-        pos = torch.arange(ids.shape[1] - 1).expand(ids.shape[0], -1)
-        with body_autocast(lc.body_dtype):
-            hidden = model(ids[:, :-1], pos, batch.key_mask[:, :-1])
+        hidden = self._hidden(model, ids[:, :-1], batch.key_mask[:, :-1])
         sel = batch.mask > 0
         h = hidden[sel]
         if not lc.fp32_head:
             h = h.to(DTYPES[lc.body_dtype])
-        lp, ent = token_logprobs(h, model.head_weight(), ids[:, 1:][sel], temperature=s.temperature,
+        lp, ent = token_logprobs(h, self._head_weight(model), ids[:, 1:][sel], temperature=s.temperature,
                                  fp32=lc.fp32_head, chunk=lc.logprob_chunk, with_entropy=with_entropy,
                                  top_k=s.top_k, top_p=s.top_p)
         full = torch.zeros(batch.mask.shape, dtype=lp.dtype).masked_scatter(sel, lp)
         return full, ent
+
+    # ---- hooks: what another framework's model (learner/backends/megatron.py) does differently ----
+
+    def _build_model(self, model_dir: str, model):
+        """The trainable FP32 model: ``model`` if given, else the HF directory's."""
+        model = (model if model is not None else load_pretrained(model_dir)).float().train()
+        model.fp32_attn_softmax = self.cfg.learner.fp32_attn_softmax
+        return model
+
+    def _frozen_copy(self):
+        """A frozen copy of the policy as it is now: the KL reference."""
+        return copy.deepcopy(self.model).eval().requires_grad_(False)
+
+    def _hidden(self, model, ids, key_mask):
+        """Final-normed hidden states ``[N, T, H]`` of ``ids`` ``[N, T]`` at positions ``0..T-1``
+        (every row starts at 0: rows are right-padded), the body under the precision policy."""
+        pos = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
+        with body_autocast(self.cfg.learner.body_dtype):
+            return model(ids, pos, key_mask)
+
+    def _head_weight(self, model):
+        return model.head_weight()
+
+    def _optim_state(self) -> dict:
+        """The optimiser's state_dict as checkpoints store it."""
+        return self.opt.state_dict()
+
+    def _load_optim_state(self, sd: dict) -> None:
+        self.opt.load_state_dict(sd)
+
+    def _load_weights(self, state: dict) -> None:
+        """Load HF-named tensors (a checkpoint's model/model.safetensors) into the policy."""
+        self.model.load_state_dict(state, strict=True)
 
     def forward_backward(self, batch: Batch) -> dict[str, float]:
         """Loss and gradients of the step, accumulated over micro-batches of at most
@@ -162,7 +192,7 @@ class TorchBackend(Backend):
 
     def save_state(self, path: str) -> dict:
         self.save_model(os.path.join(path, "model"))
-        sd = self.opt.state_dict()
+        sd = self._optim_state()
         tensors = {}
         for idx, state in sd["state"].items():  # keyed "<param index>.<name>": no pickle
             for k, v in state.items():
@@ -174,10 +204,10 @@ class TorchBackend(Backend):
         return {"param_groups": sd["param_groups"]}
 
     def load_state(self, path: str, meta: dict) -> None:
-        self.model.load_state_dict(load_file(os.path.join(path, "model", "model.safetensors")), strict=True)
+        self._load_weights(load_file(os.path.join(path, "model", "model.safetensors")))
         state: dict[int, dict] = {}
         for key, t in load_file(os.path.join(path, "optim.safetensors")).items():
             idx, name = key.split(".", 1)
             state.setdefault(int(idx), {})[name] = t
-        self.opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+        self._load_optim_state({"state": state, "param_groups": meta["param_groups"]})
         torch.set_rng_state(load_file(os.path.join(path, "rng.safetensors"))["torch"])

@@ -5,13 +5,15 @@ import copy
 import pytest
 import torch
 
+from core.config import LearnerSection
 from learner.backends.torch import TorchBackend
 from learner.contract import ContractError, check, sample_fixed_batch
 from model.sampling import SamplingSpec as Sampling
 from tests.support.tiny import tiny_cfg, tiny_engine, tiny_model, tiny_task
 
 torch.set_num_threads(1)
-BOUNDS = dict(max_abs=0.05, max_k3=0.01)  # the config defaults
+BOUNDS = dict(max_abs=LearnerSection().contract_max_abs_logp_diff,
+              max_k3=LearnerSection().contract_max_kl_k3)  # the config defaults
 
 
 def _setup(temperature=1.0, top_k=0, body="bfloat16"):

@@ -128,7 +128,8 @@ def test_learner_logprobs_match_transformers(ckpt, name):
 @pytest.mark.parametrize("name", VARIANTS)
 def test_engine_logprobs_match_transformers(ckpt, name):
     """The actor's path (prefill + decode steps through the KV cache, left padding)."""
-    engine = TorchEngine(load_pretrained(ckpt[name]), SamplingSpec(), eos_ids=[EOS], pad_id=0, max_new_tokens=6)
+    engine = TorchEngine(load_pretrained(ckpt[name]), SamplingSpec(), eos_ids=[EOS], pad_id=0, max_new_tokens=6,
+                         dtype="float32")
     rng = random.Random(1)
     prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (7, 3, 10)]
     samples = engine.generate(prompts, greedy=True)
@@ -271,7 +272,8 @@ def test_missing_and_unexpected_tensors_are_named(ckpt, tmp_path):
 def test_trains_a_few_steps_then_saves_for_transformers(ckpt, name, tmp_path):
     cfg = tiny_cfg("learner.body_dtype=float32", "actor.group_size=4", resolved=False)
     backend = TorchBackend(cfg, ckpt[name])
-    engine = TorchEngine(load_pretrained(ckpt[name]), SamplingSpec(), eos_ids=[EOS], pad_id=0, max_new_tokens=5)
+    engine = TorchEngine(load_pretrained(ckpt[name]), SamplingSpec(), eos_ids=[EOS], pad_id=0, max_new_tokens=5,
+                         dtype="float32")
     rng = random.Random(3)
     prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (6, 4)]
     samples = engine.generate([p for p in prompts for _ in range(4)])

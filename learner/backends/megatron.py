@@ -1,0 +1,318 @@
+"""The Megatron-core backend: the torch backend's learner, with megatron-core's GPTModel as the body.
+
+Why: users who train at scale run Megatron-core; ``learner.backend = "megatron"`` swaps the body
+and keeps everything else -- the loss, micro-batching, clipping, AdamW, metrics, checkpoints and
+resume are :class:`TorchBackend`'s, through its hooks (``_build_model``, ``_hidden``,
+``_head_weight``, ``_load_weights``, ``_optim_state`` / ``_load_optim_state``).
+
+The model: a megatron-core 0.16.1 ``GPTModel`` from the local layer spec (no TransformerEngine,
+no Apex), built from the checkpoint's :class:`ArchConfig`: RMSNorm, SwiGLU (``gated_linear_unit``
++ silu), grouped-query attention, q/k-norm (``qk_layernorm``) and attention/MLP biases where the
+family has them, tied or untied head. Rotary embedding: megatron's, with its inverse frequencies
+replaced by ``model.rope.inv_freq``'s (bit-equal to transformers' for every rope type driftrl
+reads); YaRN's cos/sin scale goes through megatron's own concentration factor (the ``yarn_*``
+config fields its attention reads), and a YaRN ``attention_factor`` that factor cannot reproduce
+exactly is refused, naming the field. Weights are converted to and from the HF layout
+(:func:`from_hf` / :func:`to_hf`): megatron fuses q/k/v into ``linear_qkv`` per query group and
+gate/up into ``linear_fc1``; the norms are separate modules in the local spec.
+
+Log-probs: the body runs ``embedding`` -> ``decoder`` (the final norm included) and stops
+there; megatron's ``output_layer`` is never called. The final-normed hidden states and the head
+weight go through :func:`learner.logprobs.token_logprobs`, the one log-prob function (FP32 head
+and log-softmax, chunked), exactly as in the torch backend. The attention mask is causal plus key
+padding, in megatron's convention (True = masked out); every row's positions are 0..T-1, as
+megatron's rotary table assumes and as the learner's right-padded rows are.
+
+Precision: FP32 master weights, which are the model's own weights (``params_dtype`` FP32, the
+same AdamW). A BF16/FP16 body runs under CPU autocast, which is megatron's own mixed-precision
+mode for FP32 parameters (``enable_autocast`` / ``autocast_dtype``: its schedules wrap the forward
+in ``torch.autocast``); ``bf16``/``fp16`` tell ``DotProductAttention`` the scores arrive in that
+dtype, so ``attention_softmax_in_fp32`` (``learner.fp32_attn_softmax``) upcasts them for the
+softmax. Off FP32, megatron then computes differently from ``model/decoder.py``, as megatron does
+on a GPU: its residual add casts the residual to the branch's dtype (a bf16 residual stream), the
+rotary cos/sin are cast to the query's dtype, the scores and ``probs @ v`` are bf16 matmuls and
+the probabilities are rounded to bf16 (so on CPU, whose bf16 softmax accumulates in FP32 anyway,
+``fp32_attn_softmax`` changes nothing here). Measured on the tests' models: max |dlogp| against
+the FP32 torch backend ~0.03 for both backends' BF16 bodies. In FP32 the two backends agree to
+float noise (``tests/unit/test_backend_megatron.py``).
+
+CPU: the few megatron helpers that assume CUDA are replaced in ``learner/backends/megatron_cpu.py``.
+The model stays on the CPU, like the torch backend's.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from learner.backends.torch import TorchBackend, _as_oserror
+from model.decoder import DTYPES, ArchConfig, Decoder, body_autocast
+from model.hf import load_pretrained, save_pretrained, tokenizer_files
+from model.rope import inv_freq
+
+with warnings.catch_warnings():
+    # the local spec is chosen on purpose: megatron's notes that TE and Apex are absent are noise
+    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).* not installed")
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import _yarn_get_concentration_factor
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from learner.backends import megatron_cpu
+
+DEVICE = torch.device("cpu")
+
+
+@dataclass
+class YarnTransformerConfig(TransformerConfig):
+    """The fields megatron's attention reads (``hasattr``) to scale YaRN's cos/sin."""
+
+    yarn_rotary_scaling_factor: float = 1.0
+    yarn_mscale: float | None = None
+    yarn_mscale_all_dim: float | None = None
+
+
+# ---- the model ------------------------------------------------------------------------------
+
+
+def _yarn_fields(arch: ArchConfig) -> dict:
+    """megatron's YaRN fields for ``arch`` ({} for other rope types); ValueError naming
+    ``attention_factor`` when megatron's concentration factor cannot equal transformers' scale."""
+    p = arch.rope()
+    if p["rope_type"] != "yarn":
+        return {}
+    _, scale = inv_freq(p, arch.head_dim, arch.max_position_embeddings)
+    factor = p.get("factor") or arch.max_position_embeddings / p["original_max_position_embeddings"]
+    both = bool(p.get("mscale") and p.get("mscale_all_dim"))  # transformers' rule for using them
+    fields = dict(yarn_rotary_scaling_factor=float(factor), yarn_mscale=p.get("mscale") if both else None,
+                  yarn_mscale_all_dim=p.get("mscale_all_dim") if both else None)
+    theirs = _yarn_get_concentration_factor(*fields.values())
+    if theirs != scale:
+        raise ValueError(f"config.json rope attention_factor={p.get('attention_factor')!r} (cos/sin scale {scale}) "
+                         f"is not supported by learner.backend='megatron': megatron-core derives the YaRN scale "
+                         f"from factor/mscale/mscale_all_dim, here {theirs}; use learner.backend='torch'")
+    return fields
+
+
+def core_config(arch: ArchConfig, lc) -> TransformerConfig:
+    """megatron's TransformerConfig for ``arch`` under the learner's precision policy ``lc``."""
+    body = lc.body_dtype
+    yarn = _yarn_fields(arch)
+    return (YarnTransformerConfig if yarn else TransformerConfig)(
+        num_layers=arch.num_hidden_layers, hidden_size=arch.hidden_size, ffn_hidden_size=arch.intermediate_size,
+        num_attention_heads=arch.num_attention_heads, num_query_groups=arch.num_key_value_heads,
+        kv_channels=arch.head_dim, normalization="RMSNorm", layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True, activation_func=F.silu, qk_layernorm=arch.qk_norm,
+        # one switch for o_proj's and the MLP's biases: built with either, _drop_absent_biases trims
+        add_qkv_bias=arch.qkv_bias, add_bias_linear=arch.o_bias or arch.mlp_bias,
+        hidden_dropout=0.0, attention_dropout=0.0,  # megatron_cpu's no-op RNG tracker relies on it
+        attention_softmax_in_fp32=lc.fp32_attn_softmax, bf16=body == "bfloat16", fp16=body == "float16",
+        params_dtype=torch.float32, enable_autocast=body != "float32", autocast_dtype=DTYPES[body],
+        use_cpu_initialization=True, perform_initialization=False,  # weights come from the checkpoint
+        rotary_interleaved=False, bias_activation_fusion=False, bias_dropout_fusion=False,
+        masked_softmax_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
+        persist_layer_norm=False, cuda_graph_scope=[], **yarn)  # [] = its default "full", undeprecated
+
+
+def _drop_absent_biases(model: GPTModel, arch: ArchConfig) -> None:
+    """Llama switches attention and MLP biases separately; megatron cannot (``add_bias_linear``).
+    Built with their union, the biases the checkpoint lacks are removed the way megatron's own
+    ``bias=False`` leaves them: a None parameter, which every forward skips."""
+    keep = {"linear_qkv": arch.qkv_bias, "linear_proj": arch.o_bias, "linear_fc1": arch.mlp_bias,
+            "linear_fc2": arch.mlp_bias}
+    for name, module in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if not keep.get(leaf, True) and getattr(module, "bias", None) is not None:
+            module.register_parameter("bias", None)
+
+
+def _rotary(arch: ArchConfig) -> megatron_cpu.HostRotaryEmbedding:
+    """megatron's rotary embedding with transformers' inverse frequencies for the checkpoint's rope."""
+    rotary = megatron_cpu.HostRotaryEmbedding(kv_channels=arch.head_dim, rotary_percent=1.0,
+                                              use_cpu_initialization=True)
+    rotary.inv_freq = inv_freq(arch.rope(), arch.head_dim, arch.max_position_embeddings)[0].to(DEVICE)
+    return rotary
+
+
+def build_gpt(arch: ArchConfig, lc) -> GPTModel:
+    """An uninitialised FP32 GPTModel of ``arch`` on the CPU (load weights with :func:`from_hf`)."""
+    megatron_cpu.init_parallel_state()
+    megatron_cpu.install_host_helpers(DEVICE)
+    spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+    model = GPTModel(core_config(arch, lc), spec, vocab_size=arch.vocab_size,
+                     max_sequence_length=arch.max_position_embeddings, position_embedding_type="rope",
+                     share_embeddings_and_output_weights=arch.tie_word_embeddings)
+    _drop_absent_biases(model, arch)
+    model.rotary_pos_emb = _rotary(arch)
+    megatron_cpu.host_linears(model)
+    return model
+
+
+# ---- HF <-> megatron weights ------------------------------------------------------------------
+
+
+def _layer_rows(arch: ArchConfig, i: int):
+    m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+    a, s = m + "self_attention.", h + "self_attn."
+    yield m + "input_layernorm.weight", (h + "input_layernorm.weight",)
+    yield m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",)
+    yield m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",)
+    yield m + "mlp.linear_fc1.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight")
+    yield a + "linear_qkv.weight", tuple(f"{s}{x}_proj.weight" for x in "qkv")
+    yield a + "linear_proj.weight", (s + "o_proj.weight",)
+    if arch.qkv_bias:
+        yield a + "linear_qkv.bias", tuple(f"{s}{x}_proj.bias" for x in "qkv")
+    if arch.o_bias:
+        yield a + "linear_proj.bias", (s + "o_proj.bias",)
+    if arch.mlp_bias:
+        yield m + "mlp.linear_fc1.bias", (h + "mlp.gate_proj.bias", h + "mlp.up_proj.bias")
+        yield m + "mlp.linear_fc2.bias", (h + "mlp.down_proj.bias",)
+    if arch.qk_norm:
+        yield a + "q_layernorm.weight", (s + "q_norm.weight",)
+        yield a + "k_layernorm.weight", (s + "k_norm.weight",)
+
+
+def param_rows(arch: ArchConfig) -> list[tuple[str, tuple[str, ...]]]:
+    """(megatron parameter, the HF tensors it holds): one HF name is a copy, two are gate/up
+    stacked (``linear_fc1``), three are q/k/v interleaved per query group (``linear_qkv``)."""
+    rows = [("embedding.word_embeddings.weight", ("model.embed_tokens.weight",)),
+            ("decoder.final_layernorm.weight", ("model.norm.weight",))]
+    for i in range(arch.num_hidden_layers):
+        rows.extend(_layer_rows(arch, i))
+    if not arch.tie_word_embeddings:
+        rows.append(("output_layer.weight", ("lm_head.weight",)))
+    return rows
+
+
+def _groups(arch: ArchConfig) -> tuple[int, int, int]:
+    g = arch.num_key_value_heads
+    return g, arch.num_attention_heads // g * arch.head_dim, arch.head_dim
+
+
+def _fuse(arch: ArchConfig, parts: list[torch.Tensor]) -> torch.Tensor:
+    if parts[0].dim() == 0:  # AdamW's step count: one per parameter, equal for the parts
+        return parts[0]
+    if len(parts) != 3:
+        return torch.cat(parts)  # [gate; up] rows (mlp.py: chunk(2) -> silu(first) * second)
+    # megatron's linear_qkv rows, per query group g: its q heads, then k_g, then v_g
+    # (attention.py get_query_key_value_tensors: [ng, (np/ng + 2) * hn])
+    g, qrows, hd = _groups(arch)
+    tail = parts[0].shape[1:]
+    q, k, v = (t.reshape(g, n, *tail) for t, n in zip(parts, (qrows, hd, hd)))
+    return torch.cat((q, k, v), dim=1).reshape(-1, *tail)
+
+
+def _split(arch: ArchConfig, t: torch.Tensor, n: int) -> list[torch.Tensor]:
+    if n == 1:
+        return [t]
+    if t.dim() == 0:
+        return [t] * n
+    if n == 2:
+        return list(t.chunk(2))
+    g, qrows, hd = _groups(arch)
+    tail = t.shape[1:]
+    parts = t.reshape(g, qrows + 2 * hd, *tail).split((qrows, hd, hd), dim=1)
+    return [p.reshape(-1, *tail) for p in parts]
+
+
+def from_hf(arch: ArchConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF-named tensors -> megatron's; rows whose tensors are all absent are skipped (optimiser
+    state exists only for stepped parameters; weights are checked by the strict loads)."""
+    out = {}
+    for name, sources in param_rows(arch):
+        if any(s in hf for s in sources):
+            out[name] = _fuse(arch, [hf[s] for s in sources])
+    return out
+
+
+def to_hf(arch: ArchConfig, mc: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """megatron-named tensors -> HF names, in the HF state_dict order (Decoder's)."""
+    found = {}
+    for name, targets in param_rows(arch):
+        if name in mc:
+            found.update(zip(targets, _split(arch, mc[name], len(targets))))
+    return {k: found[k] for k in Decoder.shapes(arch) if k in found}
+
+
+# ---- the backend ------------------------------------------------------------------------------
+
+
+class MegatronBackend(TorchBackend):
+    name = "megatron"
+
+    def _build_model(self, model_dir: str, model):
+        # load_pretrained checks the directory (refusals, names, shapes); the weights then convert
+        decoder = model if model is not None else load_pretrained(model_dir)
+        self.arch = decoder.cfg  # the checkpoint's config: conversions and save_model's config.json
+        gpt = build_gpt(self.arch, self.cfg.learner)
+        gpt.load_state_dict(from_hf(self.arch, {k: v.float() for k, v in decoder.state_dict().items()}),
+                            strict=True)
+        return gpt.train()
+
+    def _frozen_copy(self) -> GPTModel:
+        # a GPTModel holds process groups, which cannot be deep-copied: build another, load the weights
+        ref = build_gpt(self.arch, self.cfg.learner)
+        ref.load_state_dict(self.model.state_dict(), strict=True)
+        return ref.eval().requires_grad_(False)
+
+    def _hidden(self, model: GPTModel, ids, key_mask):
+        t = ids.shape[1]
+        causal = torch.ones(t, t, dtype=torch.bool).tril()
+        masked = ~(causal[None, None] & key_mask[:, None, None, :])  # [N, 1, T, T], True = masked out
+        with body_autocast(self.cfg.learner.body_dtype):
+            x = model.embedding(input_ids=ids, position_ids=None)  # [T, N, H]; rope, no learned positions
+            h = model.decoder(hidden_states=x, attention_mask=masked, rotary_pos_emb=model.rotary_pos_emb(t))
+        return h.transpose(0, 1)
+
+    def _head_weight(self, model: GPTModel):
+        # not shared_embedding_or_output_weight(): on a first pipeline stage it is the embedding, tied or not
+        if self.arch.tie_word_embeddings:
+            return model.embedding.word_embeddings.weight
+        return model.output_layer.weight
+
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        return to_hf(self.arch, {k: v.detach() for k, v in self.model.named_parameters()})
+
+    def save_model(self, path: str) -> None:
+        decoder = Decoder.from_state(self.arch, self.named_tensors())  # model/hf.py writes the HF directory
+        with _as_oserror(path):
+            save_pretrained(decoder, path, tokenizer_files(self.model_dir))
+
+    def _load_weights(self, state: dict) -> None:
+        self.model.load_state_dict(from_hf(self.arch, state), strict=True)
+
+    # AdamW's state is stored per HF tensor, in HF order, as TorchBackend stores it: a checkpoint
+    # of either backend resumes in the other (the moments are elementwise, so they convert as
+    # the weights do)
+
+    def _optim_state(self) -> dict:
+        hf = list(Decoder.shapes(self.arch))
+        return relabel(self.opt.state_dict(), self._names(), hf, lambda named: to_hf(self.arch, named))
+
+    def _load_optim_state(self, sd: dict) -> None:
+        hf = list(Decoder.shapes(self.arch))
+        self.opt.load_state_dict(relabel(sd, hf, self._names(), lambda named: from_hf(self.arch, named)))
+
+    def _names(self) -> list[str]:
+        return [name for name, _ in self.model.named_parameters()]
+
+
+def relabel(sd: dict, src: list[str], dst: list[str], convert) -> dict:
+    """An optimiser state_dict over the parameters named ``src`` (by index) -> one over ``dst``;
+    ``convert`` maps ``{src name: tensor}`` to ``{dst name: tensor}`` (one state key at a time)."""
+    if len(sd["param_groups"]) != 1:
+        raise ValueError(f"expected one optimiser param group, got {len(sd['param_groups'])}")
+    by_key: dict[str, dict] = {}
+    for idx, state in sd["state"].items():
+        for key, t in state.items():
+            by_key.setdefault(key, {})[src[int(idx)]] = t
+    index = {name: i for i, name in enumerate(dst)}
+    out: dict[int, dict] = {}
+    for key, named in by_key.items():
+        for name, t in convert(named).items():
+            out.setdefault(index[name], {})[key] = t
+    groups = [{**sd["param_groups"][0], "params": list(range(len(dst)))}]
+    return {"state": dict(sorted(out.items())), "param_groups": groups}
