@@ -26,15 +26,15 @@ megatron's rotary table assumes and as the learner's right-padded rows are.
 Precision: FP32 master weights, which are the model's own weights (``params_dtype`` FP32, the
 same AdamW). A BF16/FP16 body runs under CPU autocast, which is megatron's own mixed-precision
 mode for FP32 parameters (``enable_autocast`` / ``autocast_dtype``: its schedules wrap the forward
-in ``torch.autocast``); ``bf16``/``fp16`` tell ``DotProductAttention`` the scores arrive in that
-dtype, so ``attention_softmax_in_fp32`` (``learner.fp32_attn_softmax``) upcasts them for the
-softmax. Off FP32, megatron then computes differently from ``model/decoder.py``, as megatron does
-on a GPU: its residual add casts the residual to the branch's dtype (a bf16 residual stream), the
-rotary cos/sin are cast to the query's dtype, the scores and ``probs @ v`` are bf16 matmuls and
-the probabilities are rounded to bf16 (so on CPU, whose bf16 softmax accumulates in FP32 anyway,
-``fp32_attn_softmax`` changes nothing here). Measured on the tests' models: max |dlogp| against
-the FP32 torch backend ~0.03 for both backends' BF16 bodies. In FP32 the two backends agree to
-float noise (``tests/unit/test_backend_megatron.py``).
+in ``torch.autocast``). Off FP32, megatron then computes differently from ``model/decoder.py``,
+as megatron does on a GPU: its residual add casts the residual to the branch's dtype (a bf16
+residual stream) and the rotary cos/sin are cast to the query's dtype. Attention:
+``learner.fp32_attn_softmax`` sets ``attention_softmax_in_fp32`` and, through
+:class:`IslandDotProductAttention`, the same island as the torch backend's (FP32 QK^T output,
+softmax and PV); megatron's bare flag would only upcast scores its BF16 matmul already rounded
+(measured: no log-prob changed). Measured on the tests' models: max |dlogp| against the FP32
+torch backend ~0.03 for both backends' BF16 bodies. In FP32 the two backends agree to float
+noise (``tests/unit/test_backend_megatron.py``).
 
 CPU: the few megatron helpers that assume CUDA are replaced in ``learner/backends/megatron_cpu.py``.
 The model stays on the CPU, like the torch backend's.
@@ -58,6 +58,7 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).* not installed")
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import _yarn_get_concentration_factor
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -137,11 +138,34 @@ def _rotary(arch: ArchConfig) -> megatron_cpu.HostRotaryEmbedding:
     return rotary
 
 
+class IslandDotProductAttention(DotProductAttention):
+    """megatron's attention with DESIGN §4's island when ``attention_softmax_in_fp32``.
+
+    megatron's own flag upcasts scores that its BF16 ``baddbmm`` has already rounded, which buys
+    nothing (that rounding is the error the island removes; measured: no log-prob changed). Here
+    q, k and v enter the same code upcast to FP32 (exact) with autocast off, so QK^T has FP32
+    output, the softmax is FP32 and the FP32 probabilities meet v in FP32, rounded to the body
+    dtype once on the way out: ``model/decoder.py``'s ``attention_probs``/``attention_values``."""
+
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        if config.attention_softmax_in_fp32:
+            self.scale_mask_softmax.input_in_float16 = False  # FP32 scores in, FP32 probabilities out
+
+    def forward(self, query, key, value, attention_mask, *args, **kwargs):
+        if not self.config.attention_softmax_in_fp32:
+            return super().forward(query, key, value, attention_mask, *args, **kwargs)
+        with torch.autocast(query.device.type, enabled=False):
+            out = super().forward(query.float(), key.float(), value.float(), attention_mask, *args, **kwargs)
+        return out.to(value.dtype)
+
+
 def build_gpt(arch: ArchConfig, lc) -> GPTModel:
     """An uninitialised FP32 GPTModel of ``arch`` on the CPU (load weights with :func:`from_hf`)."""
     megatron_cpu.init_parallel_state()
     megatron_cpu.install_host_helpers(DEVICE)
     spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = IslandDotProductAttention
     model = GPTModel(core_config(arch, lc), spec, vocab_size=arch.vocab_size,
                      max_sequence_length=arch.max_position_embeddings, position_embedding_type="rope",
                      share_embeddings_and_output_weights=arch.tie_word_embeddings)

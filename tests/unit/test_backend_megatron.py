@@ -245,3 +245,33 @@ def test_yarn_attention_factor_megatron_cannot_express_is_refused(ckpt, tmp_path
     TorchBackend(_cfg(), str(tmp_path / "m"))  # the torch backend runs it
     with pytest.raises(ValueError, match=r"attention_factor=1.25.*learner.backend='megatron'"):
         MegatronBackend(_cfg(), str(tmp_path / "m"))
+
+
+def test_attention_island_is_real_under_megatron(tmp_path):
+    """``learner.fp32_attn_softmax`` means the same under both backends: with large attention
+    logits (tests/unit/test_attention_island.py's model), a BF16 Megatron body is closer to its
+    own FP32 log-probs with the island than without. Megatron's bare ``attention_softmax_in_fp32``
+    upcasts already-rounded BF16 scores and changes no log-prob at all."""
+    from learner.batching import Batch
+    from model.hf import save_pretrained
+    from tests.unit.test_attention_island import _large_logit_model
+
+    save_pretrained(_large_logit_model(), str(tmp_path))
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 256, (4, 64), generator=g)
+    mask = torch.zeros(4, 63)
+    mask[:, 7:] = 1.0
+    batch = Batch(ids=ids, key_mask=torch.ones(4, 64, dtype=torch.bool), mask=mask,
+                  behaviour_logp=torch.zeros(4, 63), rewards=torch.zeros(1, 4),
+                  staleness=torch.zeros(4, dtype=torch.long), keys=[], num_tokens=int(mask.sum()))
+
+    def logp(*overrides):
+        backend = MegatronBackend(tiny_cfg("actor.group_size=4", *overrides, resolved=False), str(tmp_path))
+        with torch.no_grad():
+            return backend.logprobs(batch)[0][mask > 0].double()
+
+    ref = logp("learner.body_dtype=float32")
+    on = (logp("learner.body_dtype=bfloat16", "learner.fp32_attn_softmax=true") - ref).abs().mean().item()
+    off = (logp("learner.body_dtype=bfloat16", "learner.fp32_attn_softmax=false") - ref).abs().mean().item()
+    print(f"megatron island on {on:.3e} off {off:.3e}")
+    assert on < 0.85 * off, f"BF16 Megatron body, mean |dlogp| vs its FP32: island on {on:.3e}, off {off:.3e}"
