@@ -4,6 +4,9 @@
     python run.py resume RUN_DIR [section.key=value ...]          continue a stopped run
     python run.py eval CKPT [TASK ...] [section.key=value ...] [--k K]
                                                                   pass@1/pass@k, lengths (JSON)
+    python run.py sweep KEY=V1,V2,... [KEY=VALUE ...] [--seeds N] [--minutes M] [--resume OUT]
+                                                                  short trainings, one table (sweep.py)
+    python run.py tail [RUN_DIR] [--last N] [--json]              the tokens of the ratio tail
 
 Dataflow (ARCHITECTURE.md)::
 
@@ -204,10 +207,20 @@ def eval_main(args) -> int:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["tail"]:  # reads a run's files: no training option applies, no torch import
+        from learner.tailview import main as tail_main
+
+        return tail_main(argv[1:])
     from actor.evaluate import final_eval
     from learner.contract import ContractError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s launcher %(levelname)s: %(message)s")
+    if argv[:1] == ["sweep"]:  # its own options (--seeds, --minutes, --resume): sweep.py
+        import sweep
+
+        launchers.Interrupt.install()  # Ctrl-C / SIGTERM stop the running training, as below
+        return sweep.main(argv[1:])
     args = parse(sys.argv[1:] if argv is None else argv)
     # SIGTERM (e.g. from a job scheduler) stops the run exactly like Ctrl-C
     launchers.Interrupt.install()

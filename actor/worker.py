@@ -5,13 +5,23 @@ groups (weights may change between decode steps) -> score -> send (the buffer cl
 group until acknowledged) -> emit metrics. Actor 0 also runs the held-out evaluation every
 ``run.eval_every`` policy versions.
 
+The staleness limit and the pause of admission follow the learner's control
+(``learner/control.py``), as the buffer passes them on in its acks (``ActorClient.control``).
+
+Test hook: with ``DRIFTRL_TEST_SKEW_TEMPERATURE=LO:HI:FACTOR`` in the environment, batches started
+at a policy version in ``LO..HI`` are sampled at ``FACTOR`` x the configured temperature while
+the learner's numerator keeps the configured one -- a silent engine/learner mismatch, injected so
+that tests/integration/test_control.py can watch the guard-rails act. Off unless set.
+
 Run as a process: ``python -m actor.worker --run-dir RUN_DIR --index I``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import logging
 import os
 import random
 import time
@@ -30,6 +40,21 @@ from core.metrics import sink_for
 from core.proc import die_with_parent, setup_logging, stop_event
 from model.tokenizer import Tokenizer
 from weightsync.base import Stopped, make_subscriber
+
+log = logging.getLogger("driftrl.actor")
+SKEW_ENV = "DRIFTRL_TEST_SKEW_TEMPERATURE"
+
+
+def temperature_skew(version: int, spec: str | None = None) -> float:
+    """The test hook's factor for a batch started at ``version`` (1.0: none); see the docstring."""
+    spec = os.environ.get(SKEW_ENV, "") if spec is None else spec
+    if not spec:
+        return 1.0
+    try:
+        lo, hi, factor = spec.split(":")
+        return float(factor) if int(lo) <= version <= int(hi) else 1.0
+    except ValueError:
+        raise ValueError(f"{SKEW_ENV}={spec!r}: want LO:HI:FACTOR, e.g. 5:6:3.0") from None
 
 
 class RolloutWorker:
@@ -92,10 +117,18 @@ class RolloutWorker:
         t0 = time.time()
         while True:
             self._return_quota()
+            self._follow_control()
             n = min(self.cfg.actor.groups_per_batch, self.admission.allowed(self.engine.refresh_weights()))
             if n > 0 or self._stopped():
                 return n, time.time() - t0
             self._sleep(0.005)
+
+    def _follow_control(self) -> None:
+        """Admission takes the learner's limit and pause, as the buffer passed them on."""
+        ctl, a = self.client.control, self.admission
+        if ctl is not None and ctl != (a.max_staleness, a.paused):
+            log.info("admission follows the learner: max_staleness %d, %s", ctl[0], "paused" if ctl[1] else "running")
+            a.max_staleness, a.paused = ctl
 
     def run(self) -> None:
         if not self._wait_for_weights():
@@ -123,12 +156,24 @@ class RolloutWorker:
         prompts = [self.task.sample(self.rng, "train") for _ in range(n)]
         size = self.cfg.actor.group_size
         done: dict[int, dict] = {}
+        skew = self._skew_temperature(start_version)
         for index, sample in self.engine.stream([list(p.tokens) for p in prompts for _ in range(size)]):
             got = done.setdefault(index // size, {})
             got[index % size] = sample
             if len(got) == size:
                 del done[index // size]
-                yield self._group(prompts[index // size], [got[j] for j in range(size)], start_version)
+                group = self._group(prompts[index // size], [got[j] for j in range(size)], start_version)
+                if skew != 1.0:
+                    log.warning("%s: group %s sampled at temperature x%g (test hook)", SKEW_ENV, list(group.key), skew)
+                yield group
+
+    def _skew_temperature(self, version: int) -> float:
+        """The test hook (see the docstring): the torch engine's sampling spec for this batch."""
+        factor = temperature_skew(version)
+        if SKEW_ENV in os.environ:  # untouched unless the hook is set
+            self._spec = getattr(self, "_spec", None) or self.engine.spec  # the configured one
+            self.engine.spec = dataclasses.replace(self._spec, temperature=self._spec.temperature * factor)
+        return factor
 
     def _group(self, prompt, samples, start_version: int) -> M.RolloutGroup:
         rewards = self.task.rewards([(prompt, s.tokens) for s in samples])

@@ -26,6 +26,11 @@ the buffer restarted) and never returns a group key twice: after a buffer restar
 a header frame plus one frame per group (see :mod:`buffer.server`) and is returned as one
 ``SampleBatch`` holding ``RolloutGroup`` objects, as if it were one message.
 
+Control (``learner/control.py``): :meth:`LearnerClient.sample` carries the learner's staleness
+limit and pause flag in its request; :attr:`ActorClient.control` is the latest ``(max_staleness,
+paused)`` the buffer passed on in an ``Acks`` (None until it departed from the config), which the
+worker's admission follows.
+
 Both present the run's secret in their ``Hello`` (``token``, else read from ``run_dir`` or
 ``cfg.run.run_dir``; none when the run has no secret file) and say Hello again whenever the
 buffer answers ``unauthenticated`` -- a restarted buffer knows no connection -- then resend.
@@ -190,6 +195,7 @@ class ActorClient:
         self._busy_n = 0  # pending groups the buffer answered "busy" and has not taken since
         self._notices: list[Ack] = []
         self._server_next: int | None = None  # from the Hello answer
+        self.control: tuple[int, bool] | None = None  # (max_staleness, paused): see the docstring
         self._hello = encode(Hello("actor", actor_id, token=run_token(cfg, run_dir, token)))
         self._hello_at: float | None = None
         self._dec = decoder(BUFFER_TO_ACTOR)
@@ -363,6 +369,8 @@ class ActorClient:
                 msg = self._dec.decode(frame.buffer)
             except msgspec.DecodeError:  # not an answer of this schema: nothing to act on
                 continue
+            if isinstance(msg, Acks) and msg.max_staleness >= 0:
+                self.control = (msg.max_staleness, msg.pause)
             for ack in msg.acks if isinstance(msg, Acks) else (msg,):
                 if isinstance(ack, Ack) and ack.actor_id == self.actor_id:
                     self._on_ack(ack)
@@ -455,10 +463,11 @@ class LearnerClient:
         self._consumed = _RecentKeys()
         self._flush_unsent()
 
-    def sample(self, num_groups: int, learner_version: int,
-               timeout_s: float | None = None) -> SampleBatch | None:
+    def sample(self, num_groups: int, learner_version: int, timeout_s: float | None = None,
+               max_staleness: int = -1, pause_actors: bool = False) -> SampleBatch | None:
         """The next batch of up to ``num_groups`` fresh groups, or None after ``timeout_s`` or
-        once the stop flag is set.
+        once the stop flag is set. ``max_staleness`` (-1: unchanged) and ``pause_actors`` travel
+        with the request (see the module docstring).
 
         Fewer than asked only when the buffer is full and cannot reach ``num_groups``, or when
         groups already returned earlier were removed (see the module docstring).
@@ -469,10 +478,10 @@ class LearnerClient:
             batch = self._pop_ready()
             if batch is not None:
                 return batch
-            req = self._request
-            if req is None or (req.num_groups, req.learner_version) != (num_groups, learner_version):
+            req, want = self._request, (num_groups, learner_version, max_staleness, pause_actors)
+            if req is None or (req.num_groups, req.learner_version, req.max_staleness, req.pause_actors) != want:
                 self._req_id += 1
-                self._request = SampleRequest(self._req_id, num_groups, learner_version)
+                self._request = SampleRequest(self._req_id, *want)
                 self._sent_at = None
             now = time.monotonic()
             if self._stop() or (deadline is not None and now >= deadline):

@@ -34,6 +34,13 @@ of 1..``buffer.max_prompt_tokens`` tokens, finite values) refuses is counted in
 ``buffer/dropped_invalid/<reason>`` and answered with a ``rejected`` ack when the key can be
 recovered. Nothing a peer sends can stop the loop.
 
+Control (``learner/control.py``): a ``SampleRequest`` may carry the learner's current staleness
+limit (``max_staleness`` >= 0) and a pause flag; the store follows the limit at once (what is
+accepted and served from then on), and the actors are told: from the first departure from the
+run's config on, every message to an actor is an ``Acks`` carrying the limit and the pause, and
+each change is sent to every known actor at once (an ``Acks`` with no acks), so an actor waiting
+for admission -- which sends nothing -- hears of it too.
+
 Versions: a group whose newest token version is above the learner's latest version + 1 is
 rejected (``future_version``). The + 1: the learner publishes v + 1 before its next request
 tells the buffer, and an actor may apply it and finish a group in between. Until the current
@@ -138,6 +145,8 @@ class BufferServer:
         self.send_failed = 0
         self.deferred = 0  # groups answered busy until the learner reports its version
         self.leases_expired = 0  # groups released because the learner's connection dropped
+        self.paused = False  # the learner asked the actors to start no new group
+        self._control_on = False  # the limit or the pause departed from the config: see the docstring
         self.token = _load_token(run_dir, cfg.net.host)
         self._actor_dec = group_decoder(self.limits, Hello)
         self._learner_dec = decoder(LEARNER_TO_BUFFER)
@@ -447,10 +456,25 @@ class BufferServer:
         return True
 
     def _on_request(self, st: _Learner, msg: SampleRequest) -> None:
-        if msg.num_groups < 1 or msg.learner_version < 0:
+        if msg.num_groups < 1 or msg.learner_version < 0 or msg.max_staleness < -1:
             self.invalid["bad_request"] += 1
-        elif self._version_ok(st, msg.learner_version) and msg.request_id > st.answered:
-            st.pending = msg  # else: a resend of one already answered
+        elif self._version_ok(st, msg.learner_version):
+            self._follow(msg)
+            if msg.request_id > st.answered:
+                st.pending = msg  # else: a resend of one already answered
+
+    def _follow(self, msg: SampleRequest) -> None:
+        """The learner's limit and pause (see the module docstring); a change reaches every actor."""
+        limit = msg.max_staleness if msg.max_staleness >= 0 else self.store.max_staleness
+        changes = [f"max_staleness {self.store.max_staleness} -> {limit}"] if limit != self.store.max_staleness else []
+        if msg.pause_actors != self.paused:
+            changes.append("actors paused" if msg.pause_actors else "actors running")
+        if not changes:
+            return
+        log.info("learner control: %s", ", ".join(changes))
+        self.store.max_staleness, self.paused, self._control_on = limit, msg.pause_actors, True
+        for ident in self._actor_ident.values():
+            self._queue("actor", [ident, None], 0)  # a notice: no ack of its own
 
     def _on_consumed(self, st: _Learner, msg: Consumed) -> None:
         if not self._version_ok(st, msg.learner_version):
@@ -513,12 +537,21 @@ class BufferServer:
         ready: dict[bytes, list[Ack]] = {}  # per actor, in order: one message for all its acks
         while out and out[0][1] <= durable:
             (ident, ack), _ = out.popleft()
-            ready.setdefault(ident, []).append(ack)
+            got = ready.setdefault(ident, [])
+            if ack is not None:  # None: a control notice (_follow), carried by any message
+                got.append(ack)
         for ident, acks in ready.items():
-            self._send(self.actor_sock, [ident, encode(acks[0] if len(acks) == 1 else Acks(acks))])
+            self._send(self.actor_sock, [ident, encode(self._to_actor(acks))])
         out = self._outbox["learner"]
         while out and out[0][1] <= durable:
             self._send(self.learner_sock, out.popleft()[0])
+
+    def _to_actor(self, acks: list[Ack]):
+        """One message for an actor: a lone Ack, as always, until the control state departed
+        from the config; from then on an Acks carrying it."""
+        if self._control_on:
+            return Acks(acks, self.store.max_staleness, self.paused)
+        return acks[0] if len(acks) == 1 else Acks(acks)
 
     def _send(self, sock: zmq.Socket, frames: list) -> None:
         try:
@@ -539,6 +572,8 @@ class BufferServer:
         out["buffer/send_failed"] = float(self.send_failed)  # peers gone or not reading
         out["buffer/deferred_future"] = float(self.deferred)
         out["buffer/leases_expired"] = float(self.leases_expired)
+        out["buffer/max_staleness"] = float(self.store.max_staleness)
+        out["buffer/actors_paused"] = float(self.paused)
         for reason, n in self.invalid.items():
             out[f"buffer/dropped_invalid/{reason}"] = float(n)
         if self.log is not None:

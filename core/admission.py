@@ -9,6 +9,11 @@ Worked example (share = 8, max_staleness = 1): at v = 0 the actor may start 16 g
 learner's first step (v -> 1) consumes 8 of them, all made at version 0, staleness 0 at
 consumption; the next 8 (also version 0) are consumed at v = 1, staleness 1; only once v = 1
 may groups 17..24 start, and they are consumed at v = 2 at the earliest: staleness <= 1.
+
+The learner's control (``learner/control.py``) may move ``max_staleness`` during a run (it reaches
+the actor in the buffer's acks) and may pause the actors: while ``paused`` nothing may start. A
+lowered limit only delays new starts; groups already started keep their slots and the buffer
+drops, and gives back, whatever turns out too stale for the new limit.
 """
 
 from __future__ import annotations
@@ -22,12 +27,15 @@ class Admission:
     max_staleness: int
     started: int = 0
     returned: int = 0
+    paused: bool = False
 
     def limit(self, version: int) -> int:
         return (self.max_staleness + version + 1) * self.share
 
     def allowed(self, version: int) -> int:
         """How many more groups may start now."""
+        if self.paused:
+            return 0
         return max(0, self.limit(version) - (self.started - self.returned))
 
     def start(self, n: int) -> None:

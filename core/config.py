@@ -142,6 +142,9 @@ class LearnerSection(_Section):
     # (whole groups at least one sample each), so memory is bounded by the micro-batch; 0 = one
     micro_batch_tokens: NonNegInt = 8192
     threads: PosInt = 1
+    # tail forensics (learner/tail.py): the k highest- and k lowest-ratio tokens of every step go
+    # to run_dir/tail.jsonl, read by `python run.py tail`; 0 = off
+    tail_k: NonNegInt = 8
     # start-up contract check: actor-vs-learner scoring of one fixed batch
     # a BF16 engine against a BF16-body learner with both islands: mean |dlogp| 0.058, k3 3.5e-3
     # (bench/precision.py: 32k vocab, peaked random model, 128-token responses); a temperature
@@ -177,6 +180,45 @@ class MonitorSection(_Section):
     refresh_s: PosFloat = 1.0
 
 
+class ControlSection(_Section):
+    """The learner acting on its ratio tail (learner/control.py): an adaptive staleness limit
+    and guard-rails checked after forward/backward, before the optimiser step."""
+
+    # adaptive staleness: the limit moves by 1 within [staleness_min, staleness_max], starting at
+    # buffer.max_staleness: down when the ratio p99 at the highest lag present is above the
+    # target, up while it is below target * (1 - hysteresis), never within dwell_steps of a change
+    adaptive_staleness: bool = False
+    staleness_min: NonNegInt = 0
+    staleness_max: NonNegInt = 8
+    # the clean default run (below) at lag 2: ratio p99 median 1.20, max 1.78: a target of 1.5
+    # lets the limit climb while the tail stays where Ring-Zero's truncation (eps_high 2) is rare
+    ratio_p99_target: PosFloat = 1.5
+    hysteresis: Annotated[float, Meta(ge=0, lt=1)] = 0.1
+    dwell_steps: NonNegInt = 10
+    # guard-rails (0 or null = off), calibrated on two clean runs of the default job (128-wide
+    # arith model, BF16 engine and learner body; a shared 2-core EPYC), per-step range:
+    # `python run.py run.max_steps=150` (staleness 2; 79 steps before its 480 s budget ran out)
+    #   ratio/p99 1.055..1.783 (median 1.20) · ratio/max 1.10..3.07 · ratio/min 0.18..0.90
+    #   mismatch/kl_k3 1.5e-4..0.016 · mismatch/abs_logp_diff_p99 0.086..0.99 (all lags)
+    # the same with buffer.max_staleness=0 (150 steps, every token at lag 0)
+    #   ratio/p99 1.022..1.145 · ratio/max 1.04..2.09 · ratio/min 0.57..0.96 · kl_k3 5e-5..1.4e-3
+    #   mismatch/abs_logp_diff_p99_by_staleness/0 0.042..0.232 (median 0.089)
+    # each threshold sits well outside: ~1.7x the largest p99, ~3x the largest max, ~9x below
+    # the smallest min (2.3x in log space), ~6x the largest k3, ~3x the largest lag-0 |Δ log p|
+    guard_ratio_p99: NonNegFloat | None = 3.0
+    guard_ratio_max: NonNegFloat | None = 10.0
+    guard_ratio_min: NonNegFloat | None = 0.02  # fires at or below: a low tail starves gradients
+    guard_kl_k3: NonNegFloat | None = 0.1
+    # |Δ log p| p99 of the lag-0 tokens: the engine/learner numerics gap alone (no policy drift)
+    guard_abs_logp_diff_p99_s0: NonNegFloat | None = 0.75
+    guard_nonfinite: bool = True  # any NaN/inf ratio/* or mismatch/* value
+    # warn: log and count · skip_step: drop the batch · pause_actors: no new groups until
+    # pause_steps clean steps (or an empty buffer) · rollback: newest checkpoint, fresh version,
+    # nothing sampled by the versions since trained
+    guard_action: Literal["warn", "skip_step", "pause_actors", "rollback"] = "warn"
+    pause_steps: PosInt = 8
+
+
 class Config(_Section):
     run: RunSection = msgspec.field(default_factory=RunSection)
     model: ModelSection = msgspec.field(default_factory=ModelSection)
@@ -187,6 +229,7 @@ class Config(_Section):
     weightsync: WeightSyncSection = msgspec.field(default_factory=WeightSyncSection)
     net: NetSection = msgspec.field(default_factory=NetSection)
     monitor: MonitorSection = msgspec.field(default_factory=MonitorSection)
+    control: ControlSection = msgspec.field(default_factory=ControlSection)
 
 
 class ConfigError(ValueError):
@@ -246,6 +289,25 @@ def validate(cfg: Config) -> None:
     if cfg.run.max_steps == 0 and cfg.run.max_time_s == 0:
         raise ConfigError("set `$.run.max_steps` or `$.run.max_time_s`: a run needs a budget")
     _validate_net(cfg.net)
+    _validate_control(cfg.control, cfg.buffer.max_staleness)
+
+
+def _validate_control(c: ControlSection, max_staleness: int) -> None:
+    """Bounds that contain the starting limit; ratio thresholds on the side of 1 they guard
+    (a ratio p99 or max below 1, or a min above it, would fire on every clean step)."""
+    if c.staleness_min > c.staleness_max:
+        raise ConfigError(f"`$.control.staleness_max` = {c.staleness_max} is below "
+                          f"`$.control.staleness_min` = {c.staleness_min}")
+    if c.adaptive_staleness and not c.staleness_min <= max_staleness <= c.staleness_max:
+        raise ConfigError(f"`$.buffer.max_staleness` = {max_staleness} (the adaptive limit's start) is outside "
+                          f"[`$.control.staleness_min`, `$.control.staleness_max`] = "
+                          f"[{c.staleness_min}, {c.staleness_max}]")
+    for name in ("guard_ratio_p99", "guard_ratio_max"):
+        v = getattr(c, name)
+        if v and v <= 1.0:
+            raise ConfigError(f"`$.control.{name}` = {v} must be above 1 (or 0 = off)")
+    if c.guard_ratio_min and c.guard_ratio_min >= 1.0:
+        raise ConfigError(f"`$.control.guard_ratio_min` = {c.guard_ratio_min} must be below 1 (or 0 = off)")
 
 
 def _validate_net(n: NetSection) -> None:

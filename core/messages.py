@@ -141,12 +141,23 @@ class Acks(_Msg, tag="acks"):
     # several acks for one actor, in order: what became durable in one group commit leaves as
     # one message (a ZeroMQ send costs more than encoding a few more acks)
     acks: list[Ack]
+    # the learner's control state, passed on by the buffer (learner/control.py): the staleness
+    # limit the actor's admission follows (-1: unchanged) and whether it may start new groups.
+    # Once the limit or the pause differ from the run's config, every message to an actor is an
+    # Acks carrying them, and a change is sent at once to every actor (``acks`` may be empty)
+    max_staleness: int = -1
+    pause: bool = False
 
 
 class SampleRequest(_Msg, tag="sample_req"):
     request_id: int
     num_groups: int
     learner_version: int
+    # the learner's current staleness limit (control.adaptive_staleness), which the buffer's
+    # store and, through Acks, the actors' admission follow; -1: unchanged
+    max_staleness: int = -1
+    # guard_action = pause_actors: the actors start no new group while set
+    pause_actors: bool = False
 
 
 class SampleBatch(_Msg, tag="sample_batch"):

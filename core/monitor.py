@@ -13,6 +13,12 @@ of them are shown as such ("nan", "inf", "1.0e+308") or skipped where they canno
 (sparklines, bars); a value of the wrong type is dropped and counted (``monitor/values_dropped``).
 As a last line of defence a render that fails anyway is logged once and counted
 (``render_errors``): the view is not worth stopping a training run for.
+
+The learner's control (``learner/control.py``) is shown as its staleness limit
+(``control/max_staleness``, "paused" while the actors are) and the last guard that fired: the
+guard and action whose ``control/guard/<name>`` / ``control/action/<action>`` counter last went
+up, with the value and threshold that made it fire (metrics carry numbers only, so the reason is
+rebuilt from them).
 """
 
 from __future__ import annotations
@@ -144,6 +150,8 @@ class Monitor:
         self._live: Live | None = None
         self.values_dropped = 0
         self.render_errors = 0
+        self.last_guard: str | None = None  # see the module docstring
+        self.last_action: str | None = None
 
     # ---- state --------------------------------------------------------------------------------
 
@@ -151,6 +159,7 @@ class Monitor:
         for rec in records:
             self.records += 1
             values = self._clean(rec.values)
+            self._note_control(values)
             self.latest.update(values)
             self._by_source.setdefault(f"{rec.role}/{rec.id}", {}).update(values)
             for k in SPARK_KEYS:
@@ -176,6 +185,27 @@ class Monitor:
                 out[k] = v
             else:
                 self.values_dropped += 1
+        return out
+
+    def _note_control(self, values: dict) -> None:
+        """The guard and action whose counters just moved (before ``latest`` takes them); of
+        several guards in one record the first, whose values ``control/last_*`` are."""
+        for prefix, attr in (("control/guard/", "last_guard"), ("control/action/", "last_action")):
+            moved = [k for k, v in values.items() if k.startswith(prefix) and isinstance(v, float)
+                     and v > 0 and v != self.get(k)]
+            if moved:
+                setattr(self, attr, moved[0][len(prefix):][:32])
+
+    def control_text(self) -> str | None:
+        """``s≤3 · ratio_p99 2.31 vs 2.00 @57 → skip_step``; None before the learner reports it."""
+        limit = self.get("control/max_staleness")
+        if limit is None:
+            return None
+        out = f"s≤{fmt(limit, 0)}" + (" paused" if self.get("control/paused") else "")
+        if self.last_guard is not None:
+            g = self.get
+            out += (f" · {self.last_guard} {fmt(g('control/last_value'), 2)} vs {fmt(g('control/last_threshold'), 2)}"
+                    f" @{fmt(g('control/last_step'), 0)} → {self.last_action or '?'}")
         return out
 
     def get(self, key: str):
@@ -273,6 +303,9 @@ class Monitor:
         if isinstance(hist, list) and hist:
             inner = ", ".join(f"{s}: {fmt(c, 0)}" for s, c in enumerate(hist) if c and c == c)
             parts.append(f"stale {{{inner}}}")
+        ctl = self.control_text()
+        if ctl is not None:
+            parts.append(f"ctl {ctl}")
         parts.extend(self._line_buffer_and_rates())
         return " | ".join(parts)
 
@@ -374,6 +407,10 @@ class Monitor:
         t.add_row("ess", self._cell("ratio/ess"), "")
         t.add_row("clip", self._pct("ratio/clip_frac"), "")
         t.add_row("kl k3", self._cell("mismatch/kl_k3"), "")
+        ctl = self.control_text()
+        if ctl is not None:  # the limit, then the last trip (the cropping column: it can be long)
+            limit, _, trip = ctl.partition(" · ")
+            t.add_row("control", limit, Text(trip, style="bold red" if trip else ""))
         return "ratio π_learner/π_behaviour", t
 
     def _pct(self, key: str, digits: int = 2) -> Text:

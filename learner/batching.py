@@ -11,7 +11,7 @@ groups of unequal size raise ValueError, and the learner skips the batch instead
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -29,6 +29,10 @@ class Batch:
     staleness: torch.Tensor  # [N] int64: learner version - oldest token version of the sample
     keys: list[tuple[str, int]]
     num_tokens: int  # completion tokens
+    # [N, L-1] int64: the policy version of each completion token (0 elsewhere); tail forensics
+    # (learner/tail.py) reports per-token staleness, since versions change inside a sample
+    versions: torch.Tensor | None = None
+    group_ids: list[str] = field(default_factory=list)  # per group: its prompt's group_id
 
     @property
     def group_size(self) -> int:
@@ -42,7 +46,8 @@ class Batch:
         mask = self.mask[start:stop, : width - 1]
         return replace(self, ids=self.ids[start:stop, :width], key_mask=self.key_mask[start:stop, :width],
                        mask=mask, behaviour_logp=self.behaviour_logp[start:stop, : width - 1],
-                       staleness=self.staleness[start:stop], num_tokens=int(mask.sum().item()))
+                       staleness=self.staleness[start:stop], num_tokens=int(mask.sum().item()),
+                       versions=None if self.versions is None else self.versions[start:stop, : width - 1])
 
 
 def micro_batches(batch: Batch, max_tokens: int) -> list[tuple[int, int]]:
@@ -82,26 +87,26 @@ def check(groups: list[M.RolloutGroup], vocab_size: int = 0) -> None:
 
 def collate(groups: list[M.RolloutGroup], learner_version: int, pad_id: int = 0, vocab_size: int = 0) -> Batch:
     check(groups, vocab_size)
-    rows, starts, lps, stale = [], [], [], []
+    rows, starts, lps, vers, stale = [], [], [], [], []
     for g in groups:
         prompt = np.frombuffer(g.prompt_tokens, dtype=M.TOKEN_DTYPE)
         for c in g.completions:
             rows.append(np.concatenate([prompt, c.token_array()]))
             starts.append(len(prompt))
             lps.append(c.logprob_array())
-            versions = c.version_array()
-            oldest = int(versions.min()) if len(versions) else g.start_version
-            stale.append(learner_version - oldest)
+            vers.append(c.version_array())
+            stale.append(learner_version - (int(vers[-1].min()) if len(vers[-1]) else g.start_version))
     n, width = len(rows), max(map(len, rows))
     ids = torch.full((n, width), pad_id, dtype=torch.long)
     key_mask = torch.zeros(n, width, dtype=torch.bool)
-    mask = torch.zeros(n, width - 1)
-    blp = torch.zeros(n, width - 1)
-    for i, (row, s, lp) in enumerate(zip(rows, starts, lps)):
+    mask, blp = torch.zeros(n, width - 1), torch.zeros(n, width - 1)
+    versions = torch.zeros(n, width - 1, dtype=torch.long)
+    for i, (row, s, lp, v) in enumerate(zip(rows, starts, lps, vers)):
         ids[i, : len(row)] = torch.from_numpy(row.astype(np.int64))
         key_mask[i, : len(row)] = True
         mask[i, s - 1 : len(row) - 1] = 1.0
         blp[i, s - 1 : len(row) - 1] = torch.from_numpy(lp.copy())
+        versions[i, s - 1 : len(row) - 1] = torch.from_numpy(v.astype(np.int64))
     rewards = torch.tensor([[c.reward for c in g.completions] for g in groups], dtype=torch.float32)
     return Batch(ids, key_mask, mask, blp, rewards, torch.tensor(stale, dtype=torch.long),
-                 [g.key for g in groups], int(mask.sum().item()))
+                 [g.key for g in groups], int(mask.sum().item()), versions, [g.group_id for g in groups])

@@ -26,6 +26,29 @@ admission and the buffer's staleness bound count from the learner's version, and
 lower than the tokens' own would make staleness negative. When nothing newer was published
 (a clean resume) the checkpoint's own version is kept.
 
+Control (``learner/control.py``, the ``control`` config section). With
+``control.adaptive_staleness`` the controller's limit replaces ``buffer.max_staleness`` in the
+learner's own check and travels in every ``SampleRequest``, which the buffer's store and, through
+its acks, the actors' admission follow (the journal's recovery keeps the configured bound: it
+judges what a crashed run may train again). Guard-rails are checked after forward/backward and
+before the optimiser step (:meth:`LearnerLoop._guarded_step`); on a trip, ``control.guard_action``:
+
+- ``warn``: a log line and the counters, the step goes on;
+- ``skip_step``: the gradients are discarded, the groups marked consumed, nothing trained;
+- ``pause_actors``: the step goes on; the actors start no new group until ``control.pause_steps``
+  clean steps are made on what the buffer holds, or it has no full batch left to give;
+- ``rollback``: the batch is dropped, the newest checkpoint (or the initial weights) is reloaded
+  by the recovery above, published under a fresh version one above the newest ever published,
+  and every group carrying a token of a version after the checkpoint's up to the rollback is
+  dropped wherever it is -- trained again from the journal, held by the buffer, still being
+  generated -- and counted in ``learner/dropped_rolled_back``: nothing sampled by the rolled-back
+  weights is ever trained. The intervals are kept in ``run_dir/rollbacks.jsonl`` (fsynced before
+  anything else happens), so a learner restarted later still drops such groups.
+
+Every step reports ``control/max_staleness``, ``control/staleness_changes``, ``control/paused``,
+``control/guard/<name>``, ``control/action/<action>`` (counts) and, once one fired, the latest
+trip's ``control/last_value``, ``control/last_threshold`` and ``control/last_step``.
+
 Exit status: 0 when the budget is spent, ``core.proc.EXIT_WRITE_FAILED`` (75) when a checkpoint,
 the final model, the journal or the audit could not be written (disk full, ...): one log line
 names the path; the run is resumable from the newest intact checkpoint once space is freed.
@@ -35,11 +58,13 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import logging
 import os
 import sys
 import time
 
+import numpy as np
 import torch
 
 from buffer.client import LearnerClient
@@ -48,13 +73,15 @@ from core import messages as M
 from core.metrics import sink_for
 from core.proc import EXIT_WRITE_FAILED, die_with_parent, setup_logging, stop_event
 from core.stats import dense_histogram
-from learner import checkpoint, journal
+from learner import checkpoint, journal, tail
 from learner.backends import NonFiniteError, make_backend
 from learner.batching import collate
+from learner.control import Control, Poisoned
 from weightsync.base import make_publisher
 
 log = logging.getLogger("driftrl.learner")
 MAX_SKIPS_IN_A_ROW = 20
+ROLLBACKS = "rollbacks.jsonl"  # one line per rollback: the versions whose data is never trained
 
 
 class LearnerLoop:
@@ -65,9 +92,13 @@ class LearnerLoop:
         self.journal = journal.Journal(run_dir)
         self.counts = collections.Counter()  # dropped_stale, skipped_batches, ... (see _emit)
         self._recover()
+        self.control = Control(cfg.control, cfg.buffer.max_staleness, start_step=self.step)
+        self.poisoned = Poisoned(read_rollbacks(run_dir))
+        self._drop_poisoned_replay()
         self.publisher = make_publisher(cfg, run_dir, self.backend.named_tensors(), stop=stop)
         self.client = client or LearnerClient(cfg, run_dir=run_dir, stop=stop)
         self.metrics = metrics or sink_for(cfg, run_dir, "learner", "learner0")
+        self.tail = tail.writer_for(cfg, run_dir)  # run_dir/tail.jsonl; None when learner.tail_k = 0
         self.stale_hist: list[float] = []
         self.window = collections.deque(maxlen=10)  # (wait_s, busy_s) of recent steps
         self._skips_in_a_row = 0
@@ -138,7 +169,10 @@ class LearnerLoop:
         want = self.cfg.learner.groups_per_step
         groups = [g for g in self._take_replay(want) if self._fresh(g)]
         while len(groups) < want and self.budget_left(t_start):
-            batch = self.client.sample(want - len(groups), self.version, timeout_s=0.5)
+            batch = self.client.sample(want - len(groups), self.version, timeout_s=0.5, **self._control_request())
+            if batch is None and self.control.paused:  # the buffer has no full batch left to give
+                self.control.resume()
+                log.info("actors resume: the buffer has no full batch left while they are paused")
             for g in batch.groups if batch is not None else ():
                 if g.key in self.retired:  # trained before a crash that lost its Consumed
                     self.client.consumed([g.key], self.version)
@@ -150,6 +184,14 @@ class LearnerLoop:
             return groups
         self.replay[:0] = [g for g in groups if g.key in self._replay_keys]  # kept for the next run
         return None
+
+    def _control_request(self) -> dict:
+        """What the next SampleRequest carries of the control state (only what departs from the
+        defaults, which mean "as configured")."""
+        out = {"max_staleness": self.control.max_staleness} if self.control.controller is not None else {}
+        if self.control.paused:
+            out["pause_actors"] = True
+        return out
 
     def _take_replay(self, n: int) -> list[M.RolloutGroup]:
         out, self.replay = self.replay[:n], self.replay[n:]
@@ -163,21 +205,33 @@ class LearnerLoop:
                         g.key, g.min_version(), self.version)
             self.counts["dropped_invalid"] += 1
             return False
-        if lag > self.cfg.buffer.max_staleness:
+        if lag > self.control.max_staleness:
             self.counts["dropped_stale"] += 1  # the buffer should have caught it; never train on it
             return False
+        if self._poisoned(g):
+            self.counts["dropped_rolled_back"] += 1  # sampled by weights a rollback discarded
+            return False
         return True
+
+    def _poisoned(self, g: M.RolloutGroup) -> bool:
+        if not self.poisoned.intervals:
+            return False
+        return self.poisoned.hit(np.frombuffer(b"".join([c.versions for c in g.completions]), M.VERSION_DTYPE))
 
     def train_step(self, groups: list[M.RolloutGroup]):
         """One optimiser step on ``groups`` -> ``(metrics, batch)``; ``(None, None)`` when the batch
         was skipped (bad data; see the module docstring)."""
         try:
             batch = collate(groups, self.version, vocab_size=self.cfg.model.vocab_size)
-            m = self.backend.step(batch)
+            m, verdict = self._guarded_step(batch)
         except Exception as e:  # noqa: BLE001 -- any failure of one batch must not end the run
             self._skip(groups, e)
             return None, None
         self._skips_in_a_row = 0
+        self._on_verdict(verdict, groups)
+        if verdict.blocks_step:
+            self._emit_control()
+            return None, None
         self.version += 1
         self.step += 1
         self.journal.append(self.step, self.version, [M.encode(g) for g in groups])
@@ -186,6 +240,69 @@ class LearnerLoop:
         self._retire(batch.keys)
         self.consumed_groups += len(batch.keys)
         return m, batch
+
+    def _guarded_step(self, batch):
+        """``Backend.step`` with the guard-rails between forward/backward and the optimiser ->
+        ``(metrics, verdict)``."""
+        verdicts = []
+
+        def check(m) -> bool:
+            verdicts.append(self.control.observe(self.step + 1, m))
+            return verdicts[0].blocks_step
+
+        m = self.backend.step(batch, check)
+        return m, verdicts[0]
+
+    def _on_verdict(self, verdict, groups: list[M.RolloutGroup]) -> None:
+        """Log the staleness decision and carry out the guard action (see the module docstring)."""
+        d = verdict.decision
+        if d is not None and d.changed:
+            log.info("staleness limit at step %d: %s", self.step + 1, d.reason)
+        if self.control.after_step(verdict):
+            log.info("actors resume: %d clean steps since the pause", self.cfg.control.pause_steps)
+        if not verdict.trips:
+            return
+        log.warning("guard-rail at step %d version %d (%s): %s", self.step + 1, self.version,
+                    verdict.action, verdict.reason())
+        if verdict.action == "pause_actors":
+            self.control.pause()
+        elif verdict.action == "skip_step":
+            self._retire([g.key for g in groups])
+        elif verdict.action == "rollback":
+            self._rollback(groups)
+
+    def _rollback(self, groups: list[M.RolloutGroup]) -> None:
+        """Back to the newest checkpoint (or the initial weights); see the module docstring."""
+        self._retire([g.key for g in groups])  # the batch that fired: never trained
+        self.counts["dropped_rolled_back"] += len(groups)
+        upto, path = self.version, checkpoint.latest(self.ckpt_root)
+        after = _checkpoint_version(path) if path else 0
+        record_rollback(self.run_dir, self.step, after, upto)  # durable before anything changes
+        self.poisoned.add(after, upto)
+        if path is None:  # no checkpoint yet: the initial weights, rebuilt as at the start
+            self.backend = make_backend(self.cfg, self.cfg.model.path)
+        retired, replay_keys = self.retired, self._replay_keys
+        self._recover()
+        self.retired, self._replay_keys = self.retired | retired, self._replay_keys | replay_keys
+        self._drop_poisoned_replay()
+        self.publish()
+        log.warning("rolled back to %s: step %d, now version %d; groups with tokens of versions %d..%d "
+                    "are dropped", path or "the initial weights", self.step, self.version, after + 1, upto)
+
+    def _drop_poisoned_replay(self) -> None:
+        """The journal's groups to train again, less those a rollback condemned (rewritten, so a
+        crash right after cannot bring them back)."""
+        keep = [g for g in self.replay if not self._poisoned(g)]
+        if len(keep) != len(self.replay):
+            self.counts["dropped_rolled_back"] += len(self.replay) - len(keep)
+            self.replay = keep
+            self.journal.reset(self.version, [M.encode(g) for g in keep])
+
+    def _emit_control(self) -> None:
+        """A step that trained nothing still reports the control state."""
+        self.metrics.emit(self.step, {"learner/step": float(self.step), "learner/version": float(self.version),
+                                      "learner/dropped_rolled_back": float(self.counts["dropped_rolled_back"]),
+                                      **self.control.metrics()})
 
     def _skip(self, groups: list[M.RolloutGroup], err: Exception) -> None:
         self._skips_in_a_row += 1
@@ -241,12 +358,16 @@ class LearnerLoop:
             **{f"learner/{k}": float(self.counts[k]) for k in
                ("dropped_stale", "dropped_rolled_back", "dropped_invalid", "skipped_batches")},
             "learner/skipped_nonfinite": float(self.backend.skipped_nonfinite),
+            **self.control.metrics(),
             "staleness/mean": sum(st) / len(st),
             "staleness/max": float(max(st)),
             "staleness/hist": list(self.stale_hist),
             "time/elapsed_s": time.time() - t_start,
         })
         self.metrics.emit(self.step, m)
+        if self.tail is not None:
+            # the version whose weights scored the batch (the one its staleness counts from)
+            self.tail.write(self.step, self.version - 1, batch, self.backend.last_logp)
 
     def close(self) -> None:
         for part in (self.client, self.publisher, self.metrics):
@@ -254,6 +375,39 @@ class LearnerLoop:
                 part.close()
             except Exception:  # closing is best effort; the data is already safe on disk
                 log.exception("close failed")
+
+
+def _checkpoint_version(path: str) -> int:
+    with open(os.path.join(path, "meta.json")) as f:
+        return int(json.load(f)["version"])
+
+
+def read_rollbacks(run_dir: str) -> list[tuple[int, int]]:
+    """``(after, upto)`` version intervals of every rollback so far (``run_dir/rollbacks.jsonl``);
+    a line torn by a crash described no rollback that took effect."""
+    path = os.path.join(run_dir, ROLLBACKS)
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path) as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            out.append((rec["after"], rec["upto"]))
+    return out
+
+
+def record_rollback(run_dir: str, step: int, after: int, upto: int) -> None:
+    path = os.path.join(run_dir, ROLLBACKS)
+    try:
+        with open(path, "a") as f:
+            f.write(json.dumps({"step": step, "after": after, "upto": upto, "time": time.time()}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise checkpoint.WriteError("the rollback record", path, e) from None
 
 
 def main(argv=None) -> None:

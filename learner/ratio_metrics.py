@@ -45,7 +45,9 @@ def ratio_metrics(logp, behaviour_logp, mask, staleness=None, eps_high: float = 
 
     logp, behaviour_logp, mask: ``[B, T]`` (torch or numpy); mask > 0 marks response tokens.
     staleness: per token ``[B, T]`` or per sample ``[B]`` integers, or None to skip
-        ``ratio/p99_by_staleness/<s>`` (one key per staleness value present).
+        ``ratio/p99_by_staleness/<s>`` (one key per staleness value present) and
+        ``mismatch/abs_logp_diff_p99_by_staleness/0`` (when lag 0 is present: with no policy drift
+        in it, that tail is the engine/learner numerics gap alone, what a guard-rail watches).
     eps_high: the truncation threshold; ``ratio/clip_frac`` is the fraction with rho > eps_high.
 
     With ``log r = logp - behaviour_logp`` and ``rho = exp(log r)`` per token:
@@ -77,18 +79,21 @@ def ratio_metrics(logp, behaviour_logp, mask, staleness=None, eps_high: float = 
     out["mismatch/abs_logp_diff_mean"] = float(abs_diff.mean())
     out["mismatch/abs_logp_diff_p99"] = percentiles(abs_diff, [99.0])[0]
     if staleness is not None:
-        out.update(_p99_by_staleness(rho, staleness, m))
+        out.update(_p99_by_staleness(rho, abs_diff, staleness, m))
     return out
 
 
-def _p99_by_staleness(rho: np.ndarray, staleness, m: np.ndarray) -> dict[str, float]:
+def _p99_by_staleness(rho: np.ndarray, abs_diff: np.ndarray, staleness, m: np.ndarray) -> dict[str, float]:
     s = _host(staleness)
     if s.shape == m.shape[:1]:
         s = np.broadcast_to(s[:, None], m.shape)
     if s.shape != m.shape:
         raise ValueError(f"staleness must be [B] or [B, T] = {m.shape}, got {s.shape}")
     s = s[m].astype(np.int64)
-    return {
+    out = {
         f"ratio/p99_by_staleness/{v}": percentiles(rho[s == v], [99.0])[0]
         for v in np.unique(s).tolist()
     }
+    if "ratio/p99_by_staleness/0" in out:
+        out["mismatch/abs_logp_diff_p99_by_staleness/0"] = percentiles(abs_diff[s == 0], [99.0])[0]
+    return out

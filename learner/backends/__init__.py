@@ -58,11 +58,16 @@ class Backend(abc.ABC):
     def load_state(self, path: str, meta: dict) -> None:
         """Restore what :meth:`save_state` wrote."""
 
-    def step(self, batch) -> dict[str, float]:
+    def step(self, batch, check=None) -> dict[str, float]:
         """One optimiser step; on any error the gradients are discarded (nothing half-applied
-        reaches the next step) and the error re-raised for the loop to skip the batch."""
+        reaches the next step) and the error re-raised for the loop to skip the batch.
+        ``check(metrics)`` runs between forward/backward and the optimiser (the guard-rails,
+        learner/control.py): when it returns True the gradients are discarded, not applied."""
         try:
             metrics = self.forward_backward(batch)
+            if check is not None and check(metrics):
+                self.discard_grads()
+                return metrics
             metrics["learner/grad_norm"] = self.optim_step()
         except Exception as e:
             self.discard_grads()

@@ -142,6 +142,7 @@ class TorchBackend(Backend):
             logp_all[start:stop, : logp.shape[1]] = logp
             entropies.append(ent.reshape(-1))
             parts.append((micro.num_tokens, metrics))
+        self.last_logp = logp_all  # the step's numerator for learner/tail.py (filled from detached parts)
         metrics = _combine(parts)
         metrics.update(ratio_metrics(logp_all, batch.behaviour_logp, batch.mask, batch.staleness, lc.eps_high))
         ent = torch.cat(entropies)

@@ -3,7 +3,7 @@
     core  <-  model  <-  {actor, learner}        buffer, weightsync  <-  core only
 
 actor and learner may use the buffer's clients and the weight transports, never each other; only
-the wiring scripts (run.py, bench/) import across them. Every import statement counts, including
+the wiring scripts (run.py, sweep.py, bench/) import across them. Every import statement counts, including
 the lazy ones inside functions.
 """
 

@@ -1,0 +1,265 @@
+"""Acting on the ratio tail: an adaptive staleness limit and guard-rails. Pure: no I/O.
+
+Why. Every async RL system exposes the staleness limit as a static knob, and the ratio tail it
+causes is only looked at after a collapse. The learner measures the tail by lag every step
+(``learner/ratio_metrics.py``); this module turns those numbers into decisions the loop carries
+out (``learner/loop.py``): a limit that follows the measured tail, and guards that act *before*
+the optimiser step.
+
+:class:`StalenessController` moves the limit by one at a time, from the p99 of the ratio at the
+highest lag present in the step (the lag the limit admits, so the one it is answerable for):
+
+* lower when that p99 is above ``target``; raise while it stays below ``target * (1 -
+  hysteresis)`` -- the band in between holds, so a p99 wobbling around the target does not make
+  the limit flap;
+* never within ``dwell_steps`` steps of the last change (the data trained right after a change
+  was admitted under the old limit: let the new one show its effect first);
+* always within ``[lo, hi]``.
+
+Worked example (target 1.30, hysteresis 0.1 -> raise below 1.17, dwell 2, bounds [1, 4], limit 2
+from step 0)::
+
+    step  highest lag  its p99   decision
+       1            2     1.05   hold: dwell (1 step since the change at step 0)
+       2            2     1.05   raise 2 -> 3 (1.05 < 1.17)
+       3            3     1.40   hold: dwell
+       4            3     1.40   lower 3 -> 2 (1.40 > 1.30)
+       6            2     1.20   hold: 1.17 <= 1.20 <= 1.30
+
+:class:`GuardRails` checks one step's metrics against thresholds (0 or None: that guard off):
+ratio p99, ratio max and the Δlog p p99 at lag 0 (the engine/learner numerics gap with no policy
+drift in it) from above; ratio min from below (a low tail starves those tokens' gradients);
+KL k3 from above; and any non-finite ratio/mismatch value. A guard fires *at* its threshold.
+:class:`Control` holds both plus the pause state of ``guard_action = pause_actors`` and the
+counters the loop reports (``control/*``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+BY_LAG = "ratio/p99_by_staleness/"
+ACTIONS = ("warn", "skip_step", "pause_actors", "rollback")
+# (guard name, metric key, fires above its threshold?); the config key of each is guard_<name>
+GUARDS = (
+    ("ratio_p99", "ratio/p99", True),
+    ("ratio_max", "ratio/max", True),
+    ("ratio_min", "ratio/min", False),
+    ("kl_k3", "mismatch/kl_k3", True),
+    ("abs_logp_diff_p99_s0", "mismatch/abs_logp_diff_p99_by_staleness/0", True),
+)
+NONFINITE = "nonfinite"
+GUARD_NAMES = tuple(name for name, _, _ in GUARDS) + (NONFINITE,)
+_WATCHED = ("ratio/", "mismatch/")  # the prefixes the non-finite guard looks at
+
+
+@dataclass(frozen=True)
+class Decision:
+    limit: int
+    changed: bool
+    reason: str
+
+
+@dataclass(frozen=True)
+class Trip:
+    """One guard that fired: which, on what value, against what threshold, in words."""
+
+    guard: str
+    value: float
+    threshold: float
+    reason: str
+
+
+def highest_lag(metrics: dict) -> tuple[int, float] | None:
+    """``(lag, ratio p99 at it)`` for the highest lag with a finite p99 in ``metrics``."""
+    best = None
+    for key, v in metrics.items():
+        suffix = key[len(BY_LAG):]
+        if key.startswith(BY_LAG) and suffix.isdigit() and isinstance(v, float) and math.isfinite(v):
+            if best is None or int(suffix) > best[0]:
+                best = (int(suffix), v)
+    return best
+
+
+class StalenessController:
+    """See the module docstring."""
+
+    def __init__(self, limit: int, lo: int, hi: int, target: float, hysteresis: float, dwell_steps: int,
+                 start_step: int = 0):
+        if not 0 <= lo <= hi:
+            raise ValueError(f"staleness bounds need 0 <= staleness_min <= staleness_max, got [{lo}, {hi}]")
+        if not lo <= limit <= hi:
+            raise ValueError(f"starting limit {limit} is outside [staleness_min, staleness_max] = [{lo}, {hi}]")
+        if not target > 0 or not 0 <= hysteresis < 1 or dwell_steps < 0:
+            raise ValueError(f"need ratio_p99_target > 0, 0 <= hysteresis < 1, dwell_steps >= 0; got "
+                             f"{target}, {hysteresis}, {dwell_steps}")
+        self.limit, self.lo, self.hi = limit, lo, hi
+        self.target, self.hysteresis, self.dwell = target, hysteresis, dwell_steps
+        self.last_change = start_step
+        self.changes = 0
+
+    def update(self, step: int, metrics: dict) -> Decision:
+        """The limit after the step ``step`` whose ratio metrics are ``metrics``."""
+        seen = highest_lag(metrics)
+        if seen is None:
+            return Decision(self.limit, False, "hold: no ratio p99 by lag in this step")
+        lag, p99 = seen
+        at = f"ratio p99 at lag {lag} = {p99:.3f}"
+        if step - self.last_change < self.dwell:
+            return Decision(self.limit, False, f"hold: {at}, dwell ({step - self.last_change} of "
+                                               f"{self.dwell} steps since the last change)")
+        raise_below = self.target * (1 - self.hysteresis)
+        if p99 > self.target and self.limit > self.lo:
+            return self._move(step, -1, f"{at} > target {self.target:.3f}")
+        if p99 < raise_below and self.limit < self.hi:
+            return self._move(step, +1, f"{at} < {raise_below:.3f} (target {self.target:.3f} x "
+                                        f"(1 - hysteresis {self.hysteresis:g}))")
+        return Decision(self.limit, False, f"hold: {at}, limit {self.limit} in [{self.lo}, {self.hi}]")
+
+    def _move(self, step: int, delta: int, why: str) -> Decision:
+        old, self.limit = self.limit, self.limit + delta
+        self.last_change, self.changes = step, self.changes + 1
+        return Decision(self.limit, True, f"{why}: max_staleness {old} -> {self.limit}")
+
+
+class GuardRails:
+    """See the module docstring; ``thresholds`` maps a guard name of :data:`GUARDS` to its
+    threshold (missing, 0 or None: off)."""
+
+    def __init__(self, thresholds: dict[str, float | None], nonfinite: bool = True):
+        unknown = set(thresholds) - {name for name, _, _ in GUARDS}
+        if unknown:
+            raise ValueError(f"unknown guard(s) {sorted(unknown)}; known: {[n for n, _, _ in GUARDS]}")
+        for name, t in thresholds.items():
+            if t is not None and not (math.isfinite(t) and t >= 0):
+                raise ValueError(f"guard {name}: threshold must be a finite number >= 0 (0 = off), got {t}")
+        self.active = [(n, k, above, float(thresholds[n])) for n, k, above in GUARDS if thresholds.get(n)]
+        self.nonfinite = nonfinite
+
+    def check(self, metrics: dict) -> list[Trip]:
+        """Every guard that fires on one step's ``metrics`` (keys absent from it are not checked)."""
+        trips = []  # in GUARD_NAMES order: the first is the one reported as the latest trip
+        for name, key, above, t in self.active:
+            v = metrics.get(key)
+            if not isinstance(v, float) or not math.isfinite(v):
+                continue  # absent (no lag-0 tokens this step), or the non-finite guard's
+            if (v >= t) if above else (v <= t):
+                side = ">=" if above else "<="
+                trips.append(Trip(name, v, t, f"{key} = {v:.4g} {side} {name} threshold {t:.4g}"))
+        return trips + (self._nonfinite(metrics) if self.nonfinite else [])
+
+    @staticmethod
+    def _nonfinite(metrics: dict) -> list[Trip]:
+        bad = sorted(k for k, v in metrics.items() if k.startswith(_WATCHED) and isinstance(v, float)
+                     and not math.isfinite(v))
+        if not bad:
+            return []
+        v = metrics[bad[0]]
+        return [Trip(NONFINITE, v, math.nan, f"non-finite {', '.join(bad[:4])} (first: {bad[0]} = {v})")]
+
+
+@dataclass
+class Verdict:
+    """What one step's check decided: the guards that fired, the action to take (None: none
+    fired), and the staleness decision."""
+
+    trips: list[Trip]
+    action: str | None
+    decision: Decision | None
+
+    @property
+    def blocks_step(self) -> bool:
+        """The optimiser must not apply this step's gradients."""
+        return self.action in ("skip_step", "rollback")
+
+    def reason(self) -> str:
+        return "; ".join(t.reason for t in self.trips)
+
+
+class Control:
+    """The learner's control state, from the ``control`` config section: the staleness limit,
+    the guards, the pause of ``pause_actors`` and the counters of ``control/*``."""
+
+    def __init__(self, cc, max_staleness: int, start_step: int = 0):
+        if cc.guard_action not in ACTIONS:
+            raise ValueError(f"control.guard_action must be one of {ACTIONS}, got {cc.guard_action!r}")
+        self.cc, self.configured = cc, max_staleness
+        self.controller = StalenessController(max_staleness, cc.staleness_min, cc.staleness_max,
+                                              cc.ratio_p99_target, cc.hysteresis, cc.dwell_steps,
+                                              start_step) if cc.adaptive_staleness else None
+        self.guards = GuardRails({n: getattr(cc, f"guard_{n}") for n, _, _ in GUARDS}, cc.guard_nonfinite)
+        self.fired = dict.fromkeys(GUARD_NAMES, 0)
+        self.acted = dict.fromkeys(ACTIONS, 0)
+        self.paused, self.clean_steps = False, 0
+        self.last: tuple[Trip, int] | None = None  # the latest guard that fired, and at which step
+
+    @property
+    def max_staleness(self) -> int:
+        """The limit in force: the controller's, else ``buffer.max_staleness``."""
+        return self.controller.limit if self.controller is not None else self.configured
+
+    def observe(self, step: int, metrics: dict) -> Verdict:
+        """Check step ``step``'s metrics (after forward/backward, before the optimiser)."""
+        trips = self.guards.check(metrics)
+        decision = self.controller.update(step, metrics) if self.controller is not None else None
+        action = self.cc.guard_action if trips else None
+        for t in trips:
+            self.fired[t.guard] += 1
+        if trips:
+            self.acted[action] += 1
+            self.last = (trips[0], step)
+        return Verdict(trips, action, decision)
+
+    def pause(self) -> None:
+        self.paused, self.clean_steps = True, 0
+
+    def resume(self) -> None:
+        self.paused = False
+
+    def after_step(self, verdict: Verdict) -> bool:
+        """Count a clean step while paused; True when the pause ends here (``pause_steps``)."""
+        if not self.paused or verdict.trips:
+            return False
+        self.clean_steps += 1
+        if self.clean_steps < self.cc.pause_steps:
+            return False
+        self.resume()
+        return True
+
+    def metrics(self) -> dict[str, float]:
+        out = {"control/max_staleness": float(self.max_staleness),
+               "control/staleness_changes": float(self.controller.changes if self.controller else 0),
+               "control/paused": float(self.paused),
+               **{f"control/guard/{n}": float(c) for n, c in self.fired.items()},
+               **{f"control/action/{a}": float(c) for a, c in self.acted.items()}}
+        if self.last is not None:
+            trip, step = self.last
+            value = trip.value if math.isfinite(trip.value) else math.nan  # inf is no measurement
+            out.update({"control/last_value": value, "control/last_threshold": trip.threshold,
+                        "control/last_step": float(step)})
+        return out
+
+
+# ---- rollback: the versions whose data must never be trained ----------------------------------
+
+class Poisoned:
+    """Version intervals ``(after, upto]`` of rolled-back weights: a group carrying any token of
+    such a version was sampled by weights that no longer exist and were judged bad."""
+
+    def __init__(self, intervals=()):
+        self.intervals: list[tuple[int, int]] = [(int(a), int(b)) for a, b in intervals]
+
+    def add(self, after: int, upto: int) -> None:
+        if upto > after:
+            self.intervals.append((after, upto))
+
+    def hit(self, versions: np.ndarray) -> bool:
+        """True when any of ``versions`` lies in an interval."""
+        if not self.intervals or not versions.size:
+            return False
+        lo, hi = int(versions.min()), int(versions.max())
+        return any(lo <= b and hi > a and bool(((versions > a) & (versions <= b)).any())
+                   for a, b in self.intervals)
