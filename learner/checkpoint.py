@@ -149,13 +149,18 @@ def latest(ckpt_root: str) -> str | None:
     return None
 
 
+def read_meta(path: str) -> dict:
+    """A checkpoint's meta.json (step, version, ...), without loading or verifying its tensors."""
+    with open(os.path.join(path, "meta.json")) as f:
+        return json.load(f)
+
+
 def load(path: str, backend) -> dict:
     """Verify, then restore the backend's state and the python RNG in place; returns meta.json."""
     if not os.path.exists(os.path.join(path, MARKER)):
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {MARKER})")
     verify(path)
-    with open(os.path.join(path, "meta.json")) as f:
-        meta = json.load(f)
+    meta = read_meta(path)
     backend.load_state(path, meta)
     v, internal, gauss = meta["python_rng"]
     random.setstate((v, tuple(internal), gauss))

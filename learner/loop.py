@@ -276,7 +276,7 @@ class LearnerLoop:
         self._retire([g.key for g in groups])  # the batch that fired: never trained
         self.counts["dropped_rolled_back"] += len(groups)
         upto, path = self.version, checkpoint.latest(self.ckpt_root)
-        after = _checkpoint_version(path) if path else 0
+        after = int(checkpoint.read_meta(path)["version"]) if path else 0
         record_rollback(self.run_dir, self.step, after, upto)  # durable before anything changes
         self.poisoned.add(after, upto)
         if path is None:  # no checkpoint yet: the initial weights, rebuilt as at the start
@@ -375,11 +375,6 @@ class LearnerLoop:
                 part.close()
             except Exception:  # closing is best effort; the data is already safe on disk
                 log.exception("close failed")
-
-
-def _checkpoint_version(path: str) -> int:
-    with open(os.path.join(path, "meta.json")) as f:
-        return int(json.load(f)["version"])
 
 
 def read_rollbacks(run_dir: str) -> list[tuple[int, int]]:

@@ -13,6 +13,7 @@ import torch
 from core import config as C
 from learner import journal as J
 from learner.control import GUARDS, Control, GuardRails, Poisoned, StalenessController, highest_lag
+from tests.unit.test_learner_loop import FakeClient as LoopFakeClient  # noqa: E402
 from tests.unit.test_learner_loop import FakeSink  # noqa: E402
 
 torch.set_num_threads(1)
@@ -214,19 +215,16 @@ def test_buffer_follows_the_requested_limit_and_pause_and_tells_idle_actors(tmp_
 
 # ---- the learner loop acting on its guards (tiny model, fake buffer client) --------------------
 
-class FakeClient:
-    def __init__(self):
-        self.consumed_calls, self.requests = [], []
+class FakeClient(LoopFakeClient):
+    """test_learner_loop's fake buffer client, also recording the control state each request sends."""
 
-    def consumed(self, keys, version):
-        self.consumed_calls.append((list(keys), version))
+    def __init__(self):
+        super().__init__()
+        self.requests = []
 
     def sample(self, n, version, timeout_s=None, **control):
         self.requests.append(control)
         return None
-
-    def close(self):
-        pass
 
 
 def _loop(run_dir, *extra):
