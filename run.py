@@ -7,6 +7,8 @@
     python run.py sweep KEY=V1,V2,... [KEY=VALUE ...] [--seeds N] [--minutes M] [--resume OUT]
                                                                   short trainings, one table (sweep.py)
     python run.py tail [RUN_DIR] [--last N] [--json]              the tokens of the ratio tail
+    python run.py monitor [RUN_DIR] [--follow] [--speed X]        attach the live view to a job (or replay one)
+    python run.py plot [RUN_DIR]                                  PNG figures into RUN_DIR/plots/
 
 Dataflow (ARCHITECTURE.md)::
 
@@ -46,7 +48,7 @@ import time
 import msgspec
 
 from core import config as C
-from core import launchers
+from core import launchers, placement
 
 log = logging.getLogger("driftrl")
 
@@ -93,6 +95,11 @@ def check_seams(cfg: C.Config) -> None:
                                   ("run.launcher", cfg.run.launcher, launchers.LAUNCHERS)):
         if value not in registry:
             raise C.ConfigError(f"`$.{path}` = {value!r} is not one of {', '.join(sorted(registry))}")
+    placement.check(cfg)  # a CUDA device asked for where there is none fails here, not in a role
+    if cfg.metrics.tensorboard:  # fail in a second, not after the contract check
+        import importlib.util
+        if importlib.util.find_spec("tensorboardX") is None:
+            raise C.ConfigError("`$.metrics.tensorboard` = true needs tensorboardX: pip install -e '.[tensorboard]'")
 
 
 def resolve_model(cfg: C.Config) -> C.Config:
@@ -212,6 +219,14 @@ def main(argv=None) -> int:
         from learner.tailview import main as tail_main
 
         return tail_main(argv[1:])
+    if argv[:1] == ["monitor"]:  # follows metrics.jsonl; never writes to or signals the job
+        from core.attach import main as monitor_main
+
+        return monitor_main(argv[1:])
+    if argv[:1] == ["plot"]:  # matplotlib only here (extra `plot`)
+        from core.plots import main as plot_main
+
+        return plot_main(argv[1:])
     from actor.evaluate import final_eval
     from learner.contract import ContractError
 

@@ -26,6 +26,7 @@ import os
 import random
 import time
 
+import msgspec
 import numpy as np
 import torch
 
@@ -34,7 +35,9 @@ from actor.evaluate import evaluate
 from actor.tasks import make_task
 from buffer.client import ActorClient, Stopped as BufferStopped
 from core import config as C
+from core import heartbeat
 from core import messages as M
+from core import placement
 from core.admission import Admission
 from core.metrics import sink_for
 from core.proc import die_with_parent, setup_logging, stop_event
@@ -58,14 +61,17 @@ def temperature_skew(version: int, spec: str | None = None) -> float:
 
 
 class RolloutWorker:
+    run_dir = ""  # set by __init__; a worker built piecemeal by a test has none (no heartbeat)
+
     def __init__(self, cfg: C.Config, run_dir: str, index: int, stop=None):
         self.cfg, self.run_dir, self.index = cfg, run_dir, index
         self.actor_id = f"actor{index}"
         self.stop = stop
         self.task = make_task(cfg.task, Tokenizer.from_dir(cfg.model.path))
-        a = cfg.actor
-        self.engine = make_engine(a, cfg.model.path, make_subscriber(cfg, run_dir, stop=stop),
-                                  seed=cfg.run.seed * 1000 + index)
+        # validated here as run.py validates it, so an actor started by hand fails the same way
+        self.device = placement.actor_device(cfg, index)
+        a = msgspec.structs.replace(cfg.actor, device=str(self.device))
+        self.engine = make_engine(a, cfg.model.path, self._weights(cfg, run_dir, stop), seed=cfg.run.seed * 1000 + index)
         self.engine.stop = stop
         self.client = ActorClient(cfg, self.actor_id, run_dir=run_dir, stop=stop)
         self.admission: Admission | None = None  # set by the first weights applied (_wait_for_weights)
@@ -73,6 +79,15 @@ class RolloutWorker:
         self.metrics = sink_for(cfg, run_dir, "actor", self.actor_id)
         self.last_eval = -1
         self.eval_set = self.task.eval_set(cfg.run.eval_prompts) if index == 0 and cfg.run.eval_every else []
+
+    def _weights(self, cfg: C.Config, run_dir: str, stop):
+        """The engine's weight source: a weightsync subscriber, or, for an SGLang server that
+        receives by NCCL itself, the link that only follows the learner's publisher."""
+        if cfg.actor.engine == "sglang":
+            from actor.engines.sglang import link_from_config
+
+            return link_from_config(cfg, run_dir, self.actor_id, stop=stop)
+        return make_subscriber(cfg, run_dir, stop=stop, device=self.device)
 
     @property
     def version(self) -> int:
@@ -89,6 +104,7 @@ class RolloutWorker:
                 return False
             if time.time() - t0 > timeout_s:
                 raise TimeoutError("no weights published by the learner")
+            self._beat()
             self._sleep(0.05)
         share = self.cfg.learner.groups_per_step // self.cfg.actor.num_actors
         self.admission = Admission.resumed(share, self.cfg.buffer.max_staleness, self.version,
@@ -108,6 +124,11 @@ class RolloutWorker:
         else:
             time.sleep(seconds)
 
+    def _beat(self) -> None:
+        """Tell the launcher this loop is alive (core/heartbeat.py: a silent role is hung)."""
+        if self.run_dir:  # none when a test builds the worker piecemeal
+            heartbeat.beat(self.run_dir, f"actor{self.index}")
+
     def _return_quota(self) -> None:
         for ack in self.client.poll(0):
             if ack.status in ("rejected", "dropped"):
@@ -116,6 +137,7 @@ class RolloutWorker:
     def _wait_for_admission(self) -> tuple[int, float]:
         t0 = time.time()
         while True:
+            self._beat()
             self._return_quota()
             self._follow_control()
             n = min(self.cfg.actor.groups_per_batch, self.admission.allowed(self.engine.refresh_weights()))
@@ -158,6 +180,7 @@ class RolloutWorker:
         done: dict[int, dict] = {}
         skew = self._skew_temperature(start_version)
         for index, sample in self.engine.stream([list(p.tokens) for p in prompts for _ in range(size)]):
+            self._beat()  # a long batch is not a hang
             got = done.setdefault(index // size, {})
             got[index % size] = sample
             if len(got) == size:

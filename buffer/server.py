@@ -90,7 +90,7 @@ from zmq.utils.monitor import recv_monitor_message
 from buffer.persist import CorruptLog, SegmentLog
 from buffer.store import Entry, Store, entry_from_group
 from core import config as C
-from core import net
+from core import heartbeat, net
 from core.files import atomic_write
 from core.proc import EXIT_CORRUPT_LOG
 from core.messages import (LEARNER_TO_BUFFER, SCHEMA_VERSION, Ack, Acks, Consumed, Hello, InvalidMessage,
@@ -148,6 +148,7 @@ class BufferServer:
         self.paused = False  # the learner asked the actors to start no new group
         self._control_on = False  # the limit or the pause departed from the config: see the docstring
         self.token = _load_token(run_dir, cfg.net.host)
+        self.run_dir = run_dir  # for the heartbeat (core/heartbeat.py)
         self._actor_dec = group_decoder(self.limits, Hello)
         self._learner_dec = decoder(LEARNER_TO_BUFFER)
         self._hello_dec = decoder(Hello)
@@ -246,6 +247,7 @@ class BufferServer:
         if now >= self._next_metrics:
             self._next_metrics = now + METRICS_EVERY_S
             self._report()
+        heartbeat.beat(self.run_dir, "buffer")  # every turn (<= POLL_MS): the launcher's hung-role check
 
     def _drain(self, sock: zmq.Socket, handle, max_msgs: int = MAX_BATCH_MSGS) -> None:
         nbytes = 0

@@ -21,6 +21,8 @@ NonNegInt = Annotated[int, Meta(ge=0)]
 PosFloat = Annotated[float, Meta(gt=0)]
 NonNegFloat = Annotated[float, Meta(ge=0)]
 Dtype = Literal["float32", "bfloat16", "float16"]
+# "auto" | "cpu" | "cuda" | "cuda:N" (core/placement.py resolves and validates it)
+Device = str
 
 
 class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -43,6 +45,12 @@ class RunSection(_Section):
     max_restarts: NonNegInt = 3
     # seams (ARCHITECTURE.md): a key of its registry, checked by run.py before anything starts
     launcher: str = "local"  # core/launchers/ LAUNCHERS: how roles are started and watched
+    # a role whose heartbeat file (run_dir/heartbeat/<role>) has not moved for this long is hung:
+    # SIGKILLed and restarted like a crashed one. A real learner step can be long; 0 = off
+    heartbeat_timeout_s: NonNegFloat = 300.0
+    # the n-th restart of a role waits base * 2^(n-1) s (at most 30 s) after its crash: a role
+    # that fails at once is not restarted in a tight loop; 0 = restart at once
+    restart_backoff_s: NonNegFloat = 1.0
 
 
 class ModelSection(_Section):
@@ -90,7 +98,7 @@ class TaskSection(_Section):
 
 class ActorSection(_Section):
     num_actors: PosInt = 1
-    engine: str = "torch"  # actor/engines/ ENGINES (the SGLang engine arrives with the GPU path)
+    engine: str = "torch"  # actor/engines/ ENGINES: "torch" (embedded) or "sglang" (a server, GPU)
     group_size: Annotated[int, Meta(ge=2)] = 8
     groups_per_batch: PosInt = 16  # prompts decoded together by one engine batch
     max_new_tokens: PosInt = 8
@@ -104,6 +112,16 @@ class ActorSection(_Section):
     dtype: Dtype = "bfloat16"
     fp32_attn_softmax: bool = True
     threads: PosInt = 1
+    # one value for every actor, or a list with one per actor (core/placement.py)
+    device: Device | list[Device] = "auto"
+    # engine=sglang (actor/engines/sglang.py): the interpreter of the separate venv SGLang is
+    # installed in (it pins its own torch), the server's static GPU memory fraction, and the
+    # deadlines of its start (health check), of one request, and of one weight update
+    sglang_python: str = ""
+    sglang_mem_fraction: Annotated[float, Meta(gt=0, lt=1)] = 0.8
+    sglang_start_timeout_s: PosFloat = 600.0
+    sglang_request_timeout_s: PosFloat = 600.0
+    sglang_update_timeout_s: PosFloat = 300.0
 
 
 class BufferSection(_Section):
@@ -142,6 +160,7 @@ class LearnerSection(_Section):
     # (whole groups at least one sample each), so memory is bounded by the micro-batch; 0 = one
     micro_batch_tokens: NonNegInt = 8192
     threads: PosInt = 1
+    device: Device = "auto"  # model, reference, optimiser state and batches (core/placement.py)
     # tail forensics (learner/tail.py): the k highest- and k lowest-ratio tokens of every step go
     # to run_dir/tail.jsonl, read by `python run.py tail`; 0 = off
     tail_k: NonNegInt = 8
@@ -154,10 +173,12 @@ class LearnerSection(_Section):
 
 
 class WeightSyncSection(_Section):
-    transport: Literal["shm", "filesystem", "nccl"] = "shm"
+    # cuda_ipc: learner and actors on one shared GPU, weights never through host memory
+    transport: Literal["shm", "filesystem", "nccl", "cuda_ipc"] = "shm"
     bucket_mb: PosInt = 64
-    # shm: slots in /dev/shm (each one model copy); 0 = num_actors + 3, so a version is never
-    # skipped; fewer trades memory for the occasional skipped version while every actor pins one
+    # shm: slots in /dev/shm (cuda_ipc: in device memory), each one model copy; 0 = num_actors + 3,
+    # so a version is never skipped; fewer trades memory for the occasional skipped version while
+    # every actor pins one
     shm_slots: NonNegInt = 0
 
 
@@ -175,9 +196,35 @@ class NetSection(_Section):
     curve_client_secret: str = ""
 
 
+class RaySection(_Section):
+    """The Ray launcher (core/launchers/ray.py): where to run and what each role's Ray actor asks
+    for. CPU counts are Ray's logical ones; a local instance is started with exactly enough."""
+
+    address: str = ""  # "" = start a local Ray instance; HOST:PORT or "auto" joins a cluster
+    actor_cpus: PosFloat = 1.0
+    learner_cpus: PosFloat = 1.0
+    buffer_cpus: PosFloat = 1.0
+    actor_gpus: NonNegFloat = 0.0
+    learner_gpus: NonNegFloat = 0.0
+    # custom Ray resources per role (e.g. `ray.actor_resources={node2 = 1}`), to pin roles to
+    # the nodes that offer them (`ray start --resources='{"node2": 8}'`)
+    actor_resources: dict[str, float] = {}
+    learner_resources: dict[str, float] = {}
+    buffer_resources: dict[str, float] = {}
+    placement_strategy: str = "PACK"  # ray.util.placement_group's: PACK, SPREAD, STRICT_PACK, STRICT_SPREAD
+    start_timeout_s: PosFloat = 120.0  # placement group ready, host actors answering
+
+
 class MonitorSection(_Section):
     live: Literal["auto", "on", "off"] = "auto"  # auto: rich Live on a TTY, plain lines otherwise
     refresh_s: PosFloat = 1.0
+
+
+class MetricsSection(_Section):
+    """Where metrics go besides ``run_dir/metrics.jsonl`` (always written; core/metrics.py)."""
+
+    # also TensorBoard event files under run_dir/tensorboard/, same names (extra `tensorboard`)
+    tensorboard: bool = False
 
 
 class ControlSection(_Section):
@@ -228,8 +275,10 @@ class Config(_Section):
     learner: LearnerSection = msgspec.field(default_factory=LearnerSection)
     weightsync: WeightSyncSection = msgspec.field(default_factory=WeightSyncSection)
     net: NetSection = msgspec.field(default_factory=NetSection)
+    ray: RaySection = msgspec.field(default_factory=RaySection)
     monitor: MonitorSection = msgspec.field(default_factory=MonitorSection)
     control: ControlSection = msgspec.field(default_factory=ControlSection)
+    metrics: MetricsSection = msgspec.field(default_factory=MetricsSection)
 
 
 class ConfigError(ValueError):
@@ -289,6 +338,7 @@ def validate(cfg: Config) -> None:
     if cfg.run.max_steps == 0 and cfg.run.max_time_s == 0:
         raise ConfigError("set `$.run.max_steps` or `$.run.max_time_s`: a run needs a budget")
     _validate_net(cfg.net)
+    _validate_ray(cfg.ray)
     _validate_control(cfg.control, cfg.buffer.max_staleness)
 
 
@@ -308,6 +358,20 @@ def _validate_control(c: ControlSection, max_staleness: int) -> None:
             raise ConfigError(f"`$.control.{name}` = {v} must be above 1 (or 0 = off)")
     if c.guard_ratio_min and c.guard_ratio_min >= 1.0:
         raise ConfigError(f"`$.control.guard_ratio_min` = {c.guard_ratio_min} must be below 1 (or 0 = off)")
+
+
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # ray.util.placement_group's
+
+
+def _validate_ray(r: RaySection) -> None:
+    if r.placement_strategy not in PLACEMENT_STRATEGIES:
+        raise ConfigError(f"`$.ray.placement_strategy` = {r.placement_strategy!r} is not one of "
+                          f"{', '.join(PLACEMENT_STRATEGIES)}")
+    for name in ("actor_resources", "learner_resources", "buffer_resources"):
+        bad = {k: v for k, v in getattr(r, name).items() if not v > 0 or k in ("CPU", "GPU")}
+        if bad:
+            raise ConfigError(f"`$.ray.{name}` = {bad}: custom resources need amounts above 0 "
+                              "(CPUs and GPUs have their own fields)")
 
 
 def _validate_net(n: NetSection) -> None:

@@ -29,6 +29,17 @@ A failed write of metrics.jsonl (a full disk, any OSError) never leaves the coll
 logged once, naming the file, counted, and the run goes on -- metrics are not worth stopping
 training for. Writes resume when the disk does; a line torn by the failure is terminated.
 
+TensorBoard (``metrics.tensorboard = true``, extra ``tensorboard``): the collector also writes
+every finite scalar of every record to event files under ``run_dir/tensorboard/<role>/<id>/``
+(:class:`TensorBoardWriter`), under the same metric names as metrics.jsonl; one TensorBoard run
+per source, so two actors' ``actor/tokens_per_s`` stay two curves, as they are two lines in the
+JSONL. The step is the record's; a launcher record (step -1: ``run/restarts/<role>``, the final
+eval) is placed at the latest learner step the collector has seen, which is the learner step at
+that wall-clock time. The record's time is the event's wall time. NaN ("no value") and list
+values (``staleness/hist``) are not written: a TensorBoard histogram is a distribution of values,
+not counts by index, and would mislabel it. tensorboardX imports torch when torch is installed
+(``tensorboardX/writer.py``); the launcher has it loaded already (the start-up contract check).
+
 Neither class is thread-safe (ZeroMQ sockets are not): use one sink per thread.
 """
 
@@ -147,14 +158,19 @@ def sink_for(cfg, run_dir: str, role: str, id: str, **kw) -> MetricsSink:
 
 def collector_for(cfg, run_dir: str) -> "MetricsCollector":
     """The launcher's collector: binds ``net.host:net.metrics_port``, with CURVE and a ZAP
-    allow-list when the run has keys, and admits only sinks that present the run's secret."""
+    allow-list when the run has keys, and admits only sinks that present the run's secret; with
+    ``metrics.tensorboard`` it also writes TensorBoard event files (ConfigError without the
+    package, before anything is bound or started)."""
+    tb = TensorBoardWriter(run_dir) if cfg.metrics.tensorboard else None
     ctx = zmq.Context(io_threads=1)
     try:
         curve, auth = net.serve_curve(ctx, cfg.net)
         col = MetricsCollector(run_dir, cfg.net.host, cfg.net.metrics_port, ctx=ctx, curve=curve,
-                               secret=net.run_secret(run_dir), auth=auth)
+                               secret=net.run_secret(run_dir), auth=auth, tensorboard=tb)
     except BaseException:
         ctx.destroy(linger=0)
+        if tb is not None:
+            tb.close()
         raise
     col._own_ctx = True  # closes the context (and the ZAP thread) with the collector
     return col
@@ -180,11 +196,86 @@ def record_to_json(rec: MetricRecords) -> bytes:
     return msgspec.json.encode(row)
 
 
+def _json_value(v) -> float | list[float] | None:
+    """A metric read back from JSON: null (a NaN on write) is NaN again; None if not a metric."""
+    if v is None:
+        return math.nan
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return float(v)
+    if isinstance(v, list) and all(x is None or (isinstance(x, (int, float)) and not isinstance(x, bool))
+                                   for x in v):
+        return [math.nan if x is None else float(x) for x in v]
+    return None
+
+
+def record_from_json(row) -> MetricRecords:
+    """The inverse of :func:`record_to_json` (``row`` parsed): a value that is not a number or a
+    list of numbers is left out. Raises ValueError for a row without a valid envelope."""
+    if not isinstance(row, dict):
+        raise ValueError(f"a metrics line is a JSON object, got {type(row).__name__}")
+    step, t, role, id_ = (row.get(k) for k in _RESERVED)
+    if not (isinstance(step, int) and not isinstance(step, bool) and isinstance(t, (int, float))
+            and not isinstance(t, bool) and isinstance(role, str) and isinstance(id_, str)):
+        raise ValueError(f"a metrics line needs int step, number time, str role and id: {str(row)[:80]}")
+    values = {k: _json_value(v) for k, v in row.items() if k not in _RESERVED}
+    return MetricRecords(role=role, id=id_, step=step, time=float(t),
+                         values={k: v for k, v in values.items() if v is not None})
+
+
+TENSORBOARD_DIR = "tensorboard"
+
+
+def _path_part(name: str) -> str:
+    """A role or id as one directory name (they are short identifiers; anything else is made so)."""
+    out = "".join(c if c.isascii() and (c.isalnum() or c in "._-") else "_" for c in name)[:64]
+    return out if out.strip(".") else "_"
+
+
+class TensorBoardWriter:
+    """Every finite scalar of every record as TensorBoard events (the module docstring says how)."""
+
+    def __init__(self, run_dir: str):
+        try:
+            from tensorboardX import SummaryWriter
+        except ImportError:
+            from core.config import ConfigError
+
+            raise ConfigError("`$.metrics.tensorboard` = true needs tensorboardX: "
+                              "pip install -e '.[tensorboard]'") from None
+        self._make = SummaryWriter
+        self.root = os.path.join(run_dir, TENSORBOARD_DIR)
+        self._writers: dict[tuple[str, str], object] = {}
+        self.learner_step = 0  # where step -1 (launcher) records are placed
+
+    def _writer(self, role: str, id: str):
+        key = (role, id)
+        if key not in self._writers:
+            logdir = os.path.join(self.root, _path_part(role), _path_part(id))
+            self._writers[key] = self._make(logdir=logdir, flush_secs=5)
+        return self._writers[key]
+
+    def write(self, records: list[MetricRecords]) -> None:
+        for rec in records:
+            if rec.role == "learner" and rec.step >= 0:
+                self.learner_step = rec.step
+            step = rec.step if rec.step >= 0 else self.learner_step
+            w = self._writer(rec.role, rec.id)
+            for k, v in rec.values.items():
+                if isinstance(v, float) and math.isfinite(v):
+                    w.add_scalar(k, v, global_step=step, walltime=rec.time)
+
+    def close(self) -> None:
+        for w in self._writers.values():
+            w.close()
+        self._writers.clear()
+
+
 class MetricsCollector:
     """The launcher's end: binds ROUTER, decodes, appends every record to metrics.jsonl.
 
     ``secret``: the run's secret; when set, only connections whose Hello carried it are heard.
-    ``auth``: a running ZAP authenticator (core.net.serve_curve) to stop at close."""
+    ``auth``: a running ZAP authenticator (core.net.serve_curve) to stop at close.
+    ``tensorboard``: a :class:`TensorBoardWriter` that also gets every record (closed with it)."""
 
     def __init__(
         self,
@@ -196,6 +287,7 @@ class MetricsCollector:
         *,
         secret: str | None = None,
         auth=None,
+        tensorboard: TensorBoardWriter | None = None,
     ):
         os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, "metrics.jsonl")
@@ -204,12 +296,14 @@ class MetricsCollector:
         self.rejected = 0  # records from a connection that did not present the secret
         self.values_dropped = 0  # ±inf values (a record with a non-finite time counts as invalid)
         self.write_errors = 0  # failed appends to metrics.jsonl
+        self.tensorboard_errors = 0  # failed TensorBoard writes (metrics.tensorboard)
         self.last_error = ""
         self._secret = secret.encode() if secret else None
         self._authed: set[bytes] = set()
         self._reported: tuple = (0, 0, 0, 0)
         self._torn = False
         self._auth = auth
+        self._tb = tensorboard
         self._own_ctx = ctx is None
         self._ctx = zmq.Context(io_threads=1) if ctx is None else ctx
         self._sock = net.socket(self._ctx, zmq.ROUTER, linger_ms=0, max_msg=MAX_FRAME_BYTES)
@@ -237,6 +331,7 @@ class MetricsCollector:
         out.extend(self._counters())
         if out:
             self._append(b"".join(record_to_json(r) + b"\n" for r in out))
+            self._to_tensorboard(out)
             self.received += len(out)
         return out
 
@@ -308,10 +403,25 @@ class MetricsCollector:
             self._torn = False
             log.warning("metrics: writing %s again (%d writes failed)", self.path, self.write_errors)
 
+    def _to_tensorboard(self, records: list[MetricRecords]) -> None:
+        """As for metrics.jsonl: a failure is logged once, counted, and the run goes on."""
+        if self._tb is None:
+            return
+        try:
+            self._tb.write(records)
+        except Exception as e:  # noqa: BLE001 -- an OSError, or tensorboardX's own
+            self.tensorboard_errors += 1
+            if self.tensorboard_errors == 1:
+                log.error("metrics: cannot write TensorBoard events under %s (%s); the run continues",
+                          self._tb.root, e)
+
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        if self._tb is not None:
+            with contextlib.suppress(Exception):  # as in _to_tensorboard: never fatal
+                self._tb.close()
         with contextlib.suppress(OSError):  # a full disk already counted; closing flushes nothing
             self._file.close()
         self._sock.close(linger=0)

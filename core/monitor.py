@@ -19,6 +19,11 @@ The learner's control (``learner/control.py``) is shown as its staleness limit
 guard and action whose ``control/guard/<name>`` / ``control/action/<action>`` counter last went
 up, with the value and threshold that made it fire (metrics carry numbers only, so the reason is
 rebuilt from them).
+
+Restarts: the launcher counts every restart of a role as ``run/restarts/<role>`` (step -1); the
+view shows their sum and the last one (the role whose counter last went up, and how long ago by
+the record's wall-clock time). ``note`` is a one-line status an embedding command sets (``run.py
+monitor``: "attached", "the job has ended"); shown in the header.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ _SPARK = "▁▂▃▄▅▆▇█"
 _EIGHTHS = " ▏▎▍▌▋▊▉"
 MAX_STALENESS_ROWS = 8
 BY_STALENESS = "ratio/p99_by_staleness/"
+RESTARTS = "run/restarts/"
 MAX_VERSION = 2**53  # larger (or non-integral floats) cannot be a policy version
 
 log = logging.getLogger(__name__)
@@ -152,6 +158,8 @@ class Monitor:
         self.render_errors = 0
         self.last_guard: str | None = None  # see the module docstring
         self.last_action: str | None = None
+        self.last_restart: tuple[str, float] | None = None  # (role, wall-clock time)
+        self.note: str | None = None
 
     # ---- state --------------------------------------------------------------------------------
 
@@ -160,6 +168,7 @@ class Monitor:
             self.records += 1
             values = self._clean(rec.values)
             self._note_control(values)
+            self._note_restart(values, rec.time)
             self.latest.update(values)
             self._by_source.setdefault(f"{rec.role}/{rec.id}", {}).update(values)
             for k in SPARK_KEYS:
@@ -195,6 +204,24 @@ class Monitor:
                      and v > 0 and v != self.get(k)]
             if moved:
                 setattr(self, attr, moved[0][len(prefix):][:32])
+
+    def _note_restart(self, values: dict, t: float) -> None:
+        moved = [k for k, v in values.items() if k.startswith(RESTARTS) and isinstance(v, float)
+                 and v > 0 and v != self.get(k)]
+        if moved:
+            self.last_restart = (moved[0][len(RESTARTS):][:32], t)
+
+    def restarts_text(self) -> str | None:
+        """``3 · last actor0 12s ago``; None while no role has restarted."""
+        counts = [v for k, v in self.latest.items() if k.startswith(RESTARTS) and isinstance(v, float)
+                  and math.isfinite(v) and v > 0]
+        if not counts:
+            return None
+        out = fmt(sum(counts), 0)
+        if self.last_restart is not None:
+            role, t = self.last_restart
+            out += f" · last {role} {fmt_duration(max(0.0, time.time() - t))} ago"
+        return out
 
     def control_text(self) -> str | None:
         """``s≤3 · ratio_p99 2.31 vs 2.00 @57 → skip_step``; None before the learner reports it."""
@@ -307,6 +334,11 @@ class Monitor:
         if ctl is not None:
             parts.append(f"ctl {ctl}")
         parts.extend(self._line_buffer_and_rates())
+        rst = self.restarts_text()
+        if rst is not None:
+            parts.append(f"restarts {rst}")
+        if self.note:
+            parts.append(self.note)
         return " | ".join(parts)
 
     def _line_buffer_and_rates(self) -> list[str]:
@@ -366,7 +398,18 @@ class Monitor:
             ProgressBar(total=1.0, completed=frac, complete_style="green", finished_style="green"),
             info,
         )
-        return grid
+        status = self._status_text()
+        return grid if status is None else Group(grid, status)
+
+    def _status_text(self) -> Text | None:
+        """Restarts and the note, on their own line under the bar: a narrow terminal crops them
+        there instead of squeezing the bar and the step counter."""
+        rst, out = self.restarts_text(), Text(" " * 11, no_wrap=True, overflow="ellipsis")
+        if rst is not None:
+            out.append(f"restarts {rst}", style="bold yellow")
+        if self.note:
+            out.append(("  ·  " if rst is not None else "") + self.note, style="dim")
+        return out if rst is not None or self.note else None
 
     @staticmethod
     def _kv() -> Table:

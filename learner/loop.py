@@ -69,7 +69,9 @@ import torch
 
 from buffer.client import LearnerClient
 from core import config as C
+from core import heartbeat
 from core import messages as M
+from core import placement
 from core.metrics import sink_for
 from core.proc import EXIT_WRITE_FAILED, die_with_parent, setup_logging, stop_event
 from core.stats import dense_histogram
@@ -87,6 +89,7 @@ ROLLBACKS = "rollbacks.jsonl"  # one line per rollback: the versions whose data 
 class LearnerLoop:
     def __init__(self, cfg: C.Config, run_dir: str, stop=None, client=None, metrics=None):
         self.cfg, self.run_dir, self.stop = cfg, run_dir, stop
+        placement.check(cfg)  # as run.py checks it, so a learner started by hand fails the same way
         self.backend = make_backend(cfg, cfg.model.path)
         self.ckpt_root = os.path.join(run_dir, "checkpoints")
         self.journal = journal.Journal(run_dir)
@@ -146,6 +149,7 @@ class LearnerLoop:
         t_start = time.time()
         log.info("learner ready at version %d", self.version)
         while self.budget_left(t_start):
+            heartbeat.beat(self.run_dir, "learner")  # the launcher's hung-role check
             t0 = time.time()
             groups = self._fetch(t_start)
             if groups is None:
@@ -169,6 +173,7 @@ class LearnerLoop:
         want = self.cfg.learner.groups_per_step
         groups = [g for g in self._take_replay(want) if self._fresh(g)]
         while len(groups) < want and self.budget_left(t_start):
+            heartbeat.beat(self.run_dir, "learner")  # waiting for data is not hung
             batch = self.client.sample(want - len(groups), self.version, timeout_s=0.5, **self._control_request())
             if batch is None and self.control.paused:  # the buffer has no full batch left to give
                 self.control.resume()

@@ -99,10 +99,13 @@ class Attention(nn.Module):
         return out.view(b, self.nh, t, hd).transpose(1, 2).reshape(b, t, self.nh * hd)
 
 
-def _island():
+def _island(device_type: str = "cpu"):
     """No autocast inside the island: under a BF16 autocast torch.matmul would round its FP32
-    operands (and its output) back to BF16, which is exactly what the island is for avoiding."""
-    return torch.autocast("cpu", enabled=False) if torch.is_autocast_enabled("cpu") else contextlib.nullcontext()
+    operands (and its output) back to BF16, which is exactly what the island is for avoiding.
+    Autocast is per device type, so it is the operands' device type that is switched off."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def attention_probs(a, b, bias, scale: float, dim: int, fp32: bool, dtype: torch.dtype):
@@ -116,7 +119,7 @@ def attention_probs(a, b, bias, scale: float, dim: int, fp32: bool, dtype: torch
     accumulate and output). Nothing rounds the scores before the softmax, which runs in FP32.
     Off: q and k are rounded to ``dtype``, the scores come out of a ``dtype`` matmul (in BF16 a
     logit of 20 is then only known to 0.06) and the softmax runs in ``dtype``: all-BF16."""
-    with _island():
+    with _island(a.device.type):
         if not fp32:
             scores = torch.matmul(a.to(dtype), b.to(dtype)) * scale
             return torch.softmax(scores + bias.to(dtype), dim=dim)
@@ -130,7 +133,7 @@ def attention_values(probs, v):
     them to BF16 first, as FlashAttention-style GPU kernels do, costs each weight up to 2^-9
     relative, and on CPU the FP32 matmul is no slower (faster without native BF16). Body-dtype
     probabilities (island off) meet ``v`` in that dtype."""
-    with _island():
+    with _island(probs.device.type):
         return torch.matmul(probs, v.to(probs.dtype)).to(v.dtype)
 
 

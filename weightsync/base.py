@@ -4,7 +4,8 @@
 shares -- increasing versions, a layout fixed at start, updates under ``no_grad`` (in-place
 copies, or for shm by default a zero-copy mapping), timing and counters -- and delegate the
 moving of bytes to ``_write`` / ``_apply`` in
-:mod:`weightsync.shm`, :mod:`weightsync.filesystem` and :mod:`weightsync.nccl`.
+:mod:`weightsync.shm`, :mod:`weightsync.filesystem`, :mod:`weightsync.nccl` and
+:mod:`weightsync.cuda_ipc`.
 :func:`make_publisher` / :func:`make_subscriber` pick one from ``cfg.weightsync.transport``.
 
 An actor calls ``latest_version()`` between decode steps (cheap: a word read from shared memory,
@@ -220,6 +221,11 @@ def make_publisher(cfg, run_dir: str, template: Mapping[str, torch.Tensor], *, s
         from weightsync.filesystem import FsPublisher
 
         return FsPublisher(run_dir, template, bucket_bytes)
+    if ws.transport == "cuda_ipc":
+        from weightsync.cuda_ipc import CudaIpcPublisher
+
+        return CudaIpcPublisher(run_dir, template, bucket_bytes, max_readers=cfg.actor.num_actors + 1,
+                                slots=cfg.weightsync.shm_slots or None)
     if ws.transport == "nccl":
         from core.net import curve_from_config
         from weightsync.nccl import NcclPublisher
@@ -231,9 +237,10 @@ def make_publisher(cfg, run_dir: str, template: Mapping[str, torch.Tensor], *, s
     raise ValueError(f"unknown weightsync transport {ws.transport!r}")
 
 
-def make_subscriber(cfg, run_dir: str, timeout_s: float = 60, *, stop=None) -> Subscriber:
+def make_subscriber(cfg, run_dir: str, timeout_s: float = 60, *, stop=None, device=None) -> Subscriber:
     """An actor's subscriber; waits up to ``timeout_s`` for the publisher to exist, or until
-    ``stop`` is set (then raises :class:`Stopped`)."""
+    ``stop`` is set (then raises :class:`Stopped`). ``device``: the actor's own (core/placement.py:
+    actor_device), where the nccl and cuda_ipc transports put what they receive."""
     ws = cfg.weightsync
     if ws.transport == "shm":
         from weightsync.shm import ShmSubscriber
@@ -247,5 +254,9 @@ def make_subscriber(cfg, run_dir: str, timeout_s: float = 60, *, stop=None) -> S
         from core.net import curve_from_config
         from weightsync.nccl import NcclSubscriber
 
-        return NcclSubscriber(run_dir, timeout_s, curve=curve_from_config(cfg.net), stop=stop)
+        return NcclSubscriber(run_dir, timeout_s, curve=curve_from_config(cfg.net), device=device, stop=stop)
+    if ws.transport == "cuda_ipc":
+        from weightsync.cuda_ipc import CudaIpcSubscriber
+
+        return CudaIpcSubscriber(run_dir, timeout_s, device=device, stop=stop)
     raise ValueError(f"unknown weightsync transport {ws.transport!r}")

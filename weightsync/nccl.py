@@ -5,10 +5,15 @@ Rendezvous, once:
 1. The publisher (rank 0, the learner) binds a ROUTER on ``net.host`` (CURVE when not loopback,
    see core.net) and writes ``run_dir/weights/nccl.json`` = ``{"host", "port"}`` atomically
    (across hosts ``run_dir`` must be on a shared filesystem).
-2. Each subscriber (an actor) waits for that file, connects a DEALER and sends ``Hello``.
-3. When ``world_size - 1`` subscribers have said hello, the publisher answers each with
+2. Each subscriber (an actor) waits for that file, connects a DEALER and sends ``Hello`` with
+   :class:`RankDevice`: the host and the device its rank will use (its ``actor.device``).
+3. When ``world_size - 1`` subscribers have said hello, the publisher checks that no two ranks
+   claim one CUDA device of one host (NCCL would fail later with "Duplicate GPU detected";
+   here the error names the ranks and their devices), answers each with
    :class:`CollectiveInit` (its rank, the NCCL unique id, the layout), and every rank creates
-   the communicator (``cupy.cuda.nccl.NcclCommunicator(world, uid, rank)``, a collective call).
+   the communicator on *its own* device (``cupy.cuda.nccl.NcclCommunicator(world, uid, rank)``
+   under ``cupy.cuda.Device(index)``, a collective call). No rank ever falls back to the
+   current device: two actors on one host would both land on ``cuda:0``.
 
 Per version: the publisher packs the tensors into one flat device buffer per bucket (buckets
 hold one dtype each, layout.plan), sends the ``WeightUpdateHeader`` to every subscriber, and
@@ -56,6 +61,12 @@ from weightsync.filesystem import weights_dir
 STOP_POLL_S = 0.1  # how often a blocked join looks at its stop flag
 
 
+class RankDevice(msgspec.Struct, frozen=True, array_like=True, tag="ws_device"):
+    # subscriber -> publisher, after its Hello: where its rank computes
+    host: str
+    device: str  # "cpu" | "cuda:N"
+
+
 class CollectiveInit(msgspec.Struct, frozen=True, array_like=True, tag="ws_init"):
     # publisher -> one subscriber, once: its place in the communicator
     rank: int
@@ -68,6 +79,7 @@ class CollectiveInit(msgspec.Struct, frozen=True, array_like=True, tag="ws_init"
 TO_SUBSCRIBER = Union[CollectiveInit, WeightUpdateHeader, Shutdown]
 _to_subscriber = decoder(TO_SUBSCRIBER)
 _hello = decoder(Hello)
+_rank_device = decoder(RankDevice)
 
 
 def endpoint_path(run_dir: str) -> str:
@@ -180,7 +192,10 @@ class NcclPublisher(Publisher):
             raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
         device = next(iter(template.values())).device
         if backend == "nccl" and device.type != "cuda":
-            raise ValueError(f"the nccl transport needs CUDA tensors; the template is on {device}")
+            raise ValueError(f"the nccl transport needs CUDA tensors, but the learner's weights are on {device}: "
+                             "set learner.device (and actor.device) to CUDA devices, or use weightsync.transport=shm")
+        self.host = _socket.gethostname()
+        self.rank_devices: dict[int, str] = {0: str(device)}  # rank -> device, from each RankDevice
         self.world_size = world_size
         self.collective_timeout_s = collective_timeout_s
         self.bad_frames = 0
@@ -197,6 +212,7 @@ class NcclPublisher(Publisher):
         atomic_write(self._endpoint, json.dumps({"host": advertised, "port": port}).encode())
         try:
             self._peers = self._gather_peers(join_timeout_s)
+            self._check_devices()
             self._comm = self._init_comm(backend, advertised, device)
         except BaseException:
             self._close_sockets()
@@ -204,6 +220,7 @@ class NcclPublisher(Publisher):
 
     def _gather_peers(self, timeout_s: float) -> list[bytes]:
         peers: list[bytes] = []
+        self._claims: list[RankDevice] = []
         deadline = time.monotonic() + timeout_s
         while len(peers) < self.world_size - 1:
             left = deadline - time.monotonic()
@@ -216,16 +233,26 @@ class NcclPublisher(Publisher):
             if not self._sock.poll(int(min(left, STOP_POLL_S) * 1000) + 1):
                 continue
             frames = self._sock.recv_multipart()
-            try:
-                hello = _hello.decode(frames[-1])
-            except msgspec.DecodeError:
-                hello = None
-            if hello is None or hello.schema_version != SCHEMA_VERSION:
+            claim = _decode_join(frames)
+            if claim is None:
                 self.bad_frames += 1  # not one of ours, or another schema: count it, keep waiting
                 continue
             if frames[0] not in peers:
                 peers.append(frames[0])
+                self._claims.append(claim)
         return peers
+
+    def _check_devices(self) -> None:
+        """Ranks by device; refuse (telling every subscriber why) two ranks on one CUDA device."""
+        claims = [(self.host, self.rank_devices[0]), *((c.host, c.device) for c in self._claims)]
+        self.rank_devices = {rank: device for rank, (_, device) in enumerate(claims)}
+        shared = shared_devices(claims)
+        if shared:
+            why = (f"nccl: ranks {shared} share a CUDA device (rank -> device: {self.rank_devices}); NCCL needs "
+                   "one device per rank: give each actor its own actor.device, or use cuda_ipc on one GPU")
+            for peer in self._peers:
+                self._sock.send_multipart([peer, encode(Shutdown(why))])
+            raise ValueError(why)
 
     def _init_comm(self, backend: str, host: str, device: torch.device):
         store = None
@@ -275,9 +302,12 @@ class NcclPublisher(Publisher):
 
 
 class NcclSubscriber(Subscriber):
-    """Rank >= 1. ``device``: where the receive buffers live (default: the current CUDA device
-    for NCCL, CPU for Gloo). Waits up to ``timeout_s`` for the publisher's endpoint and rank;
-    ``stop`` set: :class:`Stopped`."""
+    """Rank >= 1. ``device``: this rank's device (the actor's ``actor.device``): under NCCL its
+    receive buffers and communicator live there, and it is required to be CUDA -- never a
+    default, so two actors of one host cannot both land on ``cuda:0``. Under Gloo the buffers
+    are on the CPU (Gloo broadcasts host memory) and ``device`` (default ``cpu``) is still the
+    one claimed to the publisher. Waits up to ``timeout_s`` for the publisher's endpoint and
+    rank; ``stop`` set: :class:`Stopped`."""
 
     transport = "nccl"
 
@@ -300,18 +330,19 @@ class NcclSubscriber(Subscriber):
         self._sock = net.socket(self._ctx, zmq.DEALER, linger_ms=0)
         try:
             net.connect(self._sock, ep["host"], ep["port"], curve)
-            self._sock.send(encode(Hello("weightsync", actor_id or f"{_socket.gethostname()}:{os.getpid()}")))
+            self.device = torch.device(device if device is not None else "cpu")
+            hello = Hello("weightsync", actor_id or f"{_socket.gethostname()}:{os.getpid()}")
+            self._sock.send_multipart([encode(hello), encode(RankDevice(_socket.gethostname(), str(self.device)))])
             init = self._await_init(max(deadline - time.monotonic(), 1.0))
             self.rank, self.header = init.rank, init.layout
             self._hash = layout.layout_hash(self.header)
             self._payload = layout.payload_nbytes(self.header)
-            if device is None:
-                device = torch.device("cuda", torch.cuda.current_device()) if init.backend == "nccl" else "cpu"
-            device = torch.device(device)
-            self._bufs = [torch.empty(b.nbytes, dtype=torch.uint8, device=device) for b in self.header.buckets]
+            self.buffer_device = rank_buffer_device(init.backend, device)
+            self._bufs = [torch.empty(b.nbytes, dtype=torch.uint8, device=self.buffer_device)
+                          for b in self.header.buckets]
             self._views = [list(layout.views(self.header, buf, i).items()) for i, buf in enumerate(self._bufs)]
             if init.backend == "nccl":
-                self._comm = _NcclComm(init.world_size, init.unique_id, init.rank, device)
+                self._comm = _NcclComm(init.world_size, init.unique_id, init.rank, self.buffer_device)
             else:
                 self._comm = _GlooComm(init.world_size, init.unique_id, init.rank, collective_timeout_s)
         except BaseException:
@@ -331,6 +362,8 @@ class NcclSubscriber(Subscriber):
                     "(it waits until all world_size - 1 actors have joined)"
                 )
         msg = _to_subscriber.decode(self._sock.recv())
+        if isinstance(msg, Shutdown):
+            raise RuntimeError(f"nccl subscriber: the publisher refused to start: {msg.reason}")
         if not isinstance(msg, CollectiveInit):
             raise RuntimeError(f"nccl subscriber: expected CollectiveInit, got {type(msg).__name__}")
         return msg
@@ -375,6 +408,41 @@ class NcclSubscriber(Subscriber):
         self._comm.close()
         self._sock.close()
         self._ctx.term()
+
+
+def _decode_join(frames: list[bytes]) -> RankDevice | None:
+    """A subscriber's [identity, Hello, RankDevice] frames as its device claim; None if they
+    are not that (a stranger, another schema)."""
+    if len(frames) != 3:
+        return None
+    try:
+        hello, claim = _hello.decode(frames[1]), _rank_device.decode(frames[2])
+        torch.device(claim.device)
+    except (msgspec.DecodeError, RuntimeError, ValueError):  # RuntimeError: not a device string
+        return None
+    return claim if hello.schema_version == SCHEMA_VERSION else None
+
+
+def shared_devices(claims: list[tuple[str, str]]) -> list[list[int]]:
+    """Groups of ranks (indices into ``claims`` of ``(host, device)``) that claim one CUDA
+    device of one host; CPU ranks (Gloo) may share."""
+    by_device: dict[tuple[str, str], list[int]] = {}
+    for rank, (host, device) in enumerate(claims):
+        if torch.device(device).type == "cuda":
+            by_device.setdefault((host, str(torch.device(device))), []).append(rank)
+    return [ranks for ranks in by_device.values() if len(ranks) > 1]
+
+
+def rank_buffer_device(backend: str, device) -> torch.device:
+    """Where a subscriber's receive buffers live: its own CUDA device under NCCL (required,
+    never the current device), the CPU under Gloo."""
+    if backend != "nccl":
+        return torch.device("cpu")
+    dev = torch.device(device) if device is not None else None
+    if dev is None or dev.type != "cuda" or dev.index is None:
+        raise ValueError(f"the nccl transport needs each actor on its own CUDA device, but this subscriber's "
+                         f"actor.device is {device!r}: set actor.device to 'cuda:N' (core/placement.py)")
+    return dev
 
 
 def _read_endpoint(path: str) -> dict | None:

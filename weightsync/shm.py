@@ -532,7 +532,7 @@ class ShmPublisher(Publisher):
                 log.warning("weight version %d not published: all %d slots are current or pinned by "
                             "readers %s", version, r.n_slots, self.readers())
                 return None
-            _copy_all(r.slot_views[s], [named[n] for n in r.names])
+            self._fill(s, named)
             with r.locked(self.wait_s):
                 r.vers[s] = version
                 r.ctl[W_CUR] = s
@@ -542,6 +542,12 @@ class ShmPublisher(Publisher):
                         "(a stopped reader?)", version, self.wait_s)
             return None
         return r.payload
+
+    def _fill(self, s: int, named: Mapping[str, torch.Tensor]) -> None:
+        """Write the update into slot ``s``, which no reader can reach until it is published
+        (weightsync.cuda_ipc writes device memory here, and only a record into the slot)."""
+        r = self._region
+        _copy_all(r.slot_views[s], [named[n] for n in r.names])
 
     def _claim(self) -> int | None:
         """A slot no reader can reach, marked as being written; None after ``wait_s`` without."""
@@ -607,6 +613,11 @@ class ShmSubscriber(Subscriber):
     @property
     def path(self) -> str:
         return self._region.path
+
+    @property
+    def header(self) -> WeightUpdateHeader:
+        """The layout of the region it reads now (it may move to a restarted publisher's)."""
+        return self._region.header
 
     def _open_recorded(self) -> _Region | None:
         path = region_path(self.run_dir)

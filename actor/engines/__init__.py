@@ -92,7 +92,7 @@ class Engine(abc.ABC):
             self.weights.close()
 
 
-ENGINES = {"torch": "actor.engines.torch:TorchEngine"}
+ENGINES = {"torch": "actor.engines.torch:TorchEngine", "sglang": "actor.engines.sglang:SGLangEngine"}
 
 
 def make_engine(actor_cfg, model_dir: str, weights=None, seed: int = 0) -> Engine:

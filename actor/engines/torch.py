@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 import torch
 
 from actor.engines import Engine, EngineStopped, Sample
+from core import placement
 from model.decoder import DTYPES
 from model.hf import load_pretrained
 from model.kvcache import KVCache
@@ -104,7 +105,7 @@ def _inverse_cdf(probs, uniform):
     u = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
     chunk = torch.searchsorted(cdf, u, right=True)  # [B, 1]: its cumulative sum is the first above u
     before = torch.where(chunk > 0, cdf.gather(-1, (chunk - 1).clamp(min=0)), torch.zeros_like(u))
-    idx = chunk * c + torch.arange(c)
+    idx = chunk * c + torch.arange(c, device=probs.device)
     inner = probs.gather(-1, idx.clamp(max=vocab - 1)).masked_fill(idx >= vocab, 0).cumsum(-1, dtype=torch.float64)
     k = torch.searchsorted(inner, u - before, right=True)
     last_positive = (inner < inner[:, -1:]).sum(-1, keepdim=True)
@@ -123,34 +124,40 @@ def _pack(cache: KVCache, running: list[_Seq | None]) -> None:
 
 
 class TorchEngine(Engine):
-    """Owns ``model`` from here on: it is cast to ``dtype`` and put in eval mode in place."""
+    """Owns ``model`` from here on: it is cast to ``dtype``, moved to ``device`` and put in eval
+    mode in place; the KV cache, every per-step tensor and the sampling generator live on
+    ``device`` too (on CUDA a host round trip per token would cost more than the step)."""
 
     name = "torch"
 
     def __init__(self, model, spec: SamplingSpec, *, eos_ids, pad_id: int, max_new_tokens: int = 16,
                  max_batch: int = 256, dtype: str = "bfloat16", fp32_attn_softmax: bool = True, seed: int = 0,
-                 weights=None):
+                 weights=None, device="cpu"):
         super().__init__(weights)
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1 (sequences decoded at once), got {max_batch}")
-        self.model = model.to(DTYPES[dtype]).eval()
+        self.device = torch.device(device)
+        self.model = model.to(device=self.device, dtype=DTYPES[dtype]).eval()
         self.model.fp32_attn_softmax = fp32_attn_softmax
         self.dtype = DTYPES[dtype]
         self.spec = spec
         self.max_new_tokens = max_new_tokens
         self.max_batch = max_batch
-        self.eos_ids = torch.tensor(sorted(set(eos_ids)), dtype=torch.long)
+        self.eos_ids = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=self.device)
         self.pad_id = pad_id
-        self.gen = torch.Generator().manual_seed(seed)
+        self.gen = torch.Generator(device=self.device).manual_seed(seed)
         self._params = self.params()
         self._cache: KVCache | None = None
 
     @classmethod
     def from_config(cls, actor_cfg, model_dir: str, weights=None, seed: int = 0) -> "TorchEngine":
+        """``actor_cfg.device``: the worker passes its own resolved device; a list or ``auto``
+        (the launcher's contract check) is resolved as for actor 0 (core/placement.py)."""
         tok = Tokenizer.from_dir(model_dir)
+        device = placement.resolve_actor(actor_cfg, 0, placement.visible_gpus())
         return cls(load_pretrained(model_dir), SamplingSpec.of(actor_cfg), eos_ids=tok.eos_ids, pad_id=tok.pad_id,
                    max_new_tokens=actor_cfg.max_new_tokens, max_batch=actor_cfg.max_batch, dtype=actor_cfg.dtype,
-                   fp32_attn_softmax=actor_cfg.fp32_attn_softmax, seed=seed, weights=weights)
+                   fp32_attn_softmax=actor_cfg.fp32_attn_softmax, seed=seed, weights=weights, device=device)
 
     def sampling(self) -> SamplingSpec:
         return self.spec
@@ -209,7 +216,7 @@ class TorchEngine(Engine):
             have = (self._cache.slots, self._cache.max_len) if self._cache is not None else (0, 0)
             self._cache = None  # free the old buffers before the new ones: peak memory is one cache
             self._cache = KVCache(self.model.cfg, _grown(slots, have[0], 2, self.max_batch),
-                                  _grown(max_len, have[1], POSITIONS_GROWTH), self.dtype)
+                                  _grown(max_len, have[1], POSITIONS_GROWTH), self.dtype, device=self.device)
         self._cache.reset(slice(None))
         return self._cache
 
@@ -234,19 +241,20 @@ class TorchEngine(Engine):
         ids = torch.full((len(seqs), int(lens.max())), self.pad_id, dtype=torch.long)
         for row, s in enumerate(seqs):
             ids[row, : len(s.prompt)] = torch.tensor(s.prompt, dtype=torch.long)
-        cols = torch.arange(ids.shape[1])
-        rows = torch.tensor(fresh)
+        ids, lens = ids.to(self.device), lens.to(self.device)  # built on the host, one copy each
+        cols = torch.arange(ids.shape[1], device=self.device)
+        rows = torch.tensor(fresh, device=self.device)
         cache.reset(rows)
         cache.bind(rows, lens)
         version = self.refresh_weights()
         hidden = self.model(ids, cols.expand_as(ids), cols[None] < lens[:, None], cache)
-        self._record(seqs, hidden[torch.arange(len(seqs)), lens - 1], version, budget, greedy)
+        self._record(seqs, hidden[torch.arange(len(seqs), device=self.device), lens - 1], version, budget, greedy)
 
     def _decode(self, cache: KVCache, running: list[_Seq], budget: int, greedy: bool) -> None:
         """One token for every running sequence (slots [0, m)), each at its own position."""
         pos = cache.lengths[: len(running), None].clone()  # the pending token's position
-        ids = torch.tensor([[s.tokens[-1]] for s in running], dtype=torch.long)
-        mask = torch.arange(int(pos.max()) + 1)[None] <= pos
+        ids = torch.tensor([[s.tokens[-1]] for s in running], dtype=torch.long, device=self.device)
+        mask = torch.arange(int(pos.max()) + 1, device=self.device)[None] <= pos
         version = self.refresh_weights()
         hidden = self.model(ids, pos, mask, cache)
         self._record(running, hidden[:, -1], version, budget, greedy)
@@ -271,4 +279,5 @@ class TorchEngine(Engine):
         """One token per row from ``exp(logp)`` by a two-level inverse CDF (:func:`_inverse_cdf`)
         with one FP64 uniform per row from the engine's seeded generator."""
         probs = logp.exp()
-        return _inverse_cdf(probs, torch.rand(probs.shape[0], 1, generator=self.gen, dtype=torch.float64))
+        uniform = torch.rand(probs.shape[0], 1, generator=self.gen, dtype=torch.float64, device=self.device)
+        return _inverse_cdf(probs, uniform)

@@ -6,8 +6,12 @@ collector, restart a crashed role (an actor or the buffer: accepted data survive
 and the segment log; the learner: from its newest checkpoint and journal) up to
 ``run.max_restarts`` times each, and stop the roles in order when the learner has finished its budget
 (learner first, so it checkpoints; then actors; the buffer last, so in-flight acknowledgements
-land). A launcher implements only how one role process is started, polled and signalled: one
-file per launcher, one line in :data:`LAUNCHERS` (``run.launcher`` selects it).
+land). A role whose heartbeat file stops moving for ``run.heartbeat_timeout_s`` is hung: it is
+SIGKILLed and restarted the same way (core/heartbeat.py). A restart waits an exponential backoff
+(``run.restart_backoff_s``) without holding up the watch of the other roles: it is scheduled, and
+the loop goes on polling them and feeding the view meanwhile. A launcher implements only how one
+role process is started, polled and signalled (and may place the roles first, :meth:`Launcher.prepare`):
+one file per launcher, one line in :data:`LAUNCHERS` (``run.launcher`` selects it).
 
 The model must already be resolved (``cfg.model.path`` set): building or locating it is the
 caller's job (``run.py``), so this package needs nothing above ``core``.
@@ -30,7 +34,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from core import config as C
-from core import net
+from core import heartbeat, net
 from core.files import atomic_write
 from core.proc import EXIT_CORRUPT_LOG, EXIT_WRITE_FAILED
 from core.registry import resolve
@@ -136,6 +140,17 @@ def _last_line(path: str, level: str = "") -> str:
     return lines[-1].split(": ", 1)[-1] if level else lines[-1]
 
 
+def _check_restartable(role: Role, code: int | None, run_dir: str) -> None:
+    """RoleFailed for an exit a restart would only repeat: a failed write, a damaged segment log."""
+    if code == EXIT_WRITE_FAILED:
+        raise RoleFailed(f"{role.name} stopped: {_last_line(role.log_path, 'ERROR')}; "
+                         f"resume with `python run.py resume {run_dir}` once it can write", EXIT_WRITE_FAILED)
+    if code == EXIT_CORRUPT_LOG:
+        raise RoleFailed(f"{role.name} stopped: {_last_line(role.log_path, 'ERROR')}; repair with "
+                         f"`python -m buffer.persist --salvage {run_dir}/buffer`, then "
+                         f"`python run.py resume {run_dir}`", EXIT_CORRUPT_LOG)
+
+
 def _cause(code: int) -> str:
     if code < 0:
         with contextlib.suppress(ValueError):
@@ -143,11 +158,16 @@ def _cause(code: int) -> str:
     return f"exited with {code}"
 
 
+HUNG_KILL_WAIT_S = 30.0  # a SIGKILLed role is gone at once; a Ray host may take a moment to tell
+
+
 class Launcher(abc.ABC):
     name = ""
 
     def __init__(self, cfg: C.Config):
         self.cfg = cfg
+        self._beats: dict[str, heartbeat.Watch] = {}  # role name -> its heartbeat, launcher clock
+        self._due: dict[str, float] = {}  # role name -> when its scheduled restart starts it
 
     # ---- what an implementation provides ------------------------------------------------------
 
@@ -166,11 +186,17 @@ class Launcher(abc.ABC):
     def close(self) -> None:
         """Release what the launcher itself holds (a cluster connection, ...)."""
 
+    def prepare(self, run_dir: str | None) -> tuple[C.Config, str]:
+        """The run directory and the resolved ``config.json`` (a launcher that places roles on
+        other hosts resolves their addresses first)."""
+        return prepare(self.cfg, run_dir)
+
     # ---- shared: start, watch, restart, stop --------------------------------------------------
 
     def start(self, role: Role, run_dir: str) -> None:
         role.log_path = os.path.join(run_dir, "logs", f"{role.name}.log")
         self.spawn(role, run_dir)
+        self._beats[role.name] = heartbeat.started(heartbeat.mtime(run_dir, role.name), time.monotonic())
 
     def stop_all(self, procs: list[Role], grace_s: float = 20.0) -> None:
         """SIGTERM in the given order, wait, then SIGKILL whatever is left."""
@@ -188,36 +214,66 @@ class Launcher(abc.ABC):
                     time.sleep(0.05)
 
     def _write_pids(self, run_dir: str, procs: list[Role]) -> None:
-        """Every live pid of the run, for operators and for the tests that check nothing is left."""
-        with open(os.path.join(run_dir, "pids.json"), "w") as f:
-            json.dump({"launcher": os.getpid(), **{r.name: r.pid for r in procs if r.pid}}, f)
+        """Every live pid of the run, for operators and for the tests that check nothing is left
+        (replaced whole: a reader never meets it half written while a role restarts)."""
+        pids = {"launcher": os.getpid(), **{r.name: r.pid for r in procs if r.pid}}
+        atomic_write(os.path.join(run_dir, "pids.json"), json.dumps(pids).encode(), durable=False)
 
-    def _restart(self, role: Role, procs: list[Role], run_dir: str, restarts: collections.Counter, sink) -> None:
-        """Restart a crashed role, at most ``run.max_restarts`` times each: an actor or the buffer
-        (accepted data survives in the spool and the segment log), or the learner (from its newest
-        intact checkpoint and journal, learner/loop.py). Each restart is logged with its cause and
-        counted as ``run/restarts/<role>`` in the metrics. A role that could not write what it must
-        (a full disk) is not restarted: it would fail again."""
+    def _restart(self, role: Role, run_dir: str, restarts: collections.Counter, sink, cause: str = "") -> None:
+        """Schedule the restart of a crashed role, at most ``run.max_restarts`` times each: an actor
+        or the buffer (accepted data survives in the spool and the segment log), or the learner
+        (from its newest intact checkpoint and journal, learner/loop.py), after the backoff. Each
+        restart is logged with its cause and counted as ``run/restarts/<role>`` in the metrics. A
+        role that could not write what it must (a full disk) is not restarted: it would fail again."""
         code, limit = self.returncode(role), self.cfg.run.max_restarts
-        if code == EXIT_WRITE_FAILED:
-            raise RoleFailed(f"{role.name} stopped: {_last_line(role.log_path, 'ERROR')}; "
-                             f"resume with `python run.py resume {run_dir}` once it can write", EXIT_WRITE_FAILED)
-        if code == EXIT_CORRUPT_LOG:  # a restart would meet the same damage
-            raise RoleFailed(f"{role.name} stopped: {_last_line(role.log_path, 'ERROR')}; repair with "
-                             f"`python -m buffer.persist --salvage {run_dir}/buffer`, then "
-                             f"`python run.py resume {run_dir}`", EXIT_CORRUPT_LOG)
+        _check_restartable(role, code, run_dir)
+        cause = cause or _cause(code)
         if restarts[role.name] >= limit:
-            raise RoleFailed(f"{role.name} {_cause(code)} after {restarts[role.name]} restarts:\n"
-                             f"{_tail(role.log_path)}")
+            raise RoleFailed(f"{role.name} {cause} after {restarts[role.name]} restarts:\n{_tail(role.log_path)}")
         restarts[role.name] += 1
-        log.warning("%s %s (last log line: %s); restarting (%d/%d)", role.name, _cause(code),
-                    _last_line(role.log_path), restarts[role.name], limit)
+        delay = heartbeat.backoff_s(self.cfg.run.restart_backoff_s, restarts[role.name])
+        log.warning("%s %s (last log line: %s); restarting (%d/%d) in %.1fs", role.name, cause,
+                    _last_line(role.log_path), restarts[role.name], limit, delay)
         sink.emit(-1, {f"run/restarts/{role.name}": float(restarts[role.name])})
-        self.start(role, run_dir)
-        self._write_pids(run_dir, procs)
+        self._due[role.name] = time.monotonic() + delay
+
+    def _start_due(self, role: Role, procs: list[Role], run_dir: str) -> None:
+        """Start a role whose restart is scheduled, once its backoff has passed."""
+        if time.monotonic() >= self._due[role.name]:
+            del self._due[role.name]
+            self.start(role, run_dir)
+            self._write_pids(run_dir, procs)
+
+    def _hung(self, role: Role, run_dir: str) -> str:
+        """The cause, when the role's heartbeat has not moved past its allowance ("" otherwise)."""
+        now = time.monotonic()
+        w = heartbeat.observe(self._beats[role.name], heartbeat.mtime(run_dir, role.name), now)
+        self._beats[role.name] = w
+        quiet = heartbeat.hung_for(w, now, self.cfg.run.heartbeat_timeout_s)
+        return "" if quiet is None else f"hung: no heartbeat for {quiet:.0f} s"
+
+    def _kill(self, role: Role) -> None:
+        self.signal(role, signal.SIGKILL)
+        deadline = time.monotonic() + HUNG_KILL_WAIT_S
+        while self.returncode(role) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def _check_role(self, role: Role, learner: Role, run_dir: str, restarts, sink) -> bool:
+        """One role's turn of the watch: restart it if it crashed or hung; True when it is the
+        learner and it has finished its budget."""
+        code = self.returncode(role)
+        cause = self._hung(role, run_dir) if code is None else ""
+        if code is None and not cause:
+            return False
+        if code == 0 and role is learner:
+            return True
+        if cause:
+            self._kill(role)
+        self._restart(role, run_dir, restarts, sink, cause)
+        return False
 
     def _watch(self, procs: list[Role], run_dir: str, monitor, collector, sink) -> None:
-        """Until the learner finishes its budget: feed the view, restart crashed roles."""
+        """Until the learner finishes its budget: feed the view, restart crashed or hung roles."""
         restarts: collections.Counter = collections.Counter()
         learner = next(r for r in procs if r.name == "learner")
         while True:
@@ -225,12 +281,10 @@ class Launcher(abc.ABC):
             monitor.update(collector.poll(timeout_ms=200))
             monitor.refresh()
             for role in procs:
-                code = self.returncode(role)
-                if code is None:
-                    continue
-                if role is learner and code == 0:
+                if role.name in self._due:
+                    self._start_due(role, procs, run_dir)
+                elif self._check_role(role, learner, run_dir, restarts, sink):
                     return
-                self._restart(role, procs, run_dir, restarts, sink)
 
     def run(self, run_dir: str | None = None, monitor=None, on_ready=None) -> RunResult:
         """Prepare, start, watch until the learner finishes its budget, then stop everything."""
@@ -238,7 +292,7 @@ class Launcher(abc.ABC):
         from core.monitor import Monitor
 
         t0 = time.time()
-        cfg, run_dir = prepare(self.cfg, run_dir)
+        cfg, run_dir = self.prepare(run_dir)
         self.cfg = cfg
         collector = collector_for(cfg, run_dir)
         sink = sink_for(cfg, run_dir, "launcher", "launcher")  # its own records: run/restarts/<role>
@@ -298,7 +352,7 @@ class Interrupt:
             raise KeyboardInterrupt
 
 
-LAUNCHERS = {"local": "core.launchers.local:LocalLauncher"}
+LAUNCHERS = {"local": "core.launchers.local:LocalLauncher", "ray": "core.launchers.ray:RayLauncher"}
 
 
 def make_launcher(cfg: C.Config) -> Launcher:

@@ -15,7 +15,9 @@ import subprocess
 from core.launchers import ROOT, Launcher, Role
 
 
-def _env() -> dict[str, str]:
+def role_env() -> dict[str, str]:
+    """A role's environment: this one's, the checkout on the path, this process as its launcher
+    (core/proc.py: the role ends when it does), one thread unless told, the allocator settings."""
     env = dict(os.environ)
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env["DRIFTRL_LAUNCHER_PID"] = str(os.getpid())
@@ -34,7 +36,7 @@ class LocalLauncher(Launcher):
 
     def spawn(self, role: Role, run_dir: str) -> None:
         with open(role.log_path, "ab") as logf:
-            role.handle = subprocess.Popen(role.argv, cwd=ROOT, env=_env(), stdout=logf, stderr=subprocess.STDOUT,
+            role.handle = subprocess.Popen(role.argv, cwd=ROOT, env=role_env(), stdout=logf, stderr=subprocess.STDOUT,
                                            stdin=subprocess.DEVNULL, start_new_session=True)
 
     def returncode(self, role: Role) -> int | None:

@@ -267,6 +267,16 @@ def to_hf(arch: ArchConfig, mc: dict[str, torch.Tensor]) -> dict[str, torch.Tens
 class MegatronBackend(TorchBackend):
     name = "megatron"
 
+    def _place(self):
+        """The CPU shim (megatron_cpu.py) builds on the host: ``auto`` means the CPU here, and a
+        CUDA ``learner.device`` is refused rather than silently ignored."""
+        if self.cfg.learner.device not in ("auto", "cpu"):
+            from core.config import ConfigError
+
+            raise ConfigError(f"learner.device={self.cfg.learner.device!r}: learner.backend='megatron' runs on the "
+                              "CPU here (its CPU shim); use learner.backend=torch for a CUDA learner")
+        return DEVICE
+
     def _build_model(self, model_dir: str, model):
         # load_pretrained checks the directory (refusals, names, shapes); the weights then convert
         decoder = model if model is not None else load_pretrained(model_dir)

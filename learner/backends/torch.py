@@ -3,6 +3,11 @@
 The numerator of the ratio is always recomputed here with the learner's current weights and
 precision policy (DESIGN §4): the body under ``body_autocast(learner.body_dtype)``, the head and
 log-softmax through ``learner/logprobs.py``; the actor's log-probs are only the denominator.
+
+Placement: the model, the frozen reference and AdamW's state live on ``learner.device``
+(core/placement.py); each micro-batch is moved there for its forward/backward, while the step's
+metrics, the tail's numerator and the batch as given stay on the host, where the loop reads them.
+On the CPU nothing moves and nothing changes.
 """
 
 from __future__ import annotations
@@ -13,11 +18,13 @@ import errno
 import math
 import os
 import re
+from dataclasses import replace
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from core import placement
 from learner.advantages import group_advantages
 from learner.backends import Backend, NonFiniteError
 from learner.batching import Batch, micro_batches
@@ -41,6 +48,9 @@ def _as_oserror(path: str):
         raise OSError(code, os.strerror(code), path) from None
 
 
+_BATCH_TENSORS = ("ids", "key_mask", "mask", "behaviour_logp", "rewards", "staleness", "versions")
+
+
 def _combine(parts: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
     """One step's loss metrics from its micro-batches': the loss adds up (each part is already
     scaled to its share); every other metric is a token-weighted mean."""
@@ -60,6 +70,7 @@ class TorchBackend(Backend):
     def __init__(self, cfg, model_dir: str, model=None):
         self.cfg, self.model_dir = cfg, model_dir
         lc = cfg.learner
+        self.device = self._place()
         self.model = self._build_model(model_dir, model)
         self.ref = None
         if lc.kl_beta > 0:
@@ -75,10 +86,12 @@ class TorchBackend(Backend):
         """Learner log-probs ``[N, L-1]`` of the completion tokens (zeros elsewhere).
 
         ``sampling`` defaults to the actor's: the numerator must be taken under the same
-        transformation the behaviour distribution was.
+        transformation the behaviour distribution was. Computed on the learner's device and
+        returned on ``batch``'s (a host batch gets host tensors, as the contract check compares).
         """
         model = self.ref if reference else self.model
         lc, s = self.cfg.learner, sampling or self.sampling
+        home, batch = batch.ids.device, self._on_device(batch)
         ids = batch.ids
         hidden = self._hidden(model, ids[:, :-1], batch.key_mask[:, :-1])
         sel = batch.mask > 0
@@ -88,14 +101,25 @@ class TorchBackend(Backend):
         lp, ent = token_logprobs(h, self._head_weight(model), ids[:, 1:][sel], temperature=s.temperature,
                                  fp32=lc.fp32_head, chunk=lc.logprob_chunk, with_entropy=with_entropy,
                                  top_k=s.top_k, top_p=s.top_p)
-        full = torch.zeros(batch.mask.shape, dtype=lp.dtype).masked_scatter(sel, lp)
-        return full, ent
+        full = torch.zeros(batch.mask.shape, dtype=lp.dtype, device=lp.device).masked_scatter(sel, lp)
+        return full.to(home), (ent if ent is None else ent.to(home))
+
+    def _on_device(self, batch: Batch) -> Batch:
+        """``batch`` with its tensors on the learner's device (itself on the CPU: no copy)."""
+        if all(getattr(batch, f) is None or getattr(batch, f).device == self.device for f in _BATCH_TENSORS):
+            return batch
+        return replace(batch, **{f: getattr(batch, f).to(self.device) for f in _BATCH_TENSORS
+                                 if getattr(batch, f) is not None})
 
     # ---- hooks: what another framework's model (learner/backends/megatron.py) does differently ----
 
+    def _place(self):
+        """The learner's device, validated (core/placement.py)."""
+        return placement.learner_device(self.cfg)
+
     def _build_model(self, model_dir: str, model):
         """The trainable FP32 model: ``model`` if given, else the HF directory's."""
-        model = (model if model is not None else load_pretrained(model_dir)).float().train()
+        model = (model if model is not None else load_pretrained(model_dir)).float().to(self.device).train()
         model.fp32_attn_softmax = self.cfg.learner.fp32_attn_softmax
         return model
 
@@ -106,8 +130,8 @@ class TorchBackend(Backend):
     def _hidden(self, model, ids, key_mask):
         """Final-normed hidden states ``[N, T, H]`` of ``ids`` ``[N, T]`` at positions ``0..T-1``
         (every row starts at 0: rows are right-padded), the body under the precision policy."""
-        pos = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
-        with body_autocast(self.cfg.learner.body_dtype):
+        pos = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
+        with body_autocast(self.cfg.learner.body_dtype, ids.device.type):
             return model(ids, pos, key_mask)
 
     def _head_weight(self, model):
@@ -152,6 +176,7 @@ class TorchBackend(Backend):
     def _micro_step(self, micro: Batch, adv, share: float):
         """Forward and backward of one micro-batch; its loss is scaled by ``share``."""
         lc = self.cfg.learner
+        micro, adv = self._on_device(micro), adv.to(self.device)
         logp, ent = self.logprobs(micro, with_entropy=True)
         ref_logp = None
         if self.ref is not None:

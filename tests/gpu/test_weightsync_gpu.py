@@ -1,4 +1,5 @@
-"""weightsync on GPUs: the one-GPU device check, and NCCL (cupy) between two GPUs.
+"""The GPU path: the one-GPU device check, CUDA IPC between two processes on one device,
+engine and learner on CUDA, and NCCL (cupy) between two GPUs.
 
 Marked ``gpu``: skipped without CUDA (tests/conftest.py); the two-GPU test also needs cupy.
 """
@@ -33,7 +34,7 @@ def _subscriber_proc(run_dir: str, out_path: str) -> None:
 
     torch.cuda.set_device(1)
     dev = torch.device("cuda", 1)
-    sub = NcclSubscriber(run_dir, timeout_s=60, collective_timeout_s=60)
+    sub = NcclSubscriber(run_dir, timeout_s=60, device=dev, collective_timeout_s=60)  # its own device
     # float32 targets for the bfloat16 embedding: apply converts on the device
     target = {k: torch.zeros(v.shape, dtype=torch.float32 if k == "embed" else v.dtype, device=dev)
               for k, v in _state(0, "cpu").items()}
@@ -61,6 +62,34 @@ def test_gpu_check_script(tmp_path):
     text = log.read_text()
     assert rc == 0, text
     assert text.strip().splitlines()[-1].startswith("GPU_CHECK PASS")
+
+
+def test_cuda_ipc_between_two_processes_is_bit_exact():
+    from weightsync.gpu_check import step_cuda_ipc
+
+    status, detail = step_cuda_ipc(torch.device("cuda:0"), {"ipc_mb": 32})
+    assert status == "OK", detail
+    assert "exact=4/4" in detail
+
+
+def test_engine_and_learner_on_cuda_pass_the_contract_check():
+    """What run.py checks before a run, on the device: same weights, same tokens, log-probs agree."""
+    from actor.engines.torch import TorchEngine
+    from learner import contract
+    from learner.backends.torch import TorchBackend
+    from model.sampling import SamplingSpec
+    from tests.support.tiny import tiny_cfg, tiny_model, tiny_model_dir, tiny_task, tiny_tokenizer
+
+    cfg = tiny_cfg('learner.device="cuda:0"', 'actor.device="cuda:0"')
+    backend = TorchBackend(cfg, tiny_model_dir())
+    assert next(backend.model.parameters()).device == torch.device("cuda:0")
+    tok = tiny_tokenizer()
+    engine = TorchEngine(tiny_model(), SamplingSpec.of(cfg.actor), eos_ids=tok.eos_ids, pad_id=tok.pad_id,
+                         max_new_tokens=8, dtype="bfloat16", device="cuda:0")
+    report = contract.check(backend, engine, tiny_task(), SamplingSpec.of(cfg.actor), 0.1, 0.01)
+    assert report["tokens"] > 0
+    assert engine._cache.k[0].device == torch.device("cuda:0")
+    assert all(t.device == torch.device("cuda:0") for t in backend.named_tensors().values())
 
 
 def test_nccl_two_gpus(tmp_path):

@@ -1,0 +1,610 @@
+"""The SGLang engine: generation in an SGLang 0.5.23 server, weights pushed into it over NCCL.
+
+Why a server: on GPUs SGLang is the generation engine users expect (paged KV cache, CUDA graphs,
+radix prefix cache). It pins its own torch, so it lives in its own venv, never driftrl's CPU
+default: ``actor.sglang_python`` names that venv's interpreter and the engine starts
+``<sglang_python> -m sglang.launch_server`` as a child process. Setting the venv up on a GPU host::
+
+    python3 -m venv .venv-sglang-gpu
+    .venv-sglang-gpu/bin/pip install "sglang[all]==0.5.23"   # its own CUDA torch, ~11 GB
+    python run.py actor.engine=sglang actor.sglang_python=$PWD/.venv-sglang-gpu/bin/python \\
+        weightsync.transport=nccl
+
+On CPU, ``.ci/sglang-contract`` builds a light venv (``--no-deps`` plus what SGLang's request
+structs import) and runs ``tests/sglang``: every body built here is validated by SGLang's own
+structs and every parser reads responses laid out the way SGLang's own code lays them out.
+
+Lifecycle (every wait has a deadline; each request and response shape is read from 0.5.23's
+``entrypoints/http_server.py``, ``managers/io_struct.py`` and ``api/v1/api_types.py``)::
+
+    start   argv = <python> -m sglang.launch_server --model-path DIR --host 127.0.0.1 --port P
+                   --dtype D --mem-fraction-static F --max-running-requests B --random-seed S
+                   --enable-fp32-lm-head --skip-tokenizer-init --weight-version V
+                   [--base-gpu-id N, from actor.device cuda:N]
+            GET /health_generate until 200 (it runs one real token; 503 while loading), at most
+            actor.sglang_start_timeout_s; the server's stdout/stderr is the actor's log
+    join    POST /init_weights_update_group {master_address, master_port, rank_offset,
+            world_size, group_name, backend}                                   (once)
+    update  POST /pause_generation {mode: "retract"} -> /begin_weight_update {} -> per bucket
+            /update_weights_from_distributed {names, dtypes, shapes, group_name,
+            load_format: "flattened_bucket", flush_cache, weight_version} -> /end_weight_update {}
+            -> /continue_generation {}.  flush_cache (the radix cache holds K/V of the old
+            weights) and weight_version only on the last bucket, so the version changes once,
+            after every tensor landed: no token is tagged with a half-applied version
+    generate POST /generate {input_ids, sampling_params, return_logprob: true,
+            return_sampling_mask (when top-k/top-p truncate)}, one request per prompt, in
+            flight together (SGLang batches them continuously); each Sample is handed over as
+            its response arrives (completion order, as ``Engine.stream`` promises)
+    stop    POST /abort_request {abort_all: true} on the stop event; SIGTERM to the server's
+            process group with the engine (SIGKILL after a grace period)
+
+Response (``tokenizer_manager._handle_batch_output``, skip_tokenizer_init):
+``{"output_ids": [...], "meta_info": {"finish_reason": {"type": "stop"|"length"|"abort", ...},
+"output_token_logprobs": [[logprob, token_id, null], ...], "weight_version": str,
+"weight_versions": [{"version", "start", "end"}, ...], "output_token_sampling_logprobs": [...]}}``.
+
+Behaviour log-probs. SGLang's ``output_token_logprobs`` are ``log softmax(logits / T)`` before
+top-k/top-p (``layers/sampler.py``); driftrl's denominator is the distribution actually sampled
+from. With truncation on, the engine asks for ``return_sampling_mask`` and takes
+``output_token_sampling_logprobs`` (the selected token's log-prob in the renormalised support);
+without it both are the same. Greedy (temperature 0) reports ``log softmax(logits)``.
+
+Versions. 0.5.23 reports per-token weight-version spans: the scheduler records a version change
+for every live request (``record_weight_version_change``) and the finished response carries
+``weight_versions``; every token takes the version of its span. Versions are sent as decimal
+strings. Without spans (or an unparseable version) every token gets the version the engine last
+applied, constant over the request. The worker refreshes between batches, so in practice a
+sample's tokens share one version.
+
+Weights. The learner's NCCL publisher is rank 0 of a communicator built from an NCCL unique id
+with cupy; SGLang's receiver joins a torch.distributed group built by ``init_custom_process_group``
+(``tcp://host:port`` rendezvous, ``PrefixStore(group_name)``) and receives each bucket as one
+packed uint8 tensor (``FlattenedTensorBucket``: tensors back to back, no padding). The two cannot
+share a communicator, so :class:`SGLangLink` (the engine's weight source, a subscriber-like view
+of the publisher; :func:`link_from_config` builds it where the worker calls ``make_subscriber``)
+speaks the publisher's ZeroMQ protocol (``Hello`` -> ``CollectiveInit`` -> ``WeightUpdateHeader``
+per version) and needs a learner-side adapter (a ``backend="sglang"`` mode of the NCCL
+publisher): it answers each ``Hello`` with ``CollectiveInit(rank, world_size, "sglang",
+b"host:port", layout)``, joins as rank 0 the way ``init_custom_process_group`` does (``TCPStore``
+master on that port, ``PrefixStore(GROUP_NAME)``, an NCCL process group of ``1 + num_actors``
+ranks), and per version sends the header, then for each bucket in order broadcasts from rank 0
+the bucket's tensors packed back to back as uint8 (:func:`bucket_bodies` is the plan both sides
+follow; ``tests/sglang`` checks it against ``FlattenedTensorBucket``). A second ``Hello`` from the
+same actor (a restarted server) rebuilds the group. As with the NCCL subscriber, the learner's
+broadcast waits for the receiver: here until the worker's next ``refresh_weights``, between two
+batches; both venvs' NCCL builds must be wire-compatible. ``update_weights_from_tensor``
+(SGLang's path on one shared GPU) was not chosen: its payload is a pickled tensor handle
+(``MultiprocessingSerializer``), and driftrl never pickles on its own sockets.
+
+Poisoning. A weight update that fails or times out (``actor.sglang_update_timeout_s``) may have
+left the server with half-written weights, so the engine is marked poisoned and generates
+nothing until it is healed: the server is restarted from the model directory, joins a fresh
+group, and the next published version -- every version carries the whole weights, so one pull
+restores the current ones -- is pushed before any prompt is served (re-init and re-pull).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+
+import zmq
+
+from actor.engines import Engine, EngineStopped, Sample
+from core import net
+from core.messages import Hello, Shutdown, WeightUpdateHeader, decoder, encode
+from model.sampling import SamplingSpec
+from model.tokenizer import Tokenizer
+from weightsync.base import wait_until
+from weightsync.nccl import TO_SUBSCRIBER, CollectiveInit, endpoint_path
+
+log = logging.getLogger("driftrl.sglang")
+
+HEALTH_PATH = "/health_generate"  # /health answers 200 without generating unless an env var is set
+GROUP_NAME = "driftrl_weights"
+PAUSE_MODE = "retract"  # running requests go back to the queue and are recomputed on continue
+POLL_S = 0.2  # how often a wait looks at the server process and the stop event
+STOP_GRACE_S = 15.0  # SIGTERM -> SIGKILL
+FINISH = {"stop": "stop", "length": "length"}  # SGLang's finish_reason["type"] -> driftrl's
+TO_SUBSCRIBER_DECODER = decoder(TO_SUBSCRIBER)
+# the server is on loopback: an http_proxy in the environment must not route requests to it
+_HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+class SGLangError(RuntimeError):
+    """The server refused a request, answered something unexpected, or is gone."""
+
+
+# ---- requests (pure) -----------------------------------------------------------------------
+
+
+def gpu_index(device: str) -> int | None:
+    """The CUDA ordinal of ``actor.device`` (None: SGLang's default, the first visible GPU)."""
+    if device in ("auto", "cuda"):
+        return None
+    if device.startswith("cuda:") and device[5:].isdigit():
+        return int(device[5:])
+    raise ValueError(f"actor.device={device!r}: the SGLang engine runs on a CUDA device (auto, cuda or cuda:N)")
+
+
+def launch_argv(python: str, model_dir: str, port: int, *, dtype: str, mem_fraction: float,
+                max_running: int, seed: int, version: int, gpu: int | None = None) -> list[str]:
+    """The server's command line (flag names from 0.5.23's ``arg_groups/fields``)."""
+    if not python:
+        raise ValueError("actor.sglang_python is empty: set it to the interpreter of the venv SGLang is "
+                         "installed in (see actor/engines/sglang.py)")
+    argv = [python, "-m", "sglang.launch_server", "--model-path", model_dir, "--host", "127.0.0.1",
+            "--port", str(port), "--dtype", dtype, "--mem-fraction-static", repr(float(mem_fraction)),
+            "--max-running-requests", str(max_running), "--random-seed", str(seed),
+            "--enable-fp32-lm-head", "--skip-tokenizer-init", "--weight-version", str(version)]
+    return argv if gpu is None else [*argv, "--base-gpu-id", str(gpu)]
+
+
+def truncates(spec: SamplingSpec) -> bool:
+    return spec.top_k > 0 or spec.top_p < 1.0
+
+
+def sampling_params(spec: SamplingSpec, max_new_tokens: int, eos_ids, greedy: bool) -> dict:
+    """SGLang ``sampling_params``: temperature 0 is its greedy; ``top_k`` absent = the whole
+    vocabulary (driftrl's 0); the checkpoint's EOS ids stop a sequence, as in the torch engine."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    body = {"max_new_tokens": int(max_new_tokens), "temperature": 0.0 if greedy else float(spec.temperature),
+            "top_p": float(spec.top_p), "stop_token_ids": sorted({int(t) for t in eos_ids})}
+    if spec.top_k > 0:
+        body["top_k"] = int(spec.top_k)
+    return body
+
+
+def generate_body(prompt: list[int], params: dict, *, sampling_mask: bool) -> dict:
+    """One ``/generate`` body: driftrl tokenises, so ``input_ids``; output-token log-probs only
+    (``logprob_start_len`` -1, SGLang's default)."""
+    if not prompt:
+        raise ValueError("prompt is empty: a sequence needs at least one token to condition on")
+    body = {"input_ids": [int(t) for t in prompt], "sampling_params": params, "return_logprob": True,
+            "stream": False}
+    if sampling_mask:
+        body["return_sampling_mask"] = True
+    return body
+
+
+def init_group_body(host: str, port: int, rank_offset: int, world_size: int, group: str = GROUP_NAME) -> dict:
+    if not 1 <= rank_offset < world_size:
+        raise ValueError(f"rank_offset must be in [1, world_size): rank 0 is the learner; got "
+                         f"rank_offset={rank_offset}, world_size={world_size}")
+    return {"master_address": host, "master_port": int(port), "rank_offset": int(rank_offset),
+            "world_size": int(world_size), "group_name": group, "backend": "nccl"}
+
+
+def bucket_bodies(header, group: str = GROUP_NAME) -> list[dict]:
+    """One ``/update_weights_from_distributed`` body per bucket of a ``WeightUpdateHeader``, in
+    its order: the plan the learner broadcasts by (each bucket's tensors packed back to back)."""
+    shapes = dict(zip(header.names, header.shapes))
+    last = len(header.buckets) - 1
+    return [{"names": list(b.names), "dtypes": [b.dtype] * len(b.names), "shapes": [list(shapes[n]) for n in b.names],
+             "group_name": group, "load_format": "flattened_bucket", "flush_cache": i == last,
+             "weight_version": str(header.version) if i == last else None}
+            for i, b in enumerate(header.buckets)]
+
+
+PAUSE_BODY = {"mode": PAUSE_MODE}
+CONTINUE_BODY: dict = {}
+BEGIN_BODY: dict = {}
+END_BODY: dict = {}
+ABORT_ALL_BODY = {"abort_all": True}
+
+
+# ---- responses (pure) ----------------------------------------------------------------------
+
+
+def finish_reason(reason) -> str:
+    """driftrl's "stop" / "length" from SGLang's ``finish_reason`` (``BaseFinishReason.to_json``)."""
+    kind = reason.get("type") if isinstance(reason, dict) else None
+    if kind in FINISH:
+        return FINISH[kind]
+    if kind == "abort":
+        raise SGLangError(f"request aborted by the server: {reason.get('message')!r}")
+    raise SGLangError(f"unexpected finish_reason {reason!r} (want a dict with type stop/length)")
+
+
+def _version(text, fallback: int) -> int:
+    try:
+        return int(text)
+    except (TypeError, ValueError):
+        return fallback  # "default": the server started without --weight-version
+
+
+def token_versions(meta: dict, n: int, fallback: int) -> list[int]:
+    """Per-token versions from ``meta_info["weight_versions"]`` spans ``[start, end)``; tokens no
+    span covers (or no spans at all) get ``fallback``."""
+    out = [fallback] * n
+    for span in meta.get("weight_versions") or []:
+        v = _version(span.get("version"), fallback)
+        for i in range(max(0, int(span["start"])), min(n, int(span["end"]))):
+            out[i] = v
+    return out
+
+
+def parse_sample(out: dict, fallback_version: int, *, sampling_mask: bool) -> Sample:
+    """A ``Sample`` from one ``/generate`` response: tokens and log-probs from the same
+    ``output_token_logprobs`` entries, checked against ``output_ids``."""
+    meta = out.get("meta_info")
+    if not isinstance(meta, dict) or "output_token_logprobs" not in meta:
+        raise SGLangError(f"response has no meta_info.output_token_logprobs (keys: {sorted(out)})")
+    entries = meta["output_token_logprobs"]
+    tokens = [int(e[1]) for e in entries]
+    ids = out.get("output_ids")
+    if ids is not None and list(ids) != tokens:
+        raise SGLangError(f"output_ids ({len(ids)}) and output_token_logprobs ({len(tokens)}) disagree")
+    logprobs = [float(e[0]) for e in entries]
+    if sampling_mask:
+        logprobs = [float(x) for x in meta.get("output_token_sampling_logprobs") or []]
+        if len(logprobs) != len(tokens):
+            raise SGLangError(f"output_token_sampling_logprobs has {len(logprobs)} entries for {len(tokens)} tokens")
+    return Sample(tokens, logprobs, token_versions(meta, len(tokens), fallback_version),
+                  finish_reason(meta.get("finish_reason")))
+
+
+def check_ok(path: str, reply) -> None:
+    """Weight-update routes answer ``{"success": bool, "message": str}``; False is a failure."""
+    if isinstance(reply, dict) and reply.get("success") is False:
+        raise SGLangError(f"{path} failed: {reply.get('message')}")
+
+
+# ---- the server process --------------------------------------------------------------------
+
+
+def _die_with_us() -> None:
+    """In the child before exec: SIGTERM when the actor dies, even by SIGKILL (Linux)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class SGLangServer:
+    """One ``sglang.launch_server`` child in its own process group, and JSON over HTTP to it."""
+
+    def __init__(self, argv: list[str], port: int, *, request_timeout_s: float = 600.0):
+        self.argv, self.port = argv, port
+        self.url = f"http://127.0.0.1:{port}"
+        self.request_timeout_s = request_timeout_s
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float, stop=None) -> None:
+        log.info("starting SGLang: %s", " ".join(self.argv))
+        self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL,  # stdout/stderr: the actor's log
+                                     start_new_session=True, preexec_fn=_die_with_us)
+        try:
+            self.wait_healthy(timeout_s, stop)
+        except BaseException:
+            self.stop()  # never leave a half-started server behind
+            raise
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def wait_healthy(self, timeout_s: float, stop=None) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self._healthy():
+            if not self.alive():
+                code = None if self.proc is None else self.proc.returncode
+                raise SGLangError(f"the SGLang server exited with status {code} before it was healthy (see the actor log)")
+            if stop is not None and stop.is_set():
+                raise EngineStopped("stopped while the SGLang server was starting")
+            if time.monotonic() > deadline:
+                raise SGLangError(f"the SGLang server was not healthy within {timeout_s:.0f}s "
+                                  "(actor.sglang_start_timeout_s)")
+            time.sleep(POLL_S)
+
+    def _healthy(self) -> bool:
+        try:
+            with _HTTP.open(self.url + HEALTH_PATH, timeout=30) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False  # not listening yet, or 503 while loading
+
+    def post(self, path: str, body: dict, timeout_s: float | None = None):
+        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with _HTTP.open(req, timeout=timeout_s or self.request_timeout_s) as r:
+                raw = r.read()
+        except urllib.error.HTTPError as e:
+            raise SGLangError(f"POST {path}: HTTP {e.code}: {e.read()[:500].decode(errors='replace')}") from None
+        except (urllib.error.URLError, OSError) as e:
+            raise SGLangError(f"POST {path}: {e}") from None
+        return json.loads(raw) if raw else None
+
+    def stop(self) -> None:
+        """SIGTERM to the whole group (SGLang forks its scheduler and detokenizer), then SIGKILL."""
+        if not self.alive():
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(STOP_GRACE_S)
+
+
+# ---- weights: the engine's view of the learner's publisher ---------------------------------
+
+
+class SGLangLink:
+    """Subscriber-like view of the learner's NCCL publisher that moves no bytes itself: it learns
+    the group (``CollectiveInit``) and each version's layout (``WeightUpdateHeader``) over the
+    publisher's ZeroMQ socket, and the engine has the SGLang server join the group and receive
+    the broadcasts. Needs the learner-side adapter described in the module docstring."""
+
+    transport = "nccl-sglang"
+
+    def __init__(self, run_dir: str, timeout_s: float = 60, *, curve=None, actor_id: str = "", stop=None):
+        path = endpoint_path(run_dir)
+        ep = wait_until(lambda: _read_json(path), timeout_s,
+                        f"the learner's weight publisher endpoint {path}; is the learner up?", stop=stop)
+        self.timeout_s, self.stop = timeout_s, stop
+        self.actor_id = actor_id or f"sglang:{os.getpid()}"
+        self._ctx = zmq.Context()
+        self._sock = net.socket(self._ctx, zmq.DEALER, linger_ms=0)
+        net.connect(self._sock, ep["host"], ep["port"], curve)
+        self.init: CollectiveInit | None = None
+        self.pending: list[WeightUpdateHeader] = []
+        self.stats = LinkStats()
+
+    def join(self) -> dict:
+        """Say hello (again, after a restart) and wait for a rank; the ``/init_weights_update_group``
+        body. Versions queued for an earlier group can no longer be received: dropped."""
+        self.pending.clear()
+        self._sock.send(encode(Hello("weightsync", self.actor_id)))
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            if self.stop is not None and self.stop.is_set():
+                raise EngineStopped("stopped while waiting for the learner to assign a rank")
+            if time.monotonic() > deadline:
+                raise SGLangError(f"the learner assigned no rank in {self.timeout_s:.0f}s")
+            msg = self._recv(int(POLL_S * 1000))
+            if isinstance(msg, CollectiveInit):
+                break
+        self.init = check_init(msg)
+        host, port = msg.unique_id.decode().rsplit(":", 1)
+        return init_group_body(host, int(port), msg.rank, msg.world_size)
+
+    def _recv(self, wait_ms: int = 0):
+        """One message (queueing a header), or None when none is there within ``wait_ms``."""
+        if not self._sock.poll(wait_ms):
+            return None
+        msg = TO_SUBSCRIBER_DECODER.decode(self._sock.recv())
+        if isinstance(msg, WeightUpdateHeader):
+            self.pending.append(msg)
+        elif isinstance(msg, Shutdown):
+            log.warning("the learner's weight publisher closed: %s", msg.reason)
+        return msg
+
+    def latest_version(self) -> int:
+        """Queue every header that arrived (non-blocking); the newest queued version, else -1."""
+        while self._recv() is not None:
+            pass
+        return self.pending[-1].version if self.pending else -1
+
+    def metrics(self) -> dict[str, float]:
+        s = self.stats
+        return {"weightsync/apply_s": s.apply_s, "weightsync/apply_s_total": s.apply_s_total,
+                "weightsync/versions_skipped": 0.0, "weightsync/bytes": 0.0,
+                "actor/sglang_restarts": float(s.restarts)}
+
+    def close(self) -> None:
+        self._sock.close()
+        self._ctx.term()
+
+
+def link_from_config(cfg, run_dir: str, actor_id: str, stop=None, timeout_s: float = 300) -> SGLangLink:
+    """The weight source the worker hands an SGLang engine instead of ``make_subscriber``'s
+    (``weightsync.transport=nccl`` only: the server receives by NCCL)."""
+    if cfg.weightsync.transport != "nccl":
+        raise ValueError(f"actor.engine=sglang receives weights over NCCL: set weightsync.transport=nccl "
+                         f"(got {cfg.weightsync.transport!r})")
+    return SGLangLink(run_dir, timeout_s, curve=net.curve_from_config(cfg.net), actor_id=actor_id, stop=stop)
+
+
+def check_init(msg) -> "CollectiveInit":
+    if msg.backend != "sglang":
+        raise SGLangError(f"the learner's publisher set up backend={msg.backend!r}; the SGLang engine needs "
+                          "its 'sglang' adapter, a torch rendezvous the server can join (actor/engines/sglang.py)")
+    if not 1 <= msg.rank < msg.world_size:
+        raise SGLangError(f"CollectiveInit: rank {msg.rank} outside [1, {msg.world_size})")
+    return msg
+
+
+def _read_json(path: str) -> dict | None:
+    try:
+        with open(path, "rb") as f:
+            return json.loads(f.read())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+class LinkStats:
+    def __init__(self):
+        self.apply_s = self.apply_s_total = 0.0
+        self.restarts = 0
+
+
+def push_update(server: SGLangServer, header, timeout_s: float) -> None:
+    """pause -> begin -> one receive per bucket -> end -> continue (module docstring). NCCL needs
+    every rank in every broadcast, so a queued version is received even when a newer one follows."""
+    server.post("/pause_generation", PAUSE_BODY, timeout_s)
+    check_ok("/begin_weight_update", server.post("/begin_weight_update", BEGIN_BODY, timeout_s))
+    for body in bucket_bodies(header):
+        check_ok("/update_weights_from_distributed", server.post("/update_weights_from_distributed", body, timeout_s))
+    check_ok("/end_weight_update", server.post("/end_weight_update", END_BODY, timeout_s))
+    server.post("/continue_generation", CONTINUE_BODY, timeout_s)
+
+
+# ---- the engine ----------------------------------------------------------------------------
+
+
+class SGLangEngine(Engine):
+    """``weights``: an :class:`SGLangLink` (the learner's NCCL publisher), or None for the model
+    directory's fixed weights (version 0)."""
+
+    name = "sglang"
+
+    def __init__(self, server: SGLangServer, spec: SamplingSpec, *, eos_ids, max_new_tokens: int = 16,
+                 max_batch: int = 256, weights=None, start_timeout_s: float = 600.0,
+                 update_timeout_s: float = 300.0, restart=None):
+        super().__init__(weights)
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1 (requests in flight at once), got {max_batch}")
+        self.server, self.spec = server, spec
+        self.eos_ids = sorted({int(t) for t in eos_ids})
+        self.max_new_tokens, self.max_batch = max_new_tokens, max_batch
+        self.start_timeout_s, self.update_timeout_s = start_timeout_s, update_timeout_s
+        self.restart = restart  # () -> SGLangServer: a fresh server on the model directory
+        self.poisoned: str | None = None  # why the server's weights cannot be trusted
+
+    @classmethod
+    def from_config(cls, actor_cfg, model_dir: str, weights=None, seed: int = 0) -> "SGLangEngine":
+        gpu = gpu_index(str(actor_cfg.device))
+        if weights is not None and not isinstance(weights, SGLangLink):
+            raise ValueError(f"actor.engine=sglang takes its weights through SGLangLink (weightsync.transport=nccl "
+                             f"with the learner's SGLang adapter), got a {type(weights).__name__}")
+
+        def fresh() -> SGLangServer:
+            port = net.free_port()
+            argv = launch_argv(actor_cfg.sglang_python, model_dir, port, dtype=actor_cfg.dtype,
+                               mem_fraction=actor_cfg.sglang_mem_fraction, max_running=actor_cfg.max_batch,
+                               seed=seed, version=0 if weights is None else -1, gpu=gpu)
+            return SGLangServer(argv, port, request_timeout_s=actor_cfg.sglang_request_timeout_s)
+
+        engine = cls(fresh(), SamplingSpec.of(actor_cfg), eos_ids=Tokenizer.from_dir(model_dir).eos_ids,
+                     max_new_tokens=actor_cfg.max_new_tokens, max_batch=actor_cfg.max_batch, weights=weights,
+                     start_timeout_s=actor_cfg.sglang_start_timeout_s,
+                     update_timeout_s=actor_cfg.sglang_update_timeout_s, restart=fresh)
+        try:
+            engine.boot()
+        except BaseException:
+            engine.server.stop()
+            raise
+        return engine
+
+    def boot(self) -> None:
+        """Start the server and, with a link, have it join the learner's group."""
+        self.server.start(self.start_timeout_s, self.stop)
+        if self.weights is not None:
+            check_ok("/init_weights_update_group",
+                     self.server.post("/init_weights_update_group", self.weights.join(), self.update_timeout_s))
+
+    def sampling(self) -> SamplingSpec:
+        return self.spec
+
+    # ---- weights
+
+    def _apply_weights(self) -> int | None:
+        if self.poisoned is not None:
+            return self._heal()
+        if self.weights.latest_version() <= self.version:
+            return None
+        return self._push_pending()
+
+    def _push_pending(self) -> int | None:
+        """Receive every queued version in order; the newest is in effect after the last."""
+        t0 = time.perf_counter()
+        applied = None
+        while self.weights.pending:
+            header = self.weights.pending.pop(0)
+            try:
+                push_update(self.server, header, self.update_timeout_s)
+            except (SGLangError, OSError) as e:
+                self.poison(f"version {header.version}: {e}")
+                return None
+            applied = header.version
+        s = self.weights.stats
+        s.apply_s = time.perf_counter() - t0
+        s.apply_s_total += s.apply_s
+        return applied
+
+    def poison(self, why: str) -> None:
+        """A failed or timed-out update: the server may hold half-written weights."""
+        log.error("SGLang weight update failed (%s): the engine is poisoned and will restart", why)
+        self.poisoned = why
+
+    def _heal(self) -> int | None:
+        """Restart on the model directory, re-join, and pull the next version before serving:
+        every version carries the whole weights. Until one lands the engine stays poisoned and
+        ``stream`` refuses to run."""
+        if self.restart is None:
+            raise SGLangError(f"the SGLang engine is poisoned ({self.poisoned}) and cannot restart")
+        self.server.stop()
+        self.server = self.restart()
+        self.weights.stats.restarts += 1
+        self.boot()
+        deadline = time.monotonic() + self.update_timeout_s
+        while self.weights.latest_version() < 0:
+            if time.monotonic() > deadline:
+                raise SGLangError(f"no weight version arrived within {self.update_timeout_s:.0f}s after a restart")
+            if self.stop is not None and self.stop.is_set():
+                raise EngineStopped("stopped while re-pulling weights after a restart")
+            time.sleep(POLL_S)
+        self.poisoned = None
+        return self._push_pending()
+
+    # ---- generation
+
+    def generate(self, prompts: list[list[int]], *, max_new_tokens: int | None = None,
+                 greedy: bool = False) -> list[Sample]:
+        out: list[Sample | None] = [None] * len(prompts)
+        for i, sample in self.stream(prompts, max_new_tokens=max_new_tokens, greedy=greedy):
+            out[i] = sample
+        return out
+
+    def stream(self, prompts: list[list[int]], *, max_new_tokens: int | None = None,
+               greedy: bool = False) -> Iterator[tuple[int, Sample]]:
+        """Every prompt in flight at once (at most ``max_batch``); yields as responses arrive."""
+        if self.poisoned is not None:
+            raise SGLangError(f"the SGLang engine is poisoned ({self.poisoned}); refresh_weights() restarts it")
+        if not prompts:
+            return
+        mask = truncates(self.spec) and not greedy
+        params = sampling_params(self.spec, max_new_tokens or self.max_new_tokens, self.eos_ids, greedy)
+        bodies = [generate_body(p, params, sampling_mask=mask) for p in prompts]
+        pool = cf.ThreadPoolExecutor(min(self.max_batch, len(bodies)), thread_name_prefix="sglang")
+        try:
+            futures = {pool.submit(self.server.post, "/generate", b): i for i, b in enumerate(bodies)}
+            yield from self._collect(futures, mask)
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)  # a consumer that stops early waits for nothing
+
+    def _collect(self, futures: dict, mask: bool) -> Iterator[tuple[int, Sample]]:
+        version, waiting = self.version, set(futures)
+        while waiting:
+            if self.stop is not None and self.stop.is_set():
+                self._abandon(waiting)
+                raise EngineStopped("stopped mid-generation")
+            done, waiting = cf.wait(waiting, timeout=POLL_S, return_when=cf.FIRST_COMPLETED)
+            for f in done:
+                yield futures[f], parse_sample(f.result(), version, sampling_mask=mask)
+
+    def _abandon(self, waiting) -> None:
+        for f in waiting:
+            f.cancel()
+        try:
+            self.server.post("/abort_request", ABORT_ALL_BODY, 10)
+        except SGLangError as e:
+            log.warning("could not abort the server's requests: %s", e)
+
+    def close(self) -> None:
+        self.server.stop()
+        super().close()

@@ -1,0 +1,268 @@
+"""``python run.py monitor [RUN_DIR]``: the live view of a job started in another terminal.
+
+The launcher appends every record to ``run_dir/metrics.jsonl`` (core/metrics.py); that file is
+the whole interface. Following it, rather than connecting to the job's metrics socket, is what
+makes attaching harmless: this process never writes into the run directory and never sends the
+job a byte, so detaching (Ctrl-C, a closed terminal) cannot disturb it, and a finished run is
+replayed from the very same file the next morning.
+
+:class:`JsonlFollower` reads what was appended since its last read, complete lines only: the
+collector appends whole lines, but a read may land between two ``write`` calls of a long batch,
+so the part after the last newline is kept until the rest arrives. A line that does not decode
+is counted and skipped. A file that shrank or was replaced (another job reusing the directory)
+is read again from its start, and counted.
+
+Whether the job still runs: the launcher pid in ``pids.json`` (core/launchers). A pid that is
+gone, a zombie, or a process that started after ``pids.json`` was written (the pid was reused
+overnight) means the job has ended; no ``pids.json`` means it never got that far.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from core.messages import MetricRecords
+from core.metrics import record_from_json
+
+METRICS_FILE = "metrics.jsonl"
+READ_CHUNK = 8 << 20  # bytes per read: a big backlog is replayed in slices, never all in memory
+MAX_LINE = 4 << 20  # a "line" longer than any collector frame (MAX_FRAME_BYTES) is garbage
+POLL_S = 0.25
+
+
+class AttachError(Exception):
+    """A run directory that cannot be attached to (``run.py monitor`` exits 2)."""
+
+
+class JsonlFollower:
+    """The records appended to one metrics.jsonl since the last :meth:`read`."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.offset = 0
+        self.bad_lines = 0  # lines that were not a metrics record
+        self.resets = 0  # times the file shrank or was replaced and was read from its start
+        self._partial = b""
+        self._ino: int | None = None
+
+    def read(self) -> list[MetricRecords]:
+        """Every complete new line, decoded; [] while the file does not exist."""
+        chunk = self._read_bytes()
+        if not chunk:
+            return []
+        lines = (self._partial + chunk).split(b"\n")
+        self._partial = lines.pop()
+        if len(self._partial) > MAX_LINE:  # never a line: drop it instead of growing without bound
+            self._partial = b""
+            self.bad_lines += 1
+        return [r for r in map(self._decode, lines) if r is not None]
+
+    def _read_bytes(self) -> bytes:
+        try:
+            with open(self.path, "rb") as f:
+                st = os.fstat(f.fileno())
+                self._check_reset(st)
+                f.seek(self.offset)
+                chunk = f.read(READ_CHUNK)
+        except FileNotFoundError:
+            return b""
+        self.offset += len(chunk)
+        return chunk
+
+    def _check_reset(self, st: os.stat_result) -> None:
+        replaced = self._ino is not None and st.st_ino != self._ino
+        if replaced or st.st_size < self.offset:
+            self.offset, self._partial = 0, b""
+            self.resets += 1
+        self._ino = st.st_ino
+
+    def _decode(self, line: bytes) -> MetricRecords | None:
+        if not line.strip():
+            return None
+        rec = _parse_line(line)
+        if rec is None:
+            self.bad_lines += 1
+        return rec
+
+    def caught_up(self) -> bool:
+        """True when the last read reached the end of the file (nothing backlogged)."""
+        try:
+            return os.path.getsize(self.path) <= self.offset
+        except OSError:
+            return True
+
+
+def _parse_line(line: bytes) -> MetricRecords | None:
+    try:
+        return record_from_json(json.loads(line))
+    except (ValueError, TypeError):  # JSONDecodeError, UnicodeDecodeError, a wrong shape
+        return None
+
+
+# ---- is the job still running ------------------------------------------------------------------
+
+
+def launcher_pid(run_dir: str) -> int | None:
+    """The launcher pid of ``pids.json``; None without one (or an unreadable one)."""
+    try:
+        with open(os.path.join(run_dir, "pids.json")) as f:
+            pid = json.load(f).get("launcher")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return pid if isinstance(pid, int) and pid > 0 else None
+
+
+def job_running(run_dir: str) -> bool:
+    """True while the launcher named in ``pids.json`` is alive (see the module docstring)."""
+    pid = launcher_pid(run_dir)
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # someone else's process: it exists
+    return _same_process(pid, os.path.join(run_dir, "pids.json"))
+
+
+def _same_process(pid: int, pids_path: str) -> bool:
+    """Not a zombie, and started before ``pids_path`` was written (Linux /proc; True elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open("/proc/stat") as f:
+            boot = next(int(ln.split()[1]) for ln in f if ln.startswith("btime "))
+        written = os.path.getmtime(pids_path)
+    except (OSError, StopIteration, IndexError, ValueError):
+        return True
+    started = boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    # 2 s of slack: btime and the start time are whole seconds and ticks
+    return fields[0] != "Z" and started <= written + 2.0
+
+
+# ---- the command ------------------------------------------------------------------------------
+
+
+def metrics_path(run_dir: str) -> str:
+    if not os.path.isdir(run_dir):
+        raise AttachError(f"run directory {run_dir} does not exist")
+    path = os.path.join(run_dir, METRICS_FILE)
+    if not os.path.exists(path):
+        raise AttachError(f"{run_dir} has no {METRICS_FILE}: not a driftrl run directory, or its "
+                          "launcher has not started yet")
+    return path
+
+
+def run_config(run_dir: str):
+    """The run's config (for the view's step and time budgets); the defaults if unreadable."""
+    from core import config as C
+
+    try:
+        with open(os.path.join(run_dir, "config.json"), "rb") as f:
+            return C.from_dict(json.loads(f.read()))
+    except (OSError, ValueError, C.ConfigError):
+        return C.Config()
+
+
+def paced(records: list[MetricRecords], speed: float, max_gap_s: float = 2.0):
+    """``records`` in batches of equal time, with a sleep of the real gap / ``speed`` (at most
+    ``max_gap_s``) before each: a replay you can watch. ``speed`` 0: one batch, no sleep."""
+    if speed <= 0 or not records:
+        yield records
+        return
+    batch, t = [], records[0].time
+    for rec in records:
+        if rec.time > t and batch:
+            yield batch
+            time.sleep(min((rec.time - t) / speed, max_gap_s))
+            batch, t = [], rec.time
+        batch.append(rec)
+    yield batch
+
+
+def _status(follower: JsonlFollower, text: str) -> str:
+    if follower.bad_lines:
+        text += f" · {follower.bad_lines} unreadable lines skipped"
+    return text + (f" · file restarted {follower.resets}x" if follower.resets else "")
+
+
+def drain(monitor, follower: JsonlFollower, speed: float = 0.0) -> None:
+    """Feed everything up to the end of the file (paced by ``speed``: a redraw per batch)."""
+    while True:
+        for batch in paced(follower.read(), speed):
+            monitor.update(batch)
+            if speed > 0:  # unpaced, the view is drawn once, with the last record (on exit)
+                monitor.refresh(force=True)
+        if follower.caught_up():
+            return
+
+
+def replay(monitor, follower: JsonlFollower, speed: float = 0.0) -> None:
+    """Feed the whole file, then (on leaving the view's context) show the final view once."""
+    monitor.note = "replay: the job has ended"
+    drain(monitor, follower, speed)
+    monitor.note = _status(follower, monitor.note)
+
+
+def follow(monitor, follower: JsonlFollower, run_dir: str, keep_waiting: bool, poll_s: float = POLL_S) -> None:
+    """Show the records as they arrive until the launcher is gone (forever with ``keep_waiting``)."""
+    while True:
+        running = job_running(run_dir)  # before the read: what it wrote before it ended is read
+        monitor.update(follower.read())
+        if not running and not keep_waiting:
+            drain(monitor, follower)
+            pid = launcher_pid(run_dir)
+            monitor.note = _status(follower, f"the job has ended (launcher {pid or '?'} is gone)")
+            return
+        monitor.note = _status(follower, "attached" if running else "waiting for the job (--follow)")
+        monitor.refresh()
+        if follower.caught_up():
+            time.sleep(poll_s)
+
+
+def attach(run_dir: str, keep_waiting: bool = False, speed: float = 0.0, console=None, live: str = "auto") -> int:
+    """``run.py monitor``: follow a running job, or replay a finished one; 0 when it ends.
+    ``live`` is this terminal's choice (``monitor.live``), not the one the job was started with."""
+    import msgspec
+
+    from core.monitor import Monitor
+
+    follower = JsonlFollower(metrics_path(run_dir))
+    cfg = run_config(run_dir)
+    cfg = msgspec.structs.replace(cfg, monitor=msgspec.structs.replace(cfg.monitor, live=live))
+    monitor = Monitor(cfg, console)
+    try:
+        with monitor:
+            if keep_waiting or job_running(run_dir):
+                follow(monitor, follower, run_dir, keep_waiting)
+            else:
+                replay(monitor, follower, speed)
+    except KeyboardInterrupt:  # detaching: nothing to clean up, the job never knew we were here
+        pass
+    return 0
+
+
+def main(argv=None) -> int:
+    import argparse
+    import sys
+
+    ap = argparse.ArgumentParser(prog="run.py monitor", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("run_dir", nargs="?", default=os.path.join("runs", "latest"))
+    ap.add_argument("--follow", action="store_true",
+                    help="keep waiting for new records after the job has ended (a resume)")
+    ap.add_argument("--speed", type=float, default=0.0,
+                    help="replay a finished run at X times its real pace (0: show the end at once)")
+    ap.add_argument("--live", choices=("auto", "on", "off"), default="auto",
+                    help="auto: the rich view on a terminal, plain lines otherwise")
+    args = ap.parse_args(argv)
+    if not args.speed >= 0:  # also NaN
+        ap.error(f"--speed must be >= 0, got {args.speed}")
+    try:
+        return attach(args.run_dir, args.follow, args.speed, live=args.live)
+    except AttachError as e:
+        print(f"monitor: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,87 @@
+"""Heartbeats: a hung role is told apart from a slow one by a file that stops moving.
+
+Each role touches ``run_dir/heartbeat/<role>`` from its main loop (:func:`beat`, at most once a
+second: one ``utime`` call). The launcher watches the files' modification times, but judges them
+with its own clock: it only asks "has this changed since I last looked", and times how long it has
+not, so a role on another host with a skewed clock is never judged by that clock. A role that has
+not beaten since its (re)start is given :data:`START_GRACE_S` at least (model load, compilation,
+the first checkpoint load), counted from its spawn; after that the configured timeout applies.
+The pure rules (:func:`hung_for`, :func:`backoff_s`) are separate from the file system, so the
+unit tests check them without processes.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+BEAT_EVERY_S = 1.0
+START_GRACE_S = 60.0  # before a role's first beat: a model load may outlast a short timeout
+BACKOFF_CAP_S = 30.0
+_last: dict[str, float] = {}
+
+
+def path(run_dir: str, role: str) -> str:
+    return os.path.join(run_dir, "heartbeat", role)
+
+
+def beat(run_dir: str, role: str) -> None:
+    """Touch the role's heartbeat file (created on the first call); cheap enough for any loop.
+    Without a run directory (a role's parts driven by a test) there is no launcher to tell."""
+    if not run_dir:
+        return
+    p, now = path(run_dir, role), time.monotonic()
+    if now - _last.get(p, -BEAT_EVERY_S) < BEAT_EVERY_S:
+        return
+    _last[p] = now
+    try:
+        os.utime(p)
+    except FileNotFoundError:
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        with open(p, "ab"):
+            pass
+
+
+def mtime(run_dir: str, role: str) -> float | None:
+    """The heartbeat file's modification time, None before the role's first beat ever."""
+    try:
+        return os.stat(path(run_dir, role)).st_mtime_ns / 1e9
+    except FileNotFoundError:
+        return None
+
+
+@dataclass
+class Watch:
+    """What the launcher knows of one role's heartbeat, on the launcher's clock."""
+
+    stamp: float | None  # the file's mtime when last looked at (its value, not compared to now)
+    seen_at: float  # launcher clock: the spawn, or when ``stamp`` last changed
+    beaten: bool = False  # the file moved since the spawn
+
+
+def started(stamp: float | None, now: float) -> Watch:
+    """A freshly (re)started role: the previous incarnation's file does not count as a beat."""
+    return Watch(stamp, now)
+
+
+def observe(w: Watch, stamp: float | None, now: float) -> Watch:
+    if stamp != w.stamp:
+        return Watch(stamp, now, True)
+    return w
+
+
+def hung_for(w: Watch, now: float, timeout_s: float) -> float | None:
+    """Seconds without a beat when that is past the allowance (None otherwise, or when off)."""
+    if timeout_s <= 0:
+        return None
+    quiet = now - w.seen_at
+    allowance = timeout_s if w.beaten else max(timeout_s, START_GRACE_S)
+    return quiet if quiet > allowance else None
+
+
+def backoff_s(base_s: float, n: int) -> float:
+    """The delay before the ``n``-th restart of a role (n >= 1): base * 2^(n-1), capped."""
+    if n < 1:
+        raise ValueError(f"restart number n = {n} must be at least 1")
+    return min(base_s * 2.0 ** (n - 1), BACKOFF_CAP_S)

@@ -1,0 +1,288 @@
+"""Ray launcher: every role a subprocess of a small Ray actor, placed by a Ray placement group.
+
+Ray decides *where* (per-role CPUs, GPUs and custom resources, ``ray.*``, one bundle per role in
+one placement group, ``ray.placement_strategy``); driftrl's own ZeroMQ data plane still carries
+every trajectory (DESIGN §1). Each role runs the same entry point as under the local launcher
+(``roles()``), started by a :class:`RoleHost` actor on its node with the local launcher's
+environment rules, except that ``DRIFTRL_LAUNCHER_PID`` is the host actor's pid: the role dies
+with its host (core/proc.py), and a host Ray reports dead counts as the role killed by SIGKILL
+(the next start makes a fresh host in the same bundle). Restarts, heartbeats and stopping are the
+shared ones of :class:`~core.launchers.Launcher`.
+
+Addresses are discovered, not configured: the hosts are placed before ``config.json`` is written;
+when every role shares the launcher's node the sockets stay on ``net.host`` (127.0.0.1), otherwise
+they bind the buffer node's IP, on ports that node reports free -- and off loopback CURVE keys are
+required (``net.curve_*``). The metrics collector lives in the launcher and binds the same
+``net.host``, so the buffer must be on the launcher's node (pin it with ``ray.buffer_resources``).
+Roles on another node than the learner cannot map its shared memory (``shm``, ``cuda_ipc``): use
+``weightsync.transport=filesystem`` (or ``nccl`` on GPUs).
+
+``run.run_dir`` must be on a file system every node sees at the same path (config.json, the
+secret, checkpoints, the actors' spool, logs, heartbeats, filesystem weights), and the checkout at
+the same path too: the hosts import ``core`` and start ``python -m <role>`` from it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import signal as _signal
+import subprocess
+import threading
+from dataclasses import dataclass
+
+import msgspec
+
+try:  # the optional extra `ray`: without it this module still imports (the seam registry checks
+    # every launcher class), and choosing the launcher fails with the install command
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+except ImportError as e:
+    ray, _RAY_MISSING = None, e
+
+from core import config as C
+from core import net
+from core.launchers import ROOT, Launcher, Role, prepare, roles
+from core.launchers.local import role_env
+
+log = logging.getLogger("driftrl.launch")
+RPC_TIMEOUT_S = 30.0  # one answer of a host actor; a busy 2-core node answers in milliseconds
+OBJECT_STORE_BYTES = 100 << 20  # nothing large travels through Ray: trajectories go over ZeroMQ
+CLOSE_WAIT_S = 10.0
+NODE_LOCAL_TRANSPORTS = ("shm", "cuda_ipc")  # shared memory / CUDA IPC handles: one host only
+BUFFER_PORTS = ("buffer_actor_port", "buffer_learner_port", "metrics_port")
+
+
+class RoleHost:
+    """Runs one role's process on the node Ray placed it on, and answers for it."""
+
+    def __init__(self):
+        self.proc: subprocess.Popen | None = None
+
+    def where(self) -> dict:
+        return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
+                "pid": os.getpid()}
+
+    def free_ports(self, host: str, n: int) -> list[int]:
+        return [net.free_port(host if net.is_loopback(host) else "0.0.0.0") for _ in range(n)]
+
+    def start(self, argv: list[str], log_path: str, extra_env: dict[str, str]) -> int:
+        env = {**role_env(), **extra_env}  # in this host: os.getpid() is the host's, the role's parent
+        with open(log_path, "ab") as logf:
+            self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=logf, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        return self.proc.pid
+
+    def poll(self) -> int | None:
+        return self.proc.poll() if self.proc is not None else None
+
+    def signal(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            if self.proc is not None:
+                self.proc.send_signal(sig)
+
+
+RemoteHost = ray.remote(RoleHost) if ray is not None else None
+
+
+@dataclass
+class RayRole:
+    """``Role.handle`` under Ray: the role's pid (pids.json, tests), its host, its last exit code."""
+
+    pid: int
+    host: object
+    node_id: str
+    code: int | None = None
+
+
+def bundles(cfg: C.Config) -> list[dict[str, float]]:
+    """One placement-group bundle per role, in ``roles()`` order: buffer, learner, actors."""
+    r = cfg.ray
+
+    def bundle(cpus: float, gpus: float, custom: dict[str, float]) -> dict[str, float]:
+        return {"CPU": cpus, **({"GPU": gpus} if gpus else {}), **custom}
+
+    return ([bundle(r.buffer_cpus, 0.0, r.buffer_resources),
+             bundle(r.learner_cpus, r.learner_gpus, r.learner_resources)]
+            + [bundle(r.actor_cpus, r.actor_gpus, r.actor_resources)] * cfg.actor.num_actors)
+
+
+def local_resources(bs: list[dict[str, float]]) -> dict:
+    """What a local instance must offer so every bundle fits on it (Ray's CPUs are logical)."""
+    total: dict[str, float] = {}
+    for b in bs:
+        for k, v in b.items():
+            total[k] = total.get(k, 0.0) + v
+    gpus = total.pop("GPU", 0.0)
+    return {"num_cpus": math.ceil(total.pop("CPU")), "num_gpus": math.ceil(gpus) if gpus else None,
+            "resources": total}
+
+
+def check_placement(cfg: C.Config, places: dict[str, dict], driver_node: str) -> None:
+    """Refuse a layout the roles could not run in, naming the setting to change."""
+    learner = places["learner"]["node_id"]
+    apart = sorted(n for n, p in places.items() if p["node_id"] != learner)
+    if apart and cfg.weightsync.transport in NODE_LOCAL_TRANSPORTS:
+        raise C.ConfigError(f"{', '.join(apart)} placed on another node than the learner: "
+                            f"`$.weightsync.transport` = {cfg.weightsync.transport!r} works on one node only; "
+                            "use 'filesystem' (with a run_dir every node sees) or 'nccl'")
+    if places["buffer"]["node_id"] != driver_node:
+        raise C.ConfigError(f"the buffer was placed on node {places['buffer']['ip']}, not the launcher's: the "
+                            "metrics collector binds `$.net.host` in the launcher; pin the buffer to the "
+                            "launcher's node with `$.ray.buffer_resources`")
+
+
+def bind_host(cfg: C.Config, places: dict[str, dict], driver_node: str) -> str:
+    """``net.host`` while every role is on the launcher's node (or the user chose a routable
+    one), else the buffer node's IP."""
+    one_node = all(p["node_id"] == driver_node for p in places.values())
+    return cfg.net.host if one_node or not net.is_loopback(cfg.net.host) else places["buffer"]["ip"]
+
+
+def resolve_net(cfg: C.Config, places: dict[str, dict], driver_node: str, ports: list[int]) -> C.Config:
+    """The ``net`` section the roles will use: :func:`bind_host`, and ``ports`` (free on the
+    buffer's node) where the config left 0. Off loopback CURVE is required (``C.validate``)."""
+    host = bind_host(cfg, places, driver_node)
+    filled = {k: getattr(cfg.net, k) or port for k, port in zip(BUFFER_PORTS, ports)}
+    out = msgspec.structs.replace(cfg, net=msgspec.structs.replace(cfg.net, host=host, **filled))
+    C.validate(out)
+    return out
+
+
+def _remove_group(pg) -> None:
+    """Remove the placement group, waiting at most CLOSE_WAIT_S: with the cluster's GCS gone (a
+    SIGTERM to the whole process group takes it down with the launcher) the call never returns.
+    A group left behind that way goes with the job: it is not detached."""
+    def remove():
+        with contextlib.suppress(Exception):  # the cluster may already be gone
+            ray.util.remove_placement_group(pg)
+
+    t = threading.Thread(target=remove, name="ray-remove-pg", daemon=True)
+    t.start()
+    t.join(CLOSE_WAIT_S)
+    if t.is_alive():
+        log.warning("Ray did not remove the placement group in %.0fs (is the cluster gone?)", CLOSE_WAIT_S)
+
+
+class RayLauncher(Launcher):
+    name = "ray"
+
+    def __init__(self, cfg: C.Config):
+        if ray is None:
+            raise ImportError(f"`$.run.launcher` = 'ray' needs Ray: pip install -e '.[ray]' ({_RAY_MISSING})")
+        super().__init__(cfg)
+        self._started_ray = False
+        self._pg = None
+        self._hosts: dict[str, object] = {}  # role name -> its live host actor
+        self._bundle: dict[str, int] = {}  # role name -> its bundle index
+        self.places: dict[str, dict] = {}  # role name -> its host's node id, IP and pid
+
+    # ---- placement ---------------------------------------------------------------------------
+
+    def _init_ray(self, bs: list[dict[str, float]]) -> None:
+        if ray.is_initialized():
+            return
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        kw = dict(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False,
+                  configure_logging=True)
+        if not self.cfg.ray.address:
+            kw.update(object_store_memory=OBJECT_STORE_BYTES, **local_resources(bs))
+        # ray.init replaces SIGTERM's handler with sys.exit: the launcher's own (Interrupt) must
+        # stay, so a SIGTERM stops the roles in order and the finally block shuts Ray down
+        handlers = {s: _signal.getsignal(s) for s in (_signal.SIGINT, _signal.SIGTERM)}
+        try:
+            ray.init(address=self.cfg.ray.address or None, **kw)
+        finally:
+            if threading.current_thread() is threading.main_thread():  # (ray.init only sets it there too)
+                for s, h in handlers.items():
+                    if h is not None:
+                        _signal.signal(s, h)
+        self._started_ray = True
+
+    def _place(self, procs: list[Role]) -> None:
+        bs = bundles(self.cfg)
+        self._init_ray(bs)
+        self._pg = ray.util.placement_group(bs, strategy=self.cfg.ray.placement_strategy)
+        try:
+            ray.get(self._pg.ready(), timeout=self.cfg.ray.start_timeout_s)
+        except GetTimeoutError:
+            raise RuntimeError(f"Ray could not place the roles' bundles {bs} within "
+                               f"{self.cfg.ray.start_timeout_s:.0f}s (`$.ray.start_timeout_s`); the cluster has "
+                               f"{ray.available_resources()}: lower `$.ray.*_cpus`/`*_gpus` or add nodes") from None
+        self._bundle = {r.name: i for i, r in enumerate(procs)}
+
+    def _host(self, name: str):
+        """The role's host actor, a fresh one in its bundle when it has none (or it died)."""
+        if name not in self._hosts:
+            b = bundles(self.cfg)[self._bundle[name]]
+            strategy = PlacementGroupSchedulingStrategy(placement_group=self._pg,
+                                                        placement_group_bundle_index=self._bundle[name])
+            opts = dict(num_cpus=b["CPU"], num_gpus=b.get("GPU", 0),
+                        resources={k: v for k, v in b.items() if k not in ("CPU", "GPU")},
+                        scheduling_strategy=strategy, name=None, max_restarts=0)
+            self._hosts[name] = RemoteHost.options(**opts).remote()
+        return self._hosts[name]
+
+    def _call(self, name: str, method: str, *args, timeout_s: float = RPC_TIMEOUT_S):
+        return ray.get(getattr(self._host(name), method).remote(*args), timeout=timeout_s)
+
+    def _where(self, name: str) -> dict:
+        """Where the role's host landed; its first answer waits for its worker process to start."""
+        return self._call(name, "where", timeout_s=self.cfg.ray.start_timeout_s)
+
+    def prepare(self, run_dir: str | None) -> tuple[C.Config, str]:
+        """Place every role's host, then resolve the addresses from where they landed."""
+        try:
+            procs = roles(self.cfg, run_dir or "")
+            self._place(procs)
+            places = {r.name: self._where(r.name) for r in procs}
+            driver = ray.get_runtime_context().get_node_id()
+            check_placement(self.cfg, places, driver)
+            ports = self._call("buffer", "free_ports", bind_host(self.cfg, places, driver), len(BUFFER_PORTS))
+            self.places = places
+            return prepare(resolve_net(self.cfg, places, driver, ports), run_dir)
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- the Launcher interface --------------------------------------------------------------
+
+    def spawn(self, role: Role, run_dir: str) -> None:
+        extra = {k: v for k, v in os.environ.items() if k.startswith("DRIFTRL_") and k != "DRIFTRL_LAUNCHER_PID"}
+        if role.name not in self.places:  # a fresh host: its bundle may now be on another node
+            self.places[role.name] = self._where(role.name)
+        pid = self._call(role.name, "start", role.argv, role.log_path, extra)
+        role.handle = RayRole(pid, self._hosts[role.name], self.places[role.name]["node_id"])
+
+    def returncode(self, role: Role) -> int | None:
+        h = role.handle
+        if h.code is None:
+            try:
+                h.code = ray.get(h.host.poll.remote(), timeout=RPC_TIMEOUT_S)
+            except RayActorError:  # the host (and with it the role) is gone: as if SIGKILLed
+                h.code = -_signal.SIGKILL
+                self._forget(role.name, h.host)
+            except GetTimeoutError:
+                log.warning("%s: its Ray host did not answer in %.0fs", role.name, RPC_TIMEOUT_S)
+        return h.code
+
+    def _forget(self, name: str, host) -> None:
+        if self._hosts.get(name) is host:
+            del self._hosts[name]
+            self.places.pop(name, None)
+
+    def signal(self, role: Role, sig: int) -> None:
+        with contextlib.suppress(RayActorError, GetTimeoutError):
+            ray.get(role.handle.host.signal.remote(sig), timeout=RPC_TIMEOUT_S)
+
+    def close(self) -> None:
+        if self._pg is not None:
+            _remove_group(self._pg)
+            self._pg = None
+        self._hosts.clear()
+        if self._started_ray:
+            ray.shutdown()
+            self._started_ray = False

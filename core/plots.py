@@ -1,0 +1,270 @@
+"""``python run.py plot [RUN_DIR]``: PNG figures of a run, from its ``metrics.jsonl``.
+
+Read with the follower of ``run.py monitor`` (core/attach.py), so a running job can be plotted
+too and a torn or garbage line is skipped, never fatal. The x axis is the learner step: every
+role stamps its records with it (the learner its step, actors and the buffer the policy version
+they hold, which is the learner step that published it). The launcher's records carry step -1;
+they are placed at the learner step whose record is nearest in wall-clock time -- restarts
+(``run/restarts/<role>``, drawn as a vertical line on every step axis) and the final eval.
+
+A metric nobody logged leaves its panel with the words "not logged" and the names it looked
+for, so a partial run (no eval, no actors) still gets every figure. Staleness: the learner logs
+``staleness/hist``, the cumulative count of trained samples by staleness, so the histogram is
+its last value; ``staleness/mean`` and ``/max`` are drawn over steps beside it.
+
+matplotlib (extra ``plot``) is imported by :func:`write_plots` only, with the Agg backend: no
+display needed. The last stdout line of ``main`` is ``{"plots": [paths]}``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import os
+import sys
+from collections import defaultdict
+
+from core.attach import AttachError, JsonlFollower, metrics_path
+
+PLOTS_DIR = "plots"
+RESTARTS = "run/restarts/"
+BY_STALENESS = "ratio/p99_by_staleness/"
+# (file, title, [(panel title, [(metric, label), ...], log y), ...]): the figures of plain lines
+LINE_FIGURES = (
+    ("reward", "reward", [("held-out and train reward", [("eval/reward", "held-out (eval/reward)"),
+                                                         ("reward/mean", "train (reward/mean)")], False)]),
+    ("length", "response length", [("response length (tokens)", [("length/mean", "mean"), ("length/p90", "p90"),
+                                                                 ("length/p99", "p99"), ("length/max", "max")],
+                                    False)]),
+    ("ratio", "ratio π_learner/π_behaviour", [("ratio quantiles", [("ratio/p50", "p50"), ("ratio/p99", "p99"),
+                                                                   ("ratio/p999", "p99.9"), ("ratio/max", "max")],
+                                               True)]),
+    ("learner_idle", "learner idle", [("learner idle fraction", [("learner/idle_frac", "idle_frac")], False)]),
+)
+
+Points = list[tuple[float, float]]
+
+
+# ---- reading ---------------------------------------------------------------------------------
+
+
+def load(run_dir: str) -> list:
+    """Every record of the run's metrics.jsonl, in file order."""
+    follower = JsonlFollower(metrics_path(run_dir))
+    out = []
+    while True:
+        out += follower.read()
+        if follower.caught_up():
+            return out
+
+
+class Timeline:
+    """Learner step by wall-clock time, from the learner's own records."""
+
+    def __init__(self, records: list):
+        pairs = sorted((r.time, r.step) for r in records if r.role == "learner" and r.step >= 0)
+        self.times = [t for t, _ in pairs]
+        self.steps = [s for _, s in pairs]
+
+    def step_at(self, t: float) -> float | None:
+        """The step of the learner record nearest to ``t``; None without learner records."""
+        if not self.times:
+            return None
+        i = bisect.bisect_left(self.times, t)
+        near = [j for j in (i - 1, i) if 0 <= j < len(self.times)]
+        return float(self.steps[min(near, key=lambda j: abs(self.times[j] - t))])
+
+
+def index(records: list) -> dict[str, dict[str, Points]]:
+    """``{metric: {source: [(step, value), ...]}}`` of every finite scalar; source is role/id."""
+    timeline, out = Timeline(records), defaultdict(lambda: defaultdict(list))
+    for rec in records:
+        x = float(rec.step) if rec.step >= 0 else timeline.step_at(rec.time)
+        if x is None:
+            continue
+        for k, v in rec.values.items():
+            if isinstance(v, float) and math.isfinite(v):
+                out[k][f"{rec.role}/{rec.id}"].append((x, v))
+    return out
+
+
+def last_list(records: list, key: str) -> list[float] | None:
+    """The last list value of ``key`` (``staleness/hist``)."""
+    for rec in reversed(records):
+        v = rec.values.get(key)
+        if isinstance(v, list):
+            return v
+    return None
+
+
+def restart_steps(records: list) -> list[tuple[float, str]]:
+    """(step, role) of every restart: a ``run/restarts/<role>`` counter that went up."""
+    timeline, seen, out = Timeline(records), {}, []
+    for rec in records:
+        for k, v in rec.values.items():
+            if k.startswith(RESTARTS) and isinstance(v, float) and v > seen.get(k, 0.0):
+                seen[k] = v
+                x = timeline.step_at(rec.time)
+                if x is not None:
+                    out.append((x, k[len(RESTARTS):]))
+    return out
+
+
+def per_step(pts: Points) -> Points:
+    """The mean value at each step, in step order: a role reports several times per step."""
+    acc = defaultdict(list)
+    for x, v in pts:
+        acc[x].append(v)
+    return [(x, sum(vs) / len(vs)) for x, vs in sorted(acc.items())]
+
+
+def merged(idx: dict, key: str) -> Points:
+    """All sources of ``key`` in one series (one source is the usual case), per step."""
+    return per_step([p for pts in idx.get(key, {}).values() for p in pts])
+
+
+# ---- drawing ---------------------------------------------------------------------------------
+
+
+def not_logged(ax, keys) -> None:
+    ax.text(0.5, 0.5, "not logged:\n" + "\n".join(keys), ha="center", va="center",
+            transform=ax.transAxes, color="gray")
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def mark_restarts(ax, restarts) -> None:
+    for i, (x, role) in enumerate(restarts):
+        ax.axvline(x, color="red", linestyle="--", linewidth=1, alpha=0.7,
+                   label="restart" if i == 0 else None)
+        ax.annotate(role, (x, 1.0), xycoords=("data", "axes fraction"), fontsize=7, color="red",
+                    rotation=90, va="top", ha="right")
+
+
+def draw_lines(ax, series: list[tuple[str, Points]], restarts, log_y: bool = False) -> bool:
+    """One line per non-empty series; False (and nothing drawn) when all are empty."""
+    drawn = [(label, pts) for label, pts in series if pts]
+    for label, pts in drawn:
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label, marker="." if len(pts) < 30 else None)
+    if not drawn:
+        return False
+    ys = [p[1] for _, pts in drawn for p in pts]
+    if log_y and min(ys) > 0 and max(ys) > 10 * min(ys):  # a max far off the quantiles
+        ax.set_yscale("log")
+    mark_restarts(ax, restarts)
+    ax.set_xlabel("learner step")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return True
+
+
+def line_panel(ax, idx: dict, title: str, keys, restarts, log_y: bool = False) -> None:
+    ax.set_title(title)
+    missing = [k for k, _ in keys if not merged(idx, k)]
+    if not draw_lines(ax, [(label, merged(idx, k)) for k, label in keys], restarts, log_y):
+        not_logged(ax, [k for k, _ in keys])
+    elif missing:
+        ax.text(0.01, 0.01, "not logged: " + ", ".join(missing), transform=ax.transAxes, fontsize=7, color="gray")
+
+
+def by_staleness_panel(ax, idx: dict, restarts) -> None:
+    ax.set_title("ratio p99 by staleness")
+    lags = sorted((int(k[len(BY_STALENESS):]), k) for k in idx
+                  if k.startswith(BY_STALENESS) and k[len(BY_STALENESS):].isdigit())
+    series = [(f"staleness {lag}", merged(idx, k)) for lag, k in lags]
+    if not draw_lines(ax, series, restarts):
+        not_logged(ax, [BY_STALENESS + "<lag>"])
+
+
+def staleness_hist_panel(ax, hist: list[float] | None) -> None:
+    ax.set_title("staleness of trained samples (cumulative)")
+    counts = [c if math.isfinite(c) else 0.0 for c in hist or []]
+    if not any(counts):
+        return not_logged(ax, ["staleness/hist"])
+    ax.bar(range(len(counts)), counts, color="tab:blue")
+    ax.set_xlabel("staleness (policy versions)")
+    ax.set_ylabel("samples")
+    ax.set_xticks(range(len(counts)))
+
+
+def throughput_panels(tokens_ax, samples_ax, idx: dict, restarts) -> None:
+    """Tokens/s of every actor and of the learner; samples/s of the learner."""
+    tokens_ax.set_title("tokens/s")
+    actors = sorted(idx.get("actor/tokens_per_s", {}).items())
+    series = [(f"{src.split('/', 1)[1]} (actor/tokens_per_s)", per_step(pts)) for src, pts in actors]
+    series.append(("learner (learner/tokens_per_s)", merged(idx, "learner/tokens_per_s")))
+    if not draw_lines(tokens_ax, series, restarts):
+        not_logged(tokens_ax, ["actor/tokens_per_s", "learner/tokens_per_s"])
+    line_panel(samples_ax, idx, "samples/s", [("learner/samples_per_s", "learner (learner/samples_per_s)")],
+               restarts)
+
+
+# ---- the figures ---------------------------------------------------------------------------
+
+
+def figures(records: list):
+    """``(name, figure)`` of every figure (matplotlib imported by the caller)."""
+    import matplotlib.pyplot as plt
+
+    idx, restarts = index(records), restart_steps(records)
+    for name, title, panels in LINE_FIGURES:
+        fig, axes = plt.subplots(1, len(panels), figsize=(8, 4.5), squeeze=False)
+        for ax, (ptitle, keys, log_y) in zip(axes[0], panels):
+            line_panel(ax, idx, ptitle, keys, restarts, log_y)
+        fig.suptitle(title)
+        yield name, fig
+    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.5))
+    staleness_hist_panel(a, last_list(records, "staleness/hist"))
+    line_panel(b, idx, "staleness over steps", [("staleness/mean", "mean"), ("staleness/max", "max")], restarts)
+    yield "staleness", fig
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    by_staleness_panel(ax, idx, restarts)
+    yield "ratio_by_staleness", fig
+    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.5))
+    throughput_panels(a, b, idx, restarts)
+    yield "throughput", fig
+
+
+def write_plots(run_dir: str, out_dir: str | None = None) -> list[str]:
+    """Every figure as ``<out_dir>/<name>.png`` (default ``run_dir/plots``); the paths written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = load(run_dir)
+    out_dir = out_dir or os.path.join(run_dir, PLOTS_DIR)
+    os.makedirs(out_dir, exist_ok=True)
+    paths = []
+    for name, fig in figures(records):
+        path = os.path.join(out_dir, f"{name}.png")
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="run.py plot", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("run_dir", nargs="?", default=os.path.join("runs", "latest"))
+    ap.add_argument("--out", help="where to write the PNGs (default RUN_DIR/plots)")
+    args = ap.parse_args(argv)
+    try:
+        import matplotlib  # noqa: F401 -- only to say what is missing before reading anything
+    except ImportError:
+        print("plot: matplotlib is not installed: pip install -e '.[plot]'", file=sys.stderr)
+        return 2
+    try:
+        paths = write_plots(args.run_dir, args.out)
+    except AttachError as e:
+        print(f"plot: {e}", file=sys.stderr)
+        return 2
+    for p in paths:
+        print(p)
+    print(json.dumps({"plots": paths}))
+    return 0

@@ -1,0 +1,130 @@
+"""cuda_ipc without a GPU: its records (msgspec bytes, never pickle) and its slot discipline.
+
+The two CUDA calls (``share`` = ``_share_cuda_``, ``opener`` = ``_new_shared_cuda``) are replaced by
+an in-process registry: the "opened" slot is the publisher's own slot tensor, so a reader sees
+exactly what the publisher wrote, and a slot rewritten under a reader would show. The real IPC
+path is tests/gpu/test_weightsync_gpu.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import time
+
+import pytest
+import torch
+
+from core.config import ConfigError, load
+from weightsync import cuda_ipc, shm
+from weightsync.base import make_publisher
+
+
+class _Registry:
+    """Stands in for the CUDA driver's IPC handles: handle bytes -> the shared tensor."""
+
+    def __init__(self):
+        self.slots: dict[bytes, torch.Tensor] = {}
+
+    def share(self, flat):
+        handle = secrets.token_bytes(64)  # a cudaIpcMemHandle_t is 64 bytes
+        self.slots[handle] = flat
+        return 0, handle, flat.numel(), 0, secrets.token_bytes(16), 7, secrets.token_bytes(64), False
+
+    def open(self, rec):
+        return self.slots[rec.handle]
+
+
+def _state(version: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(version)
+    return {"embed": torch.randn(40, 8, generator=g).bfloat16(), "q": torch.randn(8, 8, generator=g),
+            "step": torch.tensor([version], dtype=torch.int64)}
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    yield str(tmp_path)
+    with contextlib.suppress(OSError):
+        path = shm.region_path(str(tmp_path))
+        if path and os.path.exists(path):
+            os.unlink(path)
+
+
+def test_record_round_trips_and_refuses_garbage():
+    header = cuda_ipc.layout.header_for(-1, _state(0), 1 << 20)
+    rec = cuda_ipc.IpcSlot(2, 0, b"\x00\xff" * 32, 4096, 512, b"rc", 3, None, True, header)
+    buf = cuda_ipc.encode_record(rec, 4096)
+    assert buf.dtype == torch.uint8 and buf.numel() == 4096
+    assert cuda_ipc.decode_record(buf) == rec
+    with pytest.raises(ValueError, match="does not fit"):
+        cuda_ipc.encode_record(rec, 16)
+    with pytest.raises(ValueError, match="record"):
+        cuda_ipc.decode_record(torch.zeros(64, dtype=torch.uint8))
+
+
+def test_publish_apply_is_bit_exact_and_converts(run_dir):
+    reg = _Registry()
+    pub = cuda_ipc.CudaIpcPublisher(run_dir, _state(0), 1 << 10, max_readers=2, share=reg.share)
+    same = cuda_ipc.CudaIpcSubscriber(run_dir, 5, device="cpu", opener=reg.open)
+    wide = cuda_ipc.CudaIpcSubscriber(run_dir, 5, device="cpu", opener=reg.open)
+    assert same.apply({k: torch.zeros_like(v) for k, v in _state(0).items()}) is None  # nothing yet
+    assert pub.publish(0, _state(0)).bytes == sum(t.nbytes for t in _state(0).values())
+    got = {k: torch.zeros_like(v) for k, v in _state(0).items()}
+    got_wide = {k: torch.zeros(v.shape, dtype=torch.float64) for k, v in _state(0).items()}
+    assert same.apply(got) == 0 and wide.apply(got_wide) == 0
+    assert all(torch.equal(got[k], v) for k, v in _state(0).items())
+    assert all(torch.equal(got_wide[k], v.double()) for k, v in _state(0).items())
+    for s in (same, wide, pub):
+        s.close()
+
+
+def test_a_slot_a_reader_copies_from_is_never_rewritten(run_dir):
+    reg = _Registry()
+    pub = cuda_ipc.CudaIpcPublisher(run_dir, _state(0), max_readers=1, share=reg.share)
+    sub = cuda_ipc.CudaIpcSubscriber(run_dir, 5, device="cpu", opener=reg.open)
+    target = {k: torch.zeros_like(v) for k, v in _state(0).items()}
+    pub.publish(5, _state(5))
+    assert sub.apply(target) == 5
+    (opened,) = sub._opened.values()  # the device slot version 5 came from, still pinned
+    before = opened.clone()
+    for v in range(6, 6 + 3 * pub.slots):
+        assert pub.publish(v, _state(v)) is not None  # 2 + readers slots: a publish never waits
+    assert torch.equal(opened, before)
+    assert sub.latest_version() == 5 + 3 * pub.slots and sub.apply(target) == sub.latest_version()
+    assert all(torch.equal(target[k], v) for k, v in _state(sub.latest_version()).items())
+    assert len(sub._opened) >= 2 and sub.stats.versions_skipped > 0
+    sub.close()
+    pub.close()
+
+
+def test_the_transport_refuses_host_memory(run_dir):
+    cfg = load(None, ['weightsync.transport="cuda_ipc"'])
+    with pytest.raises(ValueError, match="learner.device"):
+        make_publisher(cfg, run_dir, _state(0))
+    from core import placement
+
+    with pytest.raises(ConfigError, match="cuda_ipc"):
+        placement.check(cfg, n_gpus=0)
+    assert placement.check(cfg, n_gpus=1) == ("cuda:0", ["cuda:0"])
+
+
+def test_a_restarted_publisher_is_followed_with_fresh_handles(run_dir):
+    reg = _Registry()
+    pub = cuda_ipc.CudaIpcPublisher(run_dir, _state(0), max_readers=1, share=reg.share)
+    sub = cuda_ipc.CudaIpcSubscriber(run_dir, 5, device="cpu", opener=reg.open)
+    target = {k: torch.zeros_like(v) for k, v in _state(0).items()}
+    pub.publish(0, _state(0))
+    assert sub.apply(target) == 0
+    pub.close()
+    assert sub.publisher_closed
+    pub = cuda_ipc.CudaIpcPublisher(run_dir, _state(0), max_readers=1, share=reg.share)  # the restarted learner
+    pub.publish(4, _state(4))
+    deadline = time.monotonic() + 5
+    while sub.latest_version() != 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sub.apply(target) == 4
+    assert all(torch.equal(target[k], v) for k, v in _state(4).items())
+    assert len(sub._opened) == 1  # the dead publisher's slots were dropped
+    sub.close()
+    pub.close()

@@ -1,0 +1,221 @@
+"""CUDA IPC transport (one shared GPU): weight slots in device memory, never through the host.
+
+When the learner and an actor share a GPU (core/placement.py: one GPU, every role on
+``cuda:0``), copying the weights to ``/dev/shm`` and back costs two PCIe crossings per version;
+here the publisher keeps ``N`` flat device slots and an actor copies the newest one device to
+device into its own parameters.
+
+Slots and pins are shm's (weightsync/shm.py), unchanged: the publisher owns a small shm region
+whose slot ``s`` holds only a *record* of device slot ``s`` -- a msgspec :class:`IpcSlot` with
+the CUDA IPC handle of that slot's memory (the tuple ``UntypedStorage._share_cuda_()`` returns,
+taken once per slot at start, exactly the arguments ``UntypedStorage._new_shared_cuda`` takes,
+as torch/multiprocessing/reductions.py passes them), and the weight layout. shm's protocol
+publishes the record of a slot only after the device slot is written (and its stream
+synchronised), and a reader *maps* the record, which pins slot ``s`` until its next apply: a
+device slot is never rewritten while an actor may be copying out of it, and an actor never
+sees a half-written version. Every slot is opened once per reader and cached by its handle
+(dropped when a restarted learner's region replaces the old one).
+
+Copied, never mapped: an actor that rebound its parameters to the learner's slots would compute
+with freed memory after a learner crash (CUDA IPC memory dies with its exporter, unlike shm's
+file), and the launcher restarts crashed learners. So a version costs two device copies, one
+into a slot (publish) and one out of it (apply): ``gpu_check``'s ``ratio`` is at most ~0.5.
+
+Nothing is pickled: the record is msgspec bytes, length-prefixed in the fixed-size shm slot.
+``share`` / ``opener`` are the two CUDA calls; the unit tests pass in-process stand-ins for
+them to test the records and the slot discipline without a GPU (tests/unit/test_cuda_ipc.py);
+the real path is tests/gpu/test_weightsync_gpu.py and ``python -m weightsync.gpu_check``.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Callable, Mapping
+
+import msgspec
+import torch
+
+from core.messages import WeightUpdateHeader
+from weightsync import layout
+from weightsync.base import Publisher, Subscriber
+from weightsync.shm import ShmPublisher, ShmSubscriber, _copy_all
+
+RECORD = "ipc"  # the one tensor of the control region
+_LEN = struct.Struct("<Q")  # the record's length, before its bytes
+
+
+class IpcSlot(msgspec.Struct, frozen=True, array_like=True, tag="ws_ipc"):
+    """One device slot, as a reader opens it; the handle fields are ``_share_cuda_()``'s."""
+
+    slot: int
+    device: int
+    handle: bytes | None
+    size_bytes: int
+    offset_bytes: int
+    ref_counter_handle: bytes | None
+    ref_counter_offset: int
+    event_handle: bytes | None
+    event_sync_required: bool
+    layout: WeightUpdateHeader  # version -1
+
+
+_slot_decoder = msgspec.msgpack.Decoder(IpcSlot)
+_encoder = msgspec.msgpack.Encoder()
+
+
+def share_cuda(flat: torch.Tensor) -> tuple:
+    """``flat``'s storage shared by CUDA IPC: ``(device, handle, size_bytes, offset_bytes,
+    ref_counter_handle, ref_counter_offset, event_handle, event_sync_required)``."""
+    if flat.device.type != "cuda":
+        raise ValueError(f"cuda_ipc shares CUDA memory, but the slot is on {flat.device}: set learner.device "
+                         "and actor.device to one CUDA device (or use weightsync.transport=shm)")
+    return flat.untyped_storage()._share_cuda_()
+
+
+def open_cuda(rec: IpcSlot) -> torch.Tensor:
+    """The publisher's device slot ``rec`` as a flat uint8 tensor of this process."""
+    torch.cuda._lazy_init()
+    storage = torch.UntypedStorage._new_shared_cuda(
+        rec.device, rec.handle, rec.size_bytes, rec.offset_bytes, rec.ref_counter_handle,
+        rec.ref_counter_offset, rec.event_handle, rec.event_sync_required)
+    flat = torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", rec.device))
+    return flat.set_(storage, 0, (rec.size_bytes,), (1,))
+
+
+def encode_record(rec: IpcSlot, capacity: int) -> torch.Tensor:
+    """``rec`` as a ``capacity``-byte uint8 tensor: its length, its msgpack bytes, zeros."""
+    raw = _encoder.encode(rec)
+    if _LEN.size + len(raw) > capacity:
+        raise ValueError(f"an IpcSlot record of {len(raw)} bytes does not fit {capacity} bytes")
+    out = torch.zeros(capacity, dtype=torch.uint8)
+    out[: _LEN.size + len(raw)] = torch.frombuffer(bytearray(_LEN.pack(len(raw)) + raw), dtype=torch.uint8)
+    return out
+
+
+def decode_record(buf: torch.Tensor) -> IpcSlot:
+    """The record in ``buf`` (encode_record's layout); ValueError if it is not one."""
+    data = buf.numpy().tobytes()
+    (n,) = _LEN.unpack_from(data)
+    if not 0 < n <= len(data) - _LEN.size:
+        raise ValueError(f"cuda_ipc record length {n} does not fit its {len(data)}-byte slot (not a record)")
+    try:
+        return _slot_decoder.decode(data[_LEN.size : _LEN.size + n])
+    except msgspec.DecodeError as e:
+        raise ValueError(f"cuda_ipc record is not an IpcSlot: {e}") from None
+
+
+def _sync(device: torch.device) -> None:
+    # another process reads the slot on its own stream: the bytes must be there first
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+class _Control(ShmPublisher):
+    """shm's slots and pins, whose slot ``s`` holds the record of device slot ``s``; ``fill(s)``
+    writes device slot ``s`` and returns its record."""
+
+    def __init__(self, run_dir: str, capacity: int, fill: Callable[[int], torch.Tensor], **kw):
+        super().__init__(run_dir, {RECORD: torch.zeros(capacity, dtype=torch.uint8)}, **kw)
+        self._fill_device = fill
+
+    def _fill(self, s: int, named) -> None:
+        super()._fill(s, {RECORD: self._fill_device(s)})
+
+
+class CudaIpcPublisher(Publisher):
+    """Learner side: ``slots`` device copies (default ``2 + max_readers``: a publish never
+    waits) on the template's device."""
+
+    transport = "cuda_ipc"
+
+    def __init__(self, run_dir: str, template: Mapping[str, torch.Tensor], bucket_bytes: int = 64 << 20, *,
+                 max_readers: int = 4, slots: int | None = None, wait_s: float = 0.1, share=share_cuda):
+        super().__init__(layout.header_for(-1, template, bucket_bytes))
+        self.device = next(iter(template.values())).device
+        n_slots = 2 + max_readers if slots is None else slots
+        nbytes = layout.total_nbytes(self.header)
+        self._slots = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(n_slots)]
+        self._views = [[layout.views(self.header, flat)[n] for n in self.header.names] for flat in self._slots]
+        records = [IpcSlot(s, *share(flat), layout=self.header) for s, flat in enumerate(self._slots)]
+        capacity = _LEN.size + max(len(_encoder.encode(r)) for r in records)
+        self._records = [encode_record(r, capacity) for r in records]
+        self._named: Mapping[str, torch.Tensor] = {}
+        self._control = _Control(run_dir, capacity, self._fill_slot, max_readers=max_readers, slots=n_slots,
+                                 wait_s=wait_s)
+        self._template = {RECORD: self._records[0]}
+
+    def _fill_slot(self, s: int) -> torch.Tensor:
+        _copy_all(self._views[s], [self._named[n] for n in self.header.names])
+        _sync(self.device)
+        return self._records[s]
+
+    def _write(self, version: int, named: Mapping[str, torch.Tensor]) -> int | None:
+        self._named = named
+        try:
+            stats = self._control.publish(version, self._template)
+        finally:
+            self._named = {}
+        return None if stats is None else layout.payload_nbytes(self.header)
+
+    @property
+    def slots(self) -> int:
+        return len(self._slots)
+
+    def _close(self) -> None:
+        self._control.close()
+
+
+class CudaIpcSubscriber(Subscriber):
+    """Actor side: copies the newest version device to device into the targets (any dtype:
+    ``copy_`` converts); ``device`` is the actor's, where the targets live."""
+
+    transport = "cuda_ipc"
+
+    def __init__(self, run_dir: str, timeout_s: float = 60, *, device=None, stop=None, opener=open_cuda):
+        super().__init__()
+        self.device = torch.device(device if device is not None else "cuda")
+        self._control = ShmSubscriber(run_dir, timeout_s, stop=stop)  # maps (and so pins) records
+        self._opener = opener
+        self._opened: dict[tuple[bytes | None, int], torch.Tensor] = {}
+        self._opened_from = self._control.path
+        self._record = torch.zeros(0, dtype=torch.uint8)
+
+    def latest_version(self) -> int:
+        return self._control.latest_version()
+
+    @property
+    def publisher_closed(self) -> bool:
+        return self._control.publisher_closed
+
+    def _record_target(self) -> dict[str, torch.Tensor]:
+        # the record's size is the current region's (a restarted learner's may differ)
+        want = self._control.header.shapes[0][0]
+        if self._record.numel() != want:
+            self._record = torch.zeros(want, dtype=torch.uint8)
+        return {RECORD: self._record}
+
+    def _apply(self, named: Mapping[str, torch.Tensor], after: int) -> tuple[int, int] | None:
+        target = self._record_target()
+        version = self._control.apply(target)  # maps the record: its slot stays pinned
+        if version is None:
+            return None
+        rec = decode_record(target[RECORD])
+        layout.check_targets(rec.layout, named, role="cuda_ipc subscriber")
+        views = layout.views(rec.layout, self._open(rec)[: layout.total_nbytes(rec.layout)])
+        _copy_all([named[n] for n in rec.layout.names], [views[n] for n in rec.layout.names])
+        _sync(self.device)  # honest apply_s, and done before the pin can move
+        return version, layout.payload_nbytes(rec.layout)
+
+    def _open(self, rec: IpcSlot) -> torch.Tensor:
+        if self._control.path != self._opened_from:
+            # a restarted learner's region: the old handles point at a dead process's memory
+            self._opened.clear()
+            self._opened_from = self._control.path
+        key = (rec.handle, rec.offset_bytes)
+        if key not in self._opened:
+            self._opened[key] = self._opener(rec)
+        return self._opened[key]
+
+    def _close(self) -> None:
+        self._opened.clear()
+        self._control.close()
