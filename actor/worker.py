@@ -73,6 +73,7 @@ class RolloutWorker:
         a = msgspec.structs.replace(cfg.actor, device=str(self.device))
         self.engine = make_engine(a, cfg.model.path, self._weights(cfg, run_dir, stop), seed=cfg.run.seed * 1000 + index)
         self.engine.stop = stop
+        self.engine.on_step = self._beat
         self.client = ActorClient(cfg, self.actor_id, run_dir=run_dir, stop=stop)
         self.admission: Admission | None = None  # set by the first weights applied (_wait_for_weights)
         self.rng: random.Random | None = None

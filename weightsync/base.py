@@ -208,9 +208,13 @@ def wait_until(ready, timeout_s: float, what: str, poll_s: float = 0.05, stop=No
 
 def make_publisher(cfg, run_dir: str, template: Mapping[str, torch.Tensor], *, stop=None) -> Publisher:
     """The learner's publisher for ``cfg.weightsync.transport``; ``template`` fixes the layout.
-    ``stop`` ends the nccl transport's wait for its subscribers (see :func:`wait_until`)."""
+    ``stop`` ends the nccl transport's wait for its subscribers (see :func:`wait_until`). With
+    ``actor.engine=sglang`` the actors' servers join a torch.distributed group instead: the nccl
+    transport's ``backend="sglang"`` mode."""
     ws = cfg.weightsync
     bucket_bytes = ws.bucket_mb << 20
+    if cfg.actor.engine == "sglang":
+        return _sglang_publisher(cfg, run_dir, template, bucket_bytes, stop)
     if ws.transport == "shm":
         from weightsync.shm import ShmPublisher
 
@@ -235,6 +239,22 @@ def make_publisher(cfg, run_dir: str, template: Mapping[str, torch.Tensor], *, s
             host=cfg.net.host, curve=curve_from_config(cfg.net), stop=stop,
         )
     raise ValueError(f"unknown weightsync transport {ws.transport!r}")
+
+
+def _sglang_publisher(cfg, run_dir: str, template: Mapping[str, torch.Tensor], bucket_bytes: int, stop) -> Publisher:
+    """SGLang servers receive by torch.distributed NCCL (weightsync/nccl.py, backend="sglang").
+    Each says hello only once its server is healthy, so the wait for them covers its start."""
+    if cfg.weightsync.transport != "nccl":
+        raise ValueError(f"actor.engine=sglang receives weights over NCCL: set weightsync.transport=nccl "
+                         f"(got weightsync.transport={cfg.weightsync.transport!r})")
+    from core.net import curve_from_config
+    from weightsync.nccl import NcclPublisher
+
+    return NcclPublisher(
+        run_dir, template, bucket_bytes, world_size=1 + cfg.actor.num_actors, host=cfg.net.host,
+        curve=curve_from_config(cfg.net), backend="sglang", stop=stop,
+        join_timeout_s=300 + cfg.actor.sglang_start_timeout_s,
+    )
 
 
 def make_subscriber(cfg, run_dir: str, timeout_s: float = 60, *, stop=None, device=None) -> Subscriber:

@@ -35,6 +35,22 @@ cannot be interrupted; its own timeout bounds it.)
 Every message is msgspec (core.messages.encode); nothing is pickled. cupy is imported lazily.
 ``backend="gloo"`` runs the identical protocol over torch's Gloo process group on CPU tensors:
 that is how the CPU test suite exercises this module without GPUs.
+
+``backend="sglang"``: the subscribers are SGLang servers (actor/engines/sglang.py), which receive
+with ``torch.distributed``, not cupy -- a cupy communicator and a torch process group cannot share
+one NCCL clique -- so rank 0 joins the group the way SGLang 0.5.23's ``init_weights_update_group``
+builds its side (``utils/common.py: init_custom_process_group``): a ``TCPStore`` on
+``host:port`` (rank 0 is its master), ``PrefixStore(SGLANG_GROUP)``, then
+``_new_process_group_helper`` under the group name :data:`SGLANG_GROUP`. Each ``SGLangLink`` says
+``Hello`` (no ``RankDevice``: the server picks its GPU, so the shared-device check cannot run)
+and gets ``CollectiveInit(rank, world_size, "sglang", b"host:port", layout)``; its server then
+joins with ``rank_offset=rank`` (one rank per server: tensor parallelism 1). Per version: the
+header, then for each bucket in order one broadcast of its tensors packed back to back as uint8
+with no padding (:func:`packed_views`; SGLang's ``FlattenedTensorBucket``, not layout.views'
+aligned offsets). A repeat ``Hello`` (a restarted server: its old rank is gone) rebuilds the group
+before the next version: every peer gets a new ``CollectiveInit`` and must join again.
+``torch_backend`` is the group's torch backend: ``"nccl"`` on CUDA tensors, ``"gloo"`` on CPU --
+the CPU tests run this identical code path.
 """
 
 from __future__ import annotations
@@ -59,6 +75,8 @@ from weightsync.base import Publisher, Stopped, Subscriber, stop_check, wait_unt
 from weightsync.filesystem import weights_dir
 
 STOP_POLL_S = 0.1  # how often a blocked join looks at its stop flag
+SGLANG_GROUP = "driftrl_weights"  # the group (and PrefixStore) name both sides of backend="sglang" use
+BACKENDS = ("nccl", "gloo", "sglang")
 
 
 class RankDevice(msgspec.Struct, frozen=True, array_like=True, tag="ws_device"):
@@ -71,8 +89,8 @@ class CollectiveInit(msgspec.Struct, frozen=True, array_like=True, tag="ws_init"
     # publisher -> one subscriber, once: its place in the communicator
     rank: int
     world_size: int
-    backend: str  # "nccl" | "gloo"
-    unique_id: bytes  # NCCL unique id (128 B) or b"host:port" of the Gloo store
+    backend: str  # "nccl" | "gloo" | "sglang"
+    unique_id: bytes  # NCCL unique id (128 B) or b"host:port" of the Gloo / torch.distributed store
     layout: WeightUpdateHeader  # version -1
 
 
@@ -172,6 +190,71 @@ class _GlooComm:
         self.pg = None
 
 
+class _TorchGroup:
+    """Rank 0 of the torch.distributed group SGLang's servers join (backend="sglang"). Built
+    with ``_new_process_group_helper``, private but the very call SGLang's receiver makes (so both
+    sides derive the same store keys), because the public constructors do not fit a one-off group
+    with outside ranks: ``init_process_group`` makes the process's *default* group (the learner's
+    own, when it has one) and ``new_group`` rendezvouses through the default group's store, which
+    SGLang never sees."""
+
+    def __init__(self, store, world: int, backend: str, timeout_s: float):
+        import torch.distributed as dist
+        from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
+
+        _refuse_split_source(dist)
+        self._dist, self.backend = dist, backend
+        self.store = store  # the TCPStore master: it must outlive the group
+        self.pg, _ = _new_process_group_helper(
+            world, 0, [], Backend(backend), PrefixStore(SGLANG_GROUP, store), group_name=SGLANG_GROUP,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        _world.pg_group_ranks[self.pg] = {r: r for r in range(world)}  # destroy_process_group reads it
+        self._works: list = []
+
+    def begin(self) -> None:
+        self._works = []
+
+    def bcast(self, buf: torch.Tensor) -> None:
+        # group_src: a rank of this group, whatever the learner's own default group numbers it
+        self._works.append(self._dist.broadcast(buf, group=self.pg, group_src=0, async_op=True))
+
+    def end(self, timeout_s: float, what: str, stopped=lambda: False) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not all(w.is_completed() for w in self._works):
+            if stopped():
+                self._abort()
+                raise Stopped(f"stopped during the {self.backend} broadcast of {what} to SGLang")
+            if time.monotonic() > deadline:
+                self._abort()
+                raise TimeoutError(f"{self.backend} broadcast of {what} to SGLang did not complete in "
+                                   f"{timeout_s:.0f}s (a server that never receives it stalls every rank)")
+            time.sleep(1e-4)
+        for w in self._works:
+            w.wait()  # raises a failed broadcast's error; NCCL: orders the caller's stream after it
+
+    def _abort(self) -> None:
+        if self.backend == "nccl":  # a Gloo broadcast cannot be interrupted; its own timeout bounds it
+            from torch.distributed.distributed_c10d import _abort_process_group
+
+            _abort_process_group(self.pg)
+
+    def close(self) -> None:
+        from torch.distributed.distributed_c10d import _world
+
+        if self.pg in _world.pg_map:  # an aborted group is gone already
+            self._dist.destroy_process_group(self.pg)
+
+
+def _refuse_split_source(dist) -> None:
+    """With an eagerly bound default group, torch would build the new NCCL communicator by
+    splitting the learner's own (``ncclCommSplit``), which SGLang's ranks are not part of."""
+    if dist.is_initialized() and dist.distributed_c10d._get_default_group().bound_device_id is not None:
+        raise ValueError("weightsync backend='sglang': the learner's default process group is bound to a device "
+                         "(init_process_group(device_id=...)), so torch would split SGLang's group from it; "
+                         "initialise the learner's group without device_id")
+
+
 # ---- publisher ------------------------------------------------------------------------------
 
 
@@ -185,23 +268,21 @@ class NcclPublisher(Publisher):
         self, run_dir: str, template: Mapping[str, torch.Tensor], bucket_bytes: int = 64 << 20, *,
         world_size: int, host: str = "127.0.0.1", curve: net.Curve | None = None,
         backend: str = "nccl", join_timeout_s: float = 300, collective_timeout_s: float = 300, stop=None,
+        torch_backend: str = "nccl",
     ):
         super().__init__(layout.header_for(-1, template, bucket_bytes))
         self._stopped = stop_check(stop)
-        if backend not in ("nccl", "gloo"):
-            raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
         device = next(iter(template.values())).device
-        if backend == "nccl" and device.type != "cuda":
-            raise ValueError(f"the nccl transport needs CUDA tensors, but the learner's weights are on {device}: "
-                             "set learner.device (and actor.device) to CUDA devices, or use weightsync.transport=shm")
+        check_backend(backend, torch_backend, device)
+        self.backend, self.torch_backend = backend, torch_backend
         self.host = _socket.gethostname()
         self.rank_devices: dict[int, str] = {0: str(device)}  # rank -> device, from each RankDevice
         self.world_size = world_size
         self.collective_timeout_s = collective_timeout_s
         self.bad_frames = 0
+        self.rebuilds = 0  # groups rebuilt for a repeat Hello (backend="sglang")
         self._payload = layout.payload_nbytes(self.header)
-        self._bufs = [torch.empty(b.nbytes, dtype=torch.uint8, device=device) for b in self.header.buckets]
-        self._views = [list(layout.views(self.header, buf, i).items()) for i, buf in enumerate(self._bufs)]
+        self._bufs, self._views = _buffers(self.header, device, packed=backend == "sglang")
 
         self._ctx = zmq.Context()
         self._sock = net.socket(self._ctx, zmq.ROUTER, linger_ms=1000)
@@ -210,6 +291,7 @@ class NcclPublisher(Publisher):
         self._endpoint = endpoint_path(run_dir)
         os.makedirs(os.path.dirname(self._endpoint), exist_ok=True)
         atomic_write(self._endpoint, json.dumps({"host": advertised, "port": port}).encode())
+        self._advertised = advertised
         try:
             self._peers = self._gather_peers(join_timeout_s)
             self._check_devices()
@@ -220,7 +302,8 @@ class NcclPublisher(Publisher):
 
     def _gather_peers(self, timeout_s: float) -> list[bytes]:
         peers: list[bytes] = []
-        self._claims: list[RankDevice] = []
+        self._claims: list[RankDevice | None] = []
+        self._ids: list[str] = []  # each rank's Hello.id: how a restarted peer is recognised
         deadline = time.monotonic() + timeout_s
         while len(peers) < self.world_size - 1:
             left = deadline - time.monotonic()
@@ -233,17 +316,22 @@ class NcclPublisher(Publisher):
             if not self._sock.poll(int(min(left, STOP_POLL_S) * 1000) + 1):
                 continue
             frames = self._sock.recv_multipart()
-            claim = _decode_join(frames)
-            if claim is None:
+            sglang = self.backend == "sglang"
+            join = _decode_sglang_hello(frames) if sglang else _decode_join(frames)
+            if join is None:
                 self.bad_frames += 1  # not one of ours, or another schema: count it, keep waiting
                 continue
             if frames[0] not in peers:
                 peers.append(frames[0])
-                self._claims.append(claim)
+                self._ids.append(join.id if sglang else "")
+                self._claims.append(None if sglang else join)
         return peers
 
     def _check_devices(self) -> None:
-        """Ranks by device; refuse (telling every subscriber why) two ranks on one CUDA device."""
+        """Ranks by device; refuse (telling every subscriber why) two ranks on one CUDA device.
+        SGLang servers claim none (each picks its GPU from its own --base-gpu-id)."""
+        if self.backend == "sglang":
+            return
         claims = [(self.host, self.rank_devices[0]), *((c.host, c.device) for c in self._claims)]
         self.rank_devices = {rank: device for rank, (_, device) in enumerate(claims)}
         shared = shared_devices(claims)
@@ -255,19 +343,60 @@ class NcclPublisher(Publisher):
             raise ValueError(why)
 
     def _init_comm(self, backend: str, host: str, device: torch.device):
+        if backend == "sglang":
+            return self._sglang_group()
         store = None
         if backend == "nccl":
             uid = _NcclComm.new_id()
         else:
             store, uid = _GlooComm.new_store(host, self.world_size, self.collective_timeout_s)
-        for rank, peer in enumerate(self._peers, start=1):
-            init = CollectiveInit(rank, self.world_size, backend, uid, self.header)
-            self._sock.send_multipart([peer, encode(init)])
+        self._send_inits(backend, uid)
         if backend == "nccl":
             return _NcclComm(self.world_size, uid, 0, device)
         return _GlooComm(self.world_size, uid, 0, self.collective_timeout_s, store=store)
 
+    def _send_inits(self, backend: str, uid: bytes) -> None:
+        for rank, peer in enumerate(self._peers, start=1):
+            init = CollectiveInit(rank, self.world_size, backend, uid, self.header)
+            self._sock.send_multipart([peer, encode(init)])
+
+    def _sglang_group(self) -> _TorchGroup:
+        """A fresh store (port chosen by the OS, so no race for a free one) and group. The
+        CollectiveInits go out before joining: the servers' ranks connect only once they have
+        them, and a Gloo group is built only when every rank is there (NCCL: at the first
+        broadcast), bounded by ``collective_timeout_s``."""
+        store, addr = _GlooComm.new_store(self._advertised, self.world_size, self.collective_timeout_s)
+        self._send_inits("sglang", addr)
+        return _TorchGroup(store, self.world_size, self.torch_backend, self.collective_timeout_s)
+
+    def _rejoin(self) -> None:
+        """A peer that said Hello again (its SGLang server restarted, so its old rank is gone)
+        gets a new group, and so does every other peer: a group needs all its ranks."""
+        if not self._repeat_hellos():
+            return
+        self._comm.close()
+        self._comm = self._sglang_group()
+        self.rebuilds += 1
+
+    def _repeat_hellos(self) -> bool:
+        """Take every queued frame (non-blocking); True if a known peer said Hello again. A peer
+        is known by its socket or by its Hello.id (a restarted actor has a new socket)."""
+        again = False
+        while self._sock.poll(0):
+            frames = self._sock.recv_multipart()
+            hello = _decode_sglang_hello(frames)
+            if hello is not None and frames[0] in self._peers:
+                again = True
+            elif hello is not None and hello.id in self._ids:
+                self._peers[self._ids.index(hello.id)] = frames[0]
+                again = True
+            else:
+                self.bad_frames += 1  # a stranger, or a newcomer while every rank is taken
+        return again
+
     def _write(self, version: int, named: Mapping[str, torch.Tensor]) -> int:
+        if self.backend == "sglang":
+            self._rejoin()
         for views in self._views:
             for name, view in views:
                 view.copy_(named[name])
@@ -421,6 +550,64 @@ def _decode_join(frames: list[bytes]) -> RankDevice | None:
     except (msgspec.DecodeError, RuntimeError, ValueError):  # RuntimeError: not a device string
         return None
     return claim if hello.schema_version == SCHEMA_VERSION else None
+
+
+def _decode_sglang_hello(frames: list[bytes]) -> Hello | None:
+    """An SGLangLink's [identity, Hello] frames (it claims no device) as its Hello; None if not."""
+    if len(frames) != 2:
+        return None
+    try:
+        hello = _hello.decode(frames[1])
+    except msgspec.DecodeError:
+        return None
+    return hello if hello.schema_version == SCHEMA_VERSION else None
+
+
+def check_backend(backend: str, torch_backend: str, device: torch.device) -> None:
+    """The publisher's ``backend`` (and, for sglang, its group's ``torch_backend``) against
+    where the learner's weights are: NCCL broadcasts CUDA memory only."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "sglang" and torch_backend not in ("nccl", "gloo"):
+        raise ValueError(f"torch_backend must be 'nccl' (CUDA) or 'gloo' (CPU tests), got {torch_backend!r}")
+    if backend == "sglang" and torch_backend == "nccl" and device.type != "cuda":
+        raise ValueError(f"SGLang servers receive weights over NCCL, which broadcasts CUDA memory, but the "
+                         f"learner's weights are on {device}: set learner.device to a CUDA device")
+    if backend == "nccl" and device.type != "cuda":
+        raise ValueError(f"the nccl transport needs CUDA tensors, but the learner's weights are on {device}: "
+                         "set learner.device (and actor.device) to CUDA devices, or use weightsync.transport=shm")
+
+
+def packed_views(header: WeightUpdateHeader, flat: torch.Tensor, bucket: int) -> list[tuple[str, torch.Tensor]]:
+    """Bucket ``bucket``'s tensors as views into ``flat``, packed back to back in the bucket's
+    order with no padding: SGLang's ``FlattenedTensorBucket`` layout, whose receive buffer for
+    that bucket's ``/update_weights_from_distributed`` is exactly these bytes."""
+    b, shapes = header.buckets[bucket], dict(zip(header.names, header.shapes))
+    if flat.dtype != torch.uint8 or flat.numel() != packed_nbytes(header, bucket):
+        raise layout.LayoutError(f"bucket {bucket}: packed buffer must be {packed_nbytes(header, bucket)} uint8 "
+                                 f"bytes, got {flat.numel()} {flat.dtype}")
+    out, lo = [], 0
+    for name in b.names:
+        size = layout.tensor_nbytes(b.dtype, shapes[name])
+        out.append((name, flat[lo : lo + size].view(layout.torch_dtype(b.dtype)).view(shapes[name])))
+        lo += size
+    return out
+
+
+def packed_nbytes(header: WeightUpdateHeader, bucket: int) -> int:
+    b, shapes = header.buckets[bucket], dict(zip(header.names, header.shapes))
+    return sum(layout.tensor_nbytes(b.dtype, shapes[name]) for name in b.names)
+
+
+def _buffers(header: WeightUpdateHeader, device: torch.device, *, packed: bool):
+    """One uint8 buffer per bucket and its (name, view) pairs: layout.views' aligned offsets,
+    or SGLang's packed ones."""
+    if packed:
+        bufs = [torch.empty(packed_nbytes(header, i), dtype=torch.uint8, device=device)
+                for i in range(len(header.buckets))]
+        return bufs, [packed_views(header, buf, i) for i, buf in enumerate(bufs)]
+    bufs = [torch.empty(b.nbytes, dtype=torch.uint8, device=device) for b in header.buckets]
+    return bufs, [list(layout.views(header, buf, i).items()) for i, buf in enumerate(bufs)]
 
 
 def shared_devices(claims: list[tuple[str, str]]) -> list[list[int]]:

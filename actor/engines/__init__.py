@@ -49,6 +49,9 @@ class EngineStopped(RuntimeError):
 class Engine(abc.ABC):
     name = ""
     stop = None  # a threading.Event the worker sets on SIGTERM; a long generate checks it per step
+    # called once per decode step by an engine that has steps (the worker's heartbeat: one long
+    # sequence of a big model can take minutes between two finished samples, and is not a hang)
+    on_step = None
 
     def __init__(self, weights=None):
         self.weights = weights

@@ -63,14 +63,16 @@ packed uint8 tensor (``FlattenedTensorBucket``: tensors back to back, no padding
 share a communicator, so :class:`SGLangLink` (the engine's weight source, a subscriber-like view
 of the publisher; :func:`link_from_config` builds it where the worker calls ``make_subscriber``)
 speaks the publisher's ZeroMQ protocol (``Hello`` -> ``CollectiveInit`` -> ``WeightUpdateHeader``
-per version) and needs a learner-side adapter (a ``backend="sglang"`` mode of the NCCL
-publisher): it answers each ``Hello`` with ``CollectiveInit(rank, world_size, "sglang",
+per version) with the learner-side adapter (``weightsync/nccl.py``, the ``backend="sglang"`` mode
+of the NCCL publisher): it answers each ``Hello`` with ``CollectiveInit(rank, world_size, "sglang",
 b"host:port", layout)``, joins as rank 0 the way ``init_custom_process_group`` does (``TCPStore``
 master on that port, ``PrefixStore(GROUP_NAME)``, an NCCL process group of ``1 + num_actors``
 ranks), and per version sends the header, then for each bucket in order broadcasts from rank 0
 the bucket's tensors packed back to back as uint8 (:func:`bucket_bodies` is the plan both sides
 follow; ``tests/sglang`` checks it against ``FlattenedTensorBucket``). A second ``Hello`` from the
-same actor (a restarted server) rebuilds the group. As with the NCCL subscriber, the learner's
+same actor (a restarted server) rebuilds the group; every other peer then gets a new
+``CollectiveInit`` and its engine has its server leave the old group
+(``/destroy_weights_update_group``) and join the new one before the next version. As with the NCCL subscriber, the learner's
 broadcast waits for the receiver: here until the worker's next ``refresh_weights``, between two
 batches; both venvs' NCCL builds must be wire-compatible. ``update_weights_from_tensor``
 (SGLang's path on one shared GPU) was not chosen: its payload is a pickled tensor handle
@@ -106,12 +108,12 @@ from core.messages import Hello, Shutdown, WeightUpdateHeader, decoder, encode
 from model.sampling import SamplingSpec
 from model.tokenizer import Tokenizer
 from weightsync.base import wait_until
-from weightsync.nccl import TO_SUBSCRIBER, CollectiveInit, endpoint_path
+from weightsync.nccl import SGLANG_GROUP, TO_SUBSCRIBER, CollectiveInit, endpoint_path
 
 log = logging.getLogger("driftrl.sglang")
 
 HEALTH_PATH = "/health_generate"  # /health answers 200 without generating unless an env var is set
-GROUP_NAME = "driftrl_weights"
+GROUP_NAME = SGLANG_GROUP  # the learner's publisher joins under the same name (weightsync/nccl.py)
 PAUSE_MODE = "retract"  # running requests go back to the queue and are recomputed on continue
 POLL_S = 0.2  # how often a wait looks at the server process and the stop event
 STOP_GRACE_S = 15.0  # SIGTERM -> SIGKILL
@@ -201,6 +203,7 @@ PAUSE_BODY = {"mode": PAUSE_MODE}
 CONTINUE_BODY: dict = {}
 BEGIN_BODY: dict = {}
 END_BODY: dict = {}
+DESTROY_BODY = {"group_name": GROUP_NAME}  # leave the old group before joining a rebuilt one
 ABORT_ALL_BODY = {"abort_all": True}
 
 
@@ -347,7 +350,10 @@ class SGLangLink:
     """Subscriber-like view of the learner's NCCL publisher that moves no bytes itself: it learns
     the group (``CollectiveInit``) and each version's layout (``WeightUpdateHeader``) over the
     publisher's ZeroMQ socket, and the engine has the SGLang server join the group and receive
-    the broadcasts. Needs the learner-side adapter described in the module docstring."""
+    the broadcasts (the learner's side: ``weightsync/nccl.py``, ``backend="sglang"``). When any
+    peer's server restarts, the publisher rebuilds the group and sends every peer a new
+    ``CollectiveInit``: :attr:`rejoin` then holds the new group's join body until the engine has
+    its server leave the old group and join the new one."""
 
     transport = "nccl-sglang"
 
@@ -361,6 +367,7 @@ class SGLangLink:
         self._sock = net.socket(self._ctx, zmq.DEALER, linger_ms=0)
         net.connect(self._sock, ep["host"], ep["port"], curve)
         self.init: CollectiveInit | None = None
+        self.rejoin: dict | None = None  # a rebuilt group's /init_weights_update_group body
         self.pending: list[WeightUpdateHeader] = []
         self.stats = LinkStats()
 
@@ -378,9 +385,8 @@ class SGLangLink:
             msg = self._recv(int(POLL_S * 1000))
             if isinstance(msg, CollectiveInit):
                 break
-        self.init = check_init(msg)
-        host, port = msg.unique_id.decode().rsplit(":", 1)
-        return init_group_body(host, int(port), msg.rank, msg.world_size)
+        self.init, self.rejoin = check_init(msg), None
+        return _join_body(msg)
 
     def _recv(self, wait_ms: int = 0):
         """One message (queueing a header), or None when none is there within ``wait_ms``."""
@@ -389,6 +395,12 @@ class SGLangLink:
         msg = TO_SUBSCRIBER_DECODER.decode(self._sock.recv())
         if isinstance(msg, WeightUpdateHeader):
             self.pending.append(msg)
+        elif isinstance(msg, CollectiveInit) and self.init is not None and msg != self.init:
+            # a rebuilt group: headers queued before it were broadcast in the old one, which
+            # every rank had to finish before the rebuild; the ones after it are the new group's
+            self.pending.clear()
+            self.init = check_init(msg)
+            self.rejoin = _join_body(msg)
         elif isinstance(msg, Shutdown):
             log.warning("the learner's weight publisher closed: %s", msg.reason)
         return msg
@@ -417,6 +429,11 @@ def link_from_config(cfg, run_dir: str, actor_id: str, stop=None, timeout_s: flo
         raise ValueError(f"actor.engine=sglang receives weights over NCCL: set weightsync.transport=nccl "
                          f"(got {cfg.weightsync.transport!r})")
     return SGLangLink(run_dir, timeout_s, curve=net.curve_from_config(cfg.net), actor_id=actor_id, stop=stop)
+
+
+def _join_body(init) -> dict:
+    host, port = init.unique_id.decode().rsplit(":", 1)
+    return init_group_body(host, int(port), init.rank, init.world_size)
 
 
 def check_init(msg) -> "CollectiveInit":
@@ -515,9 +532,26 @@ class SGLangEngine(Engine):
     def _apply_weights(self) -> int | None:
         if self.poisoned is not None:
             return self._heal()
-        if self.weights.latest_version() <= self.version:
+        latest = self.weights.latest_version()
+        if self.weights.rejoin is not None and not self._rejoin():
+            return None
+        if latest <= self.version:
             return None
         return self._push_pending()
+
+    def _rejoin(self) -> bool:
+        """Another peer restarted and the learner rebuilt the group: leave the old one, join the
+        new one (False, and poisoned, if the server refuses)."""
+        body, self.weights.rejoin = self.weights.rejoin, None
+        try:
+            check_ok("/destroy_weights_update_group",
+                     self.server.post("/destroy_weights_update_group", DESTROY_BODY, self.update_timeout_s))
+            check_ok("/init_weights_update_group",
+                     self.server.post("/init_weights_update_group", body, self.update_timeout_s))
+        except (SGLangError, OSError) as e:
+            self.poison(f"re-joining the rebuilt weight group: {e}")
+            return False
+        return True
 
     def _push_pending(self) -> int | None:
         """Receive every queued version in order; the newest is in effect after the last."""

@@ -198,6 +198,8 @@ class TorchEngine(Engine):
         while True:
             if self.stop is not None and self.stop.is_set():
                 raise EngineStopped("stopped mid-generation")
+            if self.on_step is not None:
+                self.on_step()
             fresh = self._admit(cache, running, waiting)
             if not running:
                 return

@@ -13,9 +13,8 @@ otherwise be silently dropped). Responses are assembled with SGLang's own pieces
 orjson as the server sends them, checked by the API schema's ``GenerateResponse`` decoder, and
 parsed by the adapter. The launch command parses with SGLang's own ``prepare_server_args``. The
 engine's real HTTP traffic (weight update, then generation) goes to a loopback server that
-judges every body the same way. And the learner-side adapter's rank 0 (the rendezvous written
-out in :func:`_rank0_group`, Gloo on CPU) broadcasts each planned bucket to a process running
-SGLang's own ``init_custom_process_group`` and ``FlattenedTensorBucket`` receive.
+judges every body the same way. The learner's publisher against SGLang's own weight receiver:
+test_publisher_contract.py.
 
 Runs in the SGLang venv (``.ci/sglang-contract``); skips where SGLang is not importable.
 """
@@ -138,7 +137,8 @@ def test_weight_update_bodies_are_accepted(routes):
     assert all(u.load_format == "flattened_bucket" for u in updates)
     assert _validate(routes, "/pause_generation", S.PAUSE_BODY).mode == S.PAUSE_MODE
     for path, body in [("/continue_generation", S.CONTINUE_BODY), ("/begin_weight_update", S.BEGIN_BODY),
-                       ("/end_weight_update", S.END_BODY), ("/abort_request", S.ABORT_ALL_BODY)]:
+                       ("/end_weight_update", S.END_BODY), ("/abort_request", S.ABORT_ALL_BODY),
+                       ("/destroy_weights_update_group", S.DESTROY_BODY)]:
         _validate(routes, path, body)
     methods, _ = routes[S.HEALTH_PATH]
     assert "GET" in methods
@@ -283,71 +283,3 @@ def test_engine_traffic_is_valid_for_sglang(routes, spec):
     assert judge.seen.count("/generate") == 4
     assert [len(s.tokens) for s in samples] == [2, 1, 2, 2] and all(s.versions == [5] * len(s.tokens) for s in samples)
     assert (samples[0].logprobs[0] == pytest.approx(-0.6)) is S.truncates(spec)
-
-
-# ---- the learner-side adapter's rendezvous and broadcasts, against SGLang's own receiver
-
-RANK1 = """
-import json, sys
-import tests.sglang.conftest  # noqa: F401  (torchvision on a CPU torch)
-import torch
-from safetensors.torch import save_file
-from sglang.srt.utils.common import init_custom_process_group
-from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
-body = json.loads(sys.argv[1])
-pg = init_custom_process_group(backend="gloo", init_method=body["init"], world_size=2, rank=1,
-                               group_name=body["group"])
-got = {}
-for b in body["buckets"]:
-    bucket = FlattenedTensorBucket.empty(b["names"], b["dtypes"], b["shapes"], "cpu")
-    torch.distributed.broadcast(bucket.get_flattened_tensor(), src=0, group=pg)
-    got.update(bucket.reconstruct_tensors())
-save_file(got, body["out"])
-"""
-
-
-def _rank0_group(port: int, group: str):
-    """What the learner's ``backend="sglang"`` adapter does as rank 0: the same rendezvous and
-    prefix as SGLang's ``init_custom_process_group`` (gloo here; nccl on GPUs)."""
-    import datetime
-
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
-
-    timeout = datetime.timedelta(seconds=60)
-    store, _, _ = next(rendezvous(f"tcp://127.0.0.1:{port}", 0, 2, timeout=timeout))
-    pg, _ = _new_process_group_helper(2, 0, [], Backend("gloo"), PrefixStore(group, store), group_name=group,
-                                      timeout=timeout)
-    _world.pg_group_ranks[pg] = {0: 0, 1: 1}
-    return pg
-
-
-@pytest.mark.slow
-def test_learner_rank0_reaches_sglangs_receiver_bucket_by_bucket(tmp_path):
-    import os
-    import subprocess
-    import sys
-
-    from safetensors.torch import load_file
-
-    from core.net import free_port
-
-    header = layout.plan(2, [("w", "bfloat16", [6, 4]), ("n", "float32", [4]), ("v", "bfloat16", [5])], 64)
-    gen = torch.Generator().manual_seed(1)
-    tensors = {n: torch.randn(s, generator=gen).to(getattr(torch, d))
-               for n, d, s in zip(header.names, header.dtypes, header.shapes)}
-    port, out = free_port(), str(tmp_path / "got.safetensors")
-    body = {"init": f"tcp://127.0.0.1:{port}", "group": S.GROUP_NAME, "buckets": S.bucket_bodies(header), "out": out}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    child = subprocess.Popen([sys.executable, "-c", RANK1, json.dumps(body)], cwd=root)
-    try:
-        pg = _rank0_group(port, S.GROUP_NAME)
-        for b in body["buckets"]:
-            packed = torch.cat([tensors[n].flatten().view(torch.uint8) for n in b["names"]])
-            torch.distributed.broadcast(packed, src=0, group=pg)
-        assert child.wait(60) == 0
-    finally:
-        child.kill()
-    got = load_file(out)
-    assert set(got) == set(tensors)
-    for name, t in tensors.items():
-        assert torch.equal(got[name], t), name

@@ -260,3 +260,24 @@ def test_a_set_stop_event_ends_generation_between_two_steps():
     with pytest.raises(EngineStopped):
         engine.generate([[1, 5, 6]] * 4, max_new_tokens=50)
     assert len(calls) == 3
+
+
+def test_every_decode_step_calls_on_step():
+    """The worker's heartbeat rides on ``on_step``: a long batch of one long sequence (minutes on
+    a big model) beats every step, so the launcher never takes it for a hung actor."""
+    from tests.support.tiny import tiny_engine
+
+    engine = tiny_engine()
+    engine.eos_ids = torch.zeros(0, dtype=torch.long)  # every sequence runs its full budget
+    steps, forwards = [], []
+    real = engine.model.forward
+
+    def forward(*a, **k):
+        forwards.append(1)
+        return real(*a, **k)
+
+    engine.model.forward = forward
+    engine.on_step = lambda: steps.append(len(forwards))
+    engine.generate([[1, 5, 6]] * 2, max_new_tokens=12)
+    assert len(forwards) >= 12 and len(steps) >= len(forwards)  # at least one beat per forward
+    assert steps == sorted(steps) and steps[0] == 0  # before the first forward, then as it goes

@@ -160,6 +160,7 @@ class FakeLink(S.SGLangLink):
 
     def __init__(self):  # the real one connects to the publisher's socket
         self.pending, self.stats, self.joins, self.arrivals = [], S.LinkStats(), 0, []
+        self.rejoin = None
 
     def join(self):
         self.joins += 1
@@ -319,8 +320,9 @@ def _fake_publisher(run_dir: str, backend: str, versions: list[int]):
         assert decoder(Hello).decode(frame).role == "weightsync"
         init = CollectiveInit(1, 2, backend, b"127.0.0.1:29555", layout.with_version(_header(), -1))
         sock.send_multipart([peer, encode(init)])
-        for v in versions:
-            sock.send_multipart([peer, encode(layout.with_version(_header(), v))])
+        for v in versions:  # a version number, or a CollectiveInit (the group rebuilt)
+            msg = v if isinstance(v, CollectiveInit) else layout.with_version(_header(), v)
+            sock.send_multipart([peer, encode(msg)])
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
@@ -354,3 +356,40 @@ def test_link_refuses_a_publisher_without_the_sglang_adapter(tmp_path):
         link.close()
         sock.close()
         ctx.term()
+
+
+def test_a_rebuilt_group_is_rejoined_before_the_next_version(tmp_path):
+    """Another actor's server restarted: the learner rebuilt the group and sent every peer a new
+    CollectiveInit. The link keeps the new join body and only the headers that follow it; the
+    engine leaves the old group, joins the new one, then receives the version."""
+    from weightsync.nccl import CollectiveInit
+
+    rebuilt = CollectiveInit(1, 2, "sglang", b"127.0.0.1:29666", layout.with_version(_header(), -1))
+    thread, sock, ctx = _fake_publisher(str(tmp_path), "sglang", [3, rebuilt, 4])
+    link = S.SGLangLink(str(tmp_path), timeout_s=10, actor_id="actor0")
+    try:
+        link.join()
+        thread.join(10)
+        deadline = time.monotonic() + 10
+        while link.latest_version() < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [h.version for h in link.pending] == [4]  # 3 belonged to the old group
+        assert link.rejoin == S.init_group_body("127.0.0.1", 29666, 1, 2)
+    finally:
+        link.close()
+        sock.close()
+        ctx.term()
+    server, fake = FakeServer(), FakeLink()
+    engine = _engine(server, fake)
+    fake.rejoin, fake.arrivals = S.init_group_body("127.0.0.1", 29666, 1, 2), [_header(4)]
+    assert engine.refresh_weights() == 4 and fake.rejoin is None
+    paths = [p for p, _ in server.posts[1:]]
+    assert paths[:3] == ["/destroy_weights_update_group", "/init_weights_update_group", "/pause_generation"]
+    assert server.posts[2][1]["master_port"] == 29666
+
+
+def test_a_refused_rejoin_poisons_the_engine():
+    server, fake = FakeServer(fail="/destroy_weights_update_group"), FakeLink()
+    engine = _engine(server, fake)
+    fake.rejoin = S.init_group_body("127.0.0.1", 29666, 1, 2)
+    assert engine.refresh_weights() == -1 and "re-joining" in engine.poisoned
