@@ -33,7 +33,8 @@ class RunSection(_Section):
     run_dir: str = ""  # empty: runs/<UTC timestamp>, with runs/latest pointing at it
     seed: int = 0
     max_steps: NonNegInt = 1000  # learner optimiser steps; 0 = no step budget
-    max_time_s: NonNegFloat = 480.0  # wall-clock budget of the training phase; 0 = none
+    # wall-clock budget from the launch of the roles (a restarted learner spends what is left); 0 = none
+    max_time_s: NonNegFloat = 480.0
     eval_every: NonNegInt = 10  # held-out eval every N policy versions (actor 0); 0 = off
     eval_prompts: PosInt = 256
     # checkpoints every N learner steps and at least every S seconds (0 = off); the final one

@@ -144,9 +144,11 @@ class LearnerLoop:
             return False
         return not (self.stop is not None and self.stop.is_set())
 
-    def run(self) -> None:
+    def run(self, t_start: float | None = None) -> None:
+        """Train until the budget is spent. ``t_start``: when the run was launched -- a learner
+        restarted after a crash spends what is left of ``run.max_time_s``, not a fresh budget."""
         self.publish()
-        t_start = time.time()
+        t_start = time.time() if t_start is None else t_start
         log.info("learner ready at version %d", self.version)
         while self.budget_left(t_start):
             heartbeat.beat(self.run_dir, "learner")  # the launcher's hung-role check
@@ -413,6 +415,7 @@ def record_rollback(run_dir: str, step: int, after: int, upto: int) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--run-dir", required=True)
+    ap.add_argument("--t0", type=float, default=None, help="the launch time (the time budget counts from it)")
     args = ap.parse_args(argv)
     die_with_parent()
     setup_logging("learner")
@@ -424,7 +427,7 @@ def main(argv=None) -> None:
     loop = None
     try:
         loop = LearnerLoop(cfg, args.run_dir, stop)
-        loop.run()
+        loop.run(args.t0)
     except checkpoint.WriteError as e:
         log.error("%s (exit %d)", e, EXIT_WRITE_FAILED)
         sys.exit(EXIT_WRITE_FAILED)

@@ -17,8 +17,8 @@ The worker never touches weights directly: it calls ``refresh_weights`` and read
 Two ways to get completions: :meth:`Engine.generate` returns one Sample per prompt, in order;
 :meth:`Engine.stream` yields ``(index, Sample)`` as each sequence finishes (a continuous-batching
 engine finishes short completions first), so the worker can send a group the moment its last
-sample is done instead of waiting for the batch's longest sequence. An engine that cannot stream
-inherits a ``stream`` that generates the whole batch, then yields it in order.
+sample is done instead of waiting for the batch's longest sequence. An engine implements
+``stream``; ``generate`` is the whole stream put back in prompt order.
 
 One file per engine, one line in :data:`ENGINES` (``actor.engine`` selects it).
 """
@@ -63,16 +63,18 @@ class Engine(abc.ABC):
         """Build from ``cfg.actor`` and an HF-format model directory (weights and tokenizer)."""
 
     @abc.abstractmethod
-    def generate(self, prompts: list[list[int]], *, max_new_tokens: int | None = None,
-                 greedy: bool = False) -> list[Sample]:
-        """One Sample per prompt, in order; sampled as configured unless ``greedy``."""
-
     def stream(self, prompts: list[list[int]], *, max_new_tokens: int | None = None,
                greedy: bool = False) -> Iterator[tuple[int, Sample]]:
         """``(index into prompts, Sample)`` for every prompt, each index exactly once, as soon as
-        its sequence finishes (completion order). This default, for engines that cannot stream,
-        yields the whole batch in prompt order once ``generate`` returns."""
-        yield from enumerate(self.generate(prompts, max_new_tokens=max_new_tokens, greedy=greedy))
+        its sequence finishes (completion order); sampled as configured unless ``greedy``."""
+
+    def generate(self, prompts: list[list[int]], *, max_new_tokens: int | None = None,
+                 greedy: bool = False) -> list[Sample]:
+        """One Sample per prompt, in prompt order (the whole of :meth:`stream`)."""
+        out: list[Sample | None] = [None] * len(prompts)
+        for i, sample in self.stream(prompts, max_new_tokens=max_new_tokens, greedy=greedy):
+            out[i] = sample
+        return out
 
     @abc.abstractmethod
     def sampling(self) -> SamplingSpec:

@@ -597,13 +597,6 @@ class SGLangEngine(Engine):
 
     # ---- generation
 
-    def generate(self, prompts: list[list[int]], *, max_new_tokens: int | None = None,
-                 greedy: bool = False) -> list[Sample]:
-        out: list[Sample | None] = [None] * len(prompts)
-        for i, sample in self.stream(prompts, max_new_tokens=max_new_tokens, greedy=greedy):
-            out[i] = sample
-        return out
-
     def stream(self, prompts: list[list[int]], *, max_new_tokens: int | None = None,
                greedy: bool = False) -> Iterator[tuple[int, Sample]]:
         """Every prompt in flight at once (at most ``max_batch``); yields as responses arrive."""

@@ -173,13 +173,6 @@ class TorchEngine(Engine):
     def _apply_weights(self) -> int | None:
         return self.weights.apply(self._params)
 
-    def generate(self, prompts: list[list[int]], *, max_new_tokens: int | None = None,
-                 greedy: bool = False) -> list[Sample]:
-        out: list[Sample | None] = [None] * len(prompts)
-        for i, sample in self.stream(prompts, max_new_tokens=max_new_tokens, greedy=greedy):
-            out[i] = sample
-        return out
-
     @torch.inference_mode()
     def stream(self, prompts: list[list[int]], *, max_new_tokens: int | None = None,
                greedy: bool = False) -> Iterator[tuple[int, Sample]]:

@@ -110,12 +110,14 @@ def prepare(cfg: C.Config, run_dir: str | None = None) -> tuple[C.Config, str]:
     return cfg, run_dir
 
 
-def roles(cfg: C.Config, run_dir: str) -> list[Role]:
+def roles(cfg: C.Config, run_dir: str, t0: float | None = None) -> list[Role]:
+    """The role processes; ``t0``, the launch time, goes to the learner, whose ``run.max_time_s``
+    counts from it, so that a restarted learner does not begin a fresh budget."""
     py = sys.executable
     out = [
         Role("buffer", [py, "-m", "buffer.server", "--config", os.path.join(run_dir, "config.json"),
                         "--run-dir", run_dir]),
-        Role("learner", [py, "-m", "learner.loop", "--run-dir", run_dir]),
+        Role("learner", [py, "-m", "learner.loop", "--run-dir", run_dir, *(["--t0", repr(t0)] if t0 else [])]),
     ]
     out += [Role(f"actor{i}", [py, "-m", "actor.worker", "--run-dir", run_dir, "--index", str(i)])
             for i in range(cfg.actor.num_actors)]
@@ -297,7 +299,7 @@ class Launcher(abc.ABC):
         collector = collector_for(cfg, run_dir)
         sink = sink_for(cfg, run_dir, "launcher", "launcher")  # its own records: run/restarts/<role>
         monitor = monitor or Monitor(cfg)
-        procs = roles(cfg, run_dir)
+        procs = roles(cfg, run_dir, time.time())
         by_name = {r.name: r for r in procs}
         actors = [r for r in procs if r.name.startswith("actor")]
         result = RunResult(run_dir)

@@ -106,12 +106,12 @@ def test_stream_yields_every_index_once_as_sequences_finish():
     assert {i: s.tokens for i, s in seen} == {i: s.tokens for i, s in enumerate(want)}
 
 
-def test_default_stream_of_an_engine_that_cannot_stream():
+def test_default_generate_puts_a_stream_back_in_prompt_order():
     from actor.engines import Engine, Sample
     from model.sampling import SamplingSpec
 
-    class Batch(Engine):
-        """No stream() of its own: the base class's must still yield every index once."""
+    class Reversed(Engine):
+        """Streams in reverse completion order: the base class's generate must reorder it."""
 
         @classmethod
         def from_config(cls, actor_cfg, model_dir, weights=None, seed=0):
@@ -123,11 +123,11 @@ def test_default_stream_of_an_engine_that_cannot_stream():
         def _apply_weights(self):
             return None
 
-        def generate(self, prompts, *, max_new_tokens=None, greedy=False):
-            return [Sample([len(p)], [0.0], [0], "length") for p in prompts]
+        def stream(self, prompts, *, max_new_tokens=None, greedy=False):
+            for i in reversed(range(len(prompts))):
+                yield i, Sample([len(prompts[i])], [0.0], [0], "length")
 
-    got = list(Batch().stream([[1], [1, 2], [3]]))
-    assert [(i, s.tokens) for i, s in got] == [(0, [1]), (1, [2]), (2, [1])]
+    assert [s.tokens for s in Reversed().generate([[1], [1, 2], [3, 4, 5]])] == [[1], [2], [3]]
 
 
 def _full_logp(model, prompt, tokens):

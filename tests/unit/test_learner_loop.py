@@ -137,3 +137,17 @@ def test_restart_continues_from_the_checkpoint_with_a_fresh_version(tmp_path):
     keys = [tuple(k) for s in steps for k in s["keys"]]
     assert len(keys) == len(set(keys))
     again.close()
+
+
+def test_a_restarted_learner_spends_what_is_left_of_the_time_budget(tmp_path):
+    """``run.max_time_s`` counts from the launch (``--t0``): a learner restarted after a crash
+    late in the run stops at once instead of beginning a fresh budget. (The fake buffer has no
+    data: with budget left, ``run`` would wait for groups until the budget ran out.)"""
+    import time
+
+    loop = _loop(tmp_path, "run.max_time_s=30")
+    t0 = time.time()
+    loop.run(t_start=time.time() - 31)  # launched 31 s ago, budget 30 s
+    assert time.time() - t0 < 10 and loop.step == 0
+    assert loop.budget_left(time.time() - 29) and not loop.budget_left(time.time() - 31)
+    loop.close()
