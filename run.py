@@ -39,6 +39,7 @@ Who waits for whom:
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import os
@@ -96,10 +97,12 @@ def check_seams(cfg: C.Config) -> None:
         if value not in registry:
             raise C.ConfigError(f"`$.{path}` = {value!r} is not one of {', '.join(sorted(registry))}")
     placement.check(cfg)  # a CUDA device asked for where there is none fails here, not in a role
-    if cfg.metrics.tensorboard:  # fail in a second, not after the contract check
-        import importlib.util
-        if importlib.util.find_spec("tensorboardX") is None:
-            raise C.ConfigError("`$.metrics.tensorboard` = true needs tensorboardX: pip install -e '.[tensorboard]'")
+    # an optional stack that is chosen but not installed fails here, in a second, with its extra
+    stacks = ((cfg.metrics.tensorboard, "tensorboardX", "`$.metrics.tensorboard` = true", "tensorboard"),
+              (cfg.run.launcher == "ray", "ray", "`$.run.launcher` = 'ray'", "ray"))
+    for chosen, module, what, extra in stacks:
+        if chosen and importlib.util.find_spec(module) is None:
+            raise C.ConfigError(f"{what} needs {module}: pip install -e '.[{extra}]'")
 
 
 def resolve_model(cfg: C.Config) -> C.Config:

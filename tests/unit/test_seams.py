@@ -77,3 +77,15 @@ def test_a_swallowed_interrupt_still_stops_the_watch_loop():
     finally:
         Interrupt.signalled = False
     Interrupt.check()  # no signal: nothing raised
+
+
+@pytest.mark.parametrize("override, module, extra", [("run.launcher=ray", "ray", "ray"),
+                                                     ("metrics.tensorboard=true", "tensorboardX", "tensorboard")])
+def test_a_chosen_optional_stack_that_is_not_installed_fails_before_anything_starts(monkeypatch, override,
+                                                                                    module, extra):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == module else real(name, *a))
+    with pytest.raises(C.ConfigError, match=rf"needs {module}: pip install -e '\.\[{extra}\]'"):
+        run.check_seams(C.load(None, [override]))
