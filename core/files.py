@@ -8,6 +8,7 @@ is renamed into place; the directory is fsynced so the rename itself survives a 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 
@@ -76,3 +77,13 @@ def atomic_dir(final: str, write, marker: str | None = None) -> str:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def read_json(path: str) -> dict | None:
+    """A JSON file another process writes with :func:`atomic_write`, or None while it is missing
+    (or, written by hand, half written): what a waiter polls for."""
+    try:
+        with open(path, "rb") as f:
+            return json.loads(f.read())
+    except (FileNotFoundError, ValueError):
+        return None

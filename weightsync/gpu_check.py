@@ -54,6 +54,7 @@ import traceback
 
 import torch
 
+from core.files import read_json
 from core.messages import WeightUpdateHeader, decoder, encode
 from weightsync import layout
 
@@ -212,14 +213,6 @@ def _write_json(path: str, obj) -> None:
     os.replace(path + ".tmp", path)
 
 
-def _read_json(path: str) -> dict:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (FileNotFoundError, ValueError):
-        return {}
-
-
 def _ipc_reader(run_dir: str, device: str, n_versions: str, mb: str, out_path: str) -> None:
     """The other process: apply every version it sees, check it, report progress as JSON."""
     from weightsync.cuda_ipc import CudaIpcSubscriber
@@ -252,11 +245,11 @@ def _spawn(fn: str, *args) -> subprocess.Popen:
 def _wait_for(path: str, key: str, n: int, proc: subprocess.Popen, timeout_s: float = 90) -> dict:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and proc.poll() is None:
-        got = _read_json(path)
+        got = (read_json(path) or {})
         if len(got.get(key, [])) >= n:
             return got
         time.sleep(1e-3)
-    return _read_json(path)
+    return (read_json(path) or {})
 
 
 def _copy_s(nbytes: int, device) -> float:

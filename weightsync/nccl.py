@@ -70,7 +70,7 @@ import zmq
 from core import net
 from core.messages import SCHEMA_VERSION, Hello, Shutdown, WeightUpdateHeader, decoder, encode
 from weightsync import layout
-from core.files import atomic_write
+from core.files import atomic_write, read_json
 from weightsync.base import Publisher, Stopped, Subscriber, stop_check, wait_until
 from weightsync.filesystem import weights_dir
 
@@ -452,7 +452,7 @@ class NcclSubscriber(Subscriber):
         path = endpoint_path(run_dir)
         deadline = time.monotonic() + timeout_s
         ep = wait_until(
-            lambda: _read_endpoint(path), timeout_s, f"the nccl weight publisher's endpoint {path}; is the learner up?",
+            lambda: read_json(path), timeout_s, f"the nccl weight publisher's endpoint {path}; is the learner up?",
             stop=stop,
         )
         self._ctx = zmq.Context()
@@ -630,11 +630,3 @@ def rank_buffer_device(backend: str, device) -> torch.device:
         raise ValueError(f"the nccl transport needs each actor on its own CUDA device, but this subscriber's "
                          f"actor.device is {device!r}: set actor.device to 'cuda:N' (core/placement.py)")
     return dev
-
-
-def _read_endpoint(path: str) -> dict | None:
-    try:
-        with open(path, "rb") as f:
-            return json.loads(f.read())
-    except (FileNotFoundError, ValueError):
-        return None

@@ -104,6 +104,7 @@ import zmq
 
 from actor.engines import Engine, EngineStopped, Sample
 from core import net
+from core.files import read_json
 from core.messages import Hello, Shutdown, WeightUpdateHeader, decoder, encode
 from model.sampling import SamplingSpec
 from model.tokenizer import Tokenizer
@@ -359,7 +360,7 @@ class SGLangLink:
 
     def __init__(self, run_dir: str, timeout_s: float = 60, *, curve=None, actor_id: str = "", stop=None):
         path = endpoint_path(run_dir)
-        ep = wait_until(lambda: _read_json(path), timeout_s,
+        ep = wait_until(lambda: read_json(path), timeout_s,
                         f"the learner's weight publisher endpoint {path}; is the learner up?", stop=stop)
         self.timeout_s, self.stop = timeout_s, stop
         self.actor_id = actor_id or f"sglang:{os.getpid()}"
@@ -443,14 +444,6 @@ def check_init(msg) -> "CollectiveInit":
     if not 1 <= msg.rank < msg.world_size:
         raise SGLangError(f"CollectiveInit: rank {msg.rank} outside [1, {msg.world_size})")
     return msg
-
-
-def _read_json(path: str) -> dict | None:
-    try:
-        with open(path, "rb") as f:
-            return json.loads(f.read())
-    except (FileNotFoundError, ValueError):
-        return None
 
 
 class LinkStats:
