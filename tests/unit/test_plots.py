@@ -126,6 +126,14 @@ def scalars(root: str) -> dict[tuple[str, str, int], float]:
     return out
 
 
+def _poll_until(col, role: str, timeout_s: float = 10.0) -> None:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if any(r.role == role for r in col.poll(timeout_ms=100)):
+            return
+    raise AssertionError(f"no record from {role} within {timeout_s}s")
+
+
 def test_tensorboard_events_carry_the_names_and_values_of_metrics_jsonl(tmp_path):
     pytest.importorskip("tensorboardX")
     import msgspec
@@ -142,11 +150,11 @@ def test_tensorboard_events_carry_the_names_and_values_of_metrics_jsonl(tmp_path
     try:
         sinks[0].emit(4, {"ratio/p99": 1.25, "ratio/p99_by_staleness/2": 1.5, "staleness/hist": [1, 2],
                           "learner/loss": math.nan})
-        time.sleep(0.2)  # the launcher's record after the learner's: it lands at the learner's step
+        # the launcher's record once the learner's has arrived (two sockets: arrival order is not
+        # send order under load): it lands at the learner's step
+        _poll_until(col, "learner")
         sinks[1].emit(-1, {"run/restarts/actor0": 1.0})
-        end, got = time.monotonic() + 10, 0
-        while got < 2 and time.monotonic() < end:
-            got += len([r for r in col.poll(timeout_ms=100) if r.role != "monitor"])
+        _poll_until(col, "launcher")
     finally:
         for s in sinks:
             s.close()
