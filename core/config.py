@@ -8,6 +8,7 @@ literals (``4``, ``2e-6``, ``true``, ``"x"``, ``[1, 2]``); anything else is take
 
 from __future__ import annotations
 
+import functools
 import tomllib
 from typing import Annotated, Any, Literal
 
@@ -52,6 +53,7 @@ class RunSection(_Section):
     # the n-th restart of a role waits base * 2^(n-1) s (at most 30 s) after its crash: a role
     # that fails at once is not restarted in a tight loop; 0 = restart at once
     restart_backoff_s: NonNegFloat = 1.0
+    stage: str = ""  # the pipeline stage this run is (pipeline.py sets it); shown in the live view
 
 
 class ModelSection(_Section):
@@ -92,6 +94,8 @@ class TaskSection(_Section):
     # the tokenizer's chat template: auto = when the checkpoint has one (tiny built-in models have none)
     chat_template: Literal["auto", "on", "off"] = "auto"
     system_prompt: dict[str, str] = {}  # per tier ("default", "low", "medium", "high"); "" = none
+    # per tier: its own response-length limit, at most actor.max_new_tokens (which the rest keep)
+    tier_max_new_tokens: dict[str, PosInt] = {}
     # external scorers run in worker processes; a hung or crashed check scores 0 and is counted
     reward_workers: PosInt = 2
     reward_timeout_s: PosFloat = 10.0
@@ -105,6 +109,16 @@ class ActorSection(_Section):
     max_new_tokens: PosInt = 8
     # continuous batching: sequences decoded at once; a finished one's slot takes the next prompt
     max_batch: PosInt = 256
+    # response-length curriculum (actor/curriculum.py): the limit starts at length_start and grows
+    # by length_grow up to max_new_tokens, every length_every policy versions ("steps") or when
+    # more than length_clip_rate of the last length_window completions hit it ("clip_rate");
+    # "off": max_new_tokens throughout
+    length_schedule: Literal["off", "steps", "clip_rate"] = "off"
+    length_start: PosInt = 8
+    length_grow: PosInt = 4
+    length_every: PosInt = 20
+    length_clip_rate: Annotated[float, Meta(gt=0, le=1)] = 0.2
+    length_window: PosInt = 256
     temperature: PosFloat = 1.0
     top_k: NonNegInt = 0  # 0 = off
     top_p: Annotated[float, Meta(gt=0, le=1)] = 1.0
@@ -267,6 +281,31 @@ class ControlSection(_Section):
     pause_steps: PosInt = 8
 
 
+class DistillSection(_Section):
+    """The pipeline's self-distillation (actor/distill.py, learner/sft.py): the policy samples
+    ``samples`` completions for each of ``prompts`` training prompts, the shortest correct one is
+    kept, and the *base* model is fine-tuned on that corpus."""
+
+    prompts: PosInt = 2048
+    samples: Annotated[int, Meta(ge=2)] = 8
+    # optional second pass: the kept completion, then this text, is the prompt of a rewrite that
+    # replaces it when still correct and shorter; "" = off
+    compress_prompt: str = ""
+    lr: PosFloat = 1e-3
+    epochs: PosInt = 2
+    batch: PosInt = 32
+
+
+class PipelineSection(_Section):
+    """``python run.py pipeline`` (pipeline.py): stages rl1 -> distill -> rl2 -> tiers. Each RL
+    stage's table is a partial config over the rest of this file, on top of the recipe's own
+    settings for that stage (pipeline.py: STAGES)."""
+
+    rl1: dict[str, Any] = {}
+    rl2: dict[str, Any] = {}
+    tiers: dict[str, Any] = {}
+
+
 class Config(_Section):
     run: RunSection = msgspec.field(default_factory=RunSection)
     model: ModelSection = msgspec.field(default_factory=ModelSection)
@@ -280,6 +319,8 @@ class Config(_Section):
     monitor: MonitorSection = msgspec.field(default_factory=MonitorSection)
     control: ControlSection = msgspec.field(default_factory=ControlSection)
     metrics: MetricsSection = msgspec.field(default_factory=MetricsSection)
+    distill: DistillSection = msgspec.field(default_factory=DistillSection)
+    pipeline: PipelineSection = msgspec.field(default_factory=PipelineSection)
 
 
 class ConfigError(ValueError):
@@ -293,28 +334,44 @@ def _parse_value(text: str) -> Any:
         return text
 
 
+@functools.cache
+def _map_fields() -> frozenset[str]:
+    """Paths (``$.task.system_prompt``) of the fields that are maps, not sections: their keys are
+    the user's (tiers, stage names), so a new key there is not a typo."""
+    out: set[str] = set()
+    for sec in msgspec.inspect.type_info(Config).fields:
+        out |= {f"$.{sec.name}.{f.name}" for f in sec.type.fields if isinstance(f.type, msgspec.inspect.DictType)}
+    return frozenset(out)
+
+
+def _known(node, key: str, where: str, maps: frozenset[str]) -> bool:
+    return isinstance(node, dict) and (key in node or any(where == m or where.startswith(m + ".") for m in maps))
+
+
 def apply_override(tree: dict, item: str) -> None:
-    """Set ``a.b.c=value`` in a nested dict built from the config; unknown paths raise."""
+    """Set ``a.b.c=value`` in a nested dict built from the config; unknown paths raise (a map
+    field, like ``task.system_prompt``, takes new keys: ``task.system_prompt.low="..."``)."""
     if "=" not in item:
         raise ConfigError(f"override {item!r} is not of the form section.key=value")
     path, _, raw = item.partition("=")
-    keys = path.strip().split(".")
+    keys, maps = path.strip().split("."), _map_fields()
     node = tree
     for depth, k in enumerate(keys[:-1]):
-        if not isinstance(node, dict) or k not in node:
+        if not _known(node, k, "$." + ".".join(keys[:depth]), maps):
             raise ConfigError(f"unknown config key `$.{'.'.join(keys[: depth + 1])}`")
-        node = node[k]
-    if not isinstance(node, dict) or keys[-1] not in node:
+        node = node.setdefault(k, {})
+    if not _known(node, keys[-1], "$." + ".".join(keys[:-1]), maps):
         raise ConfigError(f"unknown config key `$.{path.strip()}`")
     node[keys[-1]] = _parse_value(raw.strip())
 
 
-def _merge(base: dict, top: dict, where: str = "$") -> None:
+def _merge(base: dict, top: dict, where: str = "$", maps: frozenset[str] | None = None) -> None:
+    maps = _map_fields() if maps is None else maps
     for k, v in top.items():
-        if k not in base:
+        if not _known(base, k, where, maps):
             raise ConfigError(f"unknown config key `{where}.{k}`")
-        if isinstance(base[k], dict) and isinstance(v, dict):
-            _merge(base[k], v, f"{where}.{k}")
+        if isinstance(base.get(k), dict) and isinstance(v, dict) and f"{where}.{k}" not in maps:
+            _merge(base[k], v, f"{where}.{k}", maps)
         else:
             base[k] = v
 
@@ -338,9 +395,28 @@ def validate(cfg: Config) -> None:
         )
     if cfg.run.max_steps == 0 and cfg.run.max_time_s == 0:
         raise ConfigError("set `$.run.max_steps` or `$.run.max_time_s`: a run needs a budget")
+    _validate_lengths(cfg)
     _validate_net(cfg.net)
     _validate_ray(cfg.ray)
     _validate_control(cfg.control, cfg.buffer.max_staleness)
+
+
+TIERS = ("default", "low", "medium", "high")
+
+
+def _validate_lengths(cfg: Config) -> None:
+    """Tier limits and the curriculum's start within actor.max_new_tokens (what the buffer admits)."""
+    cap = cfg.actor.max_new_tokens
+    for name, d in (("system_prompt", cfg.task.system_prompt), ("tier_max_new_tokens", cfg.task.tier_max_new_tokens)):
+        bad = sorted(set(d) - set(TIERS))
+        if bad:
+            raise ConfigError(f"`$.task.{name}` has {bad}: tiers are {', '.join(TIERS)}")
+    over = {t: n for t, n in cfg.task.tier_max_new_tokens.items() if n > cap}
+    if over:
+        raise ConfigError(f"`$.task.tier_max_new_tokens` = {over} exceeds `$.actor.max_new_tokens` = {cap}")
+    if cfg.actor.length_schedule != "off" and cfg.actor.length_start > cap:
+        raise ConfigError(f"`$.actor.length_start` = {cfg.actor.length_start} exceeds "
+                          f"`$.actor.max_new_tokens` = {cap}")
 
 
 def _validate_control(c: ControlSection, max_staleness: int) -> None:

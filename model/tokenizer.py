@@ -119,11 +119,12 @@ class Tokenizer:
 
     def prompt(self, text: str, chat: bool, system: str = "") -> list[int]:
         """Prompt ids of a user's ``text``: the chat template (with a ``system`` message when not
-        empty) followed by the assistant's header, or else the plain text after BOS (if any)."""
+        empty) followed by the assistant's header, or else BOS (if any), ``system`` and ``text`` as
+        plain text: a model without a template still sees which tier it is asked for."""
         if chat:
             system_msg = [{"role": "system", "content": system}] if system else []
             return self.apply_chat([*system_msg, {"role": "user", "content": text}])
-        return ([] if self.bos_id is None else [self.bos_id]) + self.encode(text)
+        return ([] if self.bos_id is None else [self.bos_id]) + self.encode(system + text)
 
     @classmethod
     def from_dir(cls, path: str) -> "Tokenizer":
