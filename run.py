@@ -2,11 +2,13 @@
 
     python run.py [--config FILE.toml] [section.key=value ...]    train (defaults: tiny CPU run)
     python run.py resume RUN_DIR [section.key=value ...]          continue a stopped run
-    python run.py eval CKPT [TASK ...] [section.key=value ...] [--k K]
-                                                                  pass@1/pass@k, lengths (JSON)
+    python run.py eval CKPT [TASK ...] [section.key=value ...] [--k K] [--tiers]
+                                                                  pass@1/pass@k, lengths (JSON); --tiers:
+                                                                  the Low/Medium/High table
     python run.py sweep KEY=V1,V2,... [KEY=VALUE ...] [--seeds N] [--minutes M] [--resume OUT]
                                                                   short trainings, one table (sweep.py)
     python run.py tail [RUN_DIR] [--last N] [--json]              the tokens of the ratio tail
+    python run.py pipeline [--config FILE] [--resume DIR]          RL -> self-distillation -> RL -> tiered RL (pipeline.py)
     python run.py monitor [RUN_DIR] [--follow] [--speed X]        attach the live view to a job (or replay one)
     python run.py plot [RUN_DIR]                                  PNG figures into RUN_DIR/plots/
 
@@ -58,6 +60,8 @@ def parse(argv):
     ap = argparse.ArgumentParser(prog="run.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", help="TOML file with overrides of the defaults")
     ap.add_argument("--k", type=int, default=4, help="eval: samples per prompt for pass@k")
+    ap.add_argument("--tiers", action="store_true",
+                    help="eval: per tier, accuracy and mean response tokens under its prompt and length limit")
     ap.add_argument("args", nargs="*", help="`resume RUN_DIR`, `eval CKPT [TASK ...]`, section.key=value overrides")
     ns = ap.parse_intermixed_args(argv)
     mode, target, rest = "train", None, list(ns.args)
@@ -67,7 +71,9 @@ def parse(argv):
         mode, target, rest = rest[0], os.path.abspath(rest[1]), rest[2:]
     if ns.k < 1:
         ap.error("--k must be >= 1")
-    return argparse.Namespace(config=ns.config, mode=mode, target=target, overrides=rest, k=ns.k)
+    if ns.tiers and mode != "eval":
+        ap.error("--tiers is an eval option: run.py eval CKPT --tiers")
+    return argparse.Namespace(config=ns.config, mode=mode, target=target, overrides=rest, k=ns.k, tiers=ns.tiers)
 
 
 def load_config(toml_path, resume_dir, overrides) -> C.Config:
@@ -179,6 +185,8 @@ def resolve_checkpoint(path: str) -> tuple[str, str | None]:
     from learner import checkpoint
 
     path = os.path.abspath(path)
+    if os.path.exists(os.path.join(path, "pipeline.json")):  # a pipeline: its last stage's run
+        path = os.path.join(path, "tiers")
     run_cfg = os.path.join(path, "config.json")
     if os.path.isdir(os.path.join(path, "final_model")) or os.path.isdir(os.path.join(path, "checkpoints")):
         final = os.path.join(path, "final_model")
@@ -207,11 +215,33 @@ def eval_main(args) -> int:
     base = msgspec.structs.replace(base, model=msgspec.structs.replace(base.model, path=model_dir))
     check_seams(base)
     torch.set_num_threads(base.actor.threads)
+    if args.tiers:
+        return tiers_main(base, model_dir, tasks, args.k)
     report = {"checkpoint": model_dir, "tasks": {}}
     for name in tasks or [base.task.name]:
         cfg = msgspec.structs.replace(base, task=msgspec.structs.replace(base.task, name=name))
         check_seams(cfg)
         report["tasks"][name] = task_report(cfg, model_dir, args.k, progress)
+    print(json.dumps(report))
+    return 0
+
+
+def tiers_main(cfg: C.Config, model_dir: str, tasks: list[str], k: int) -> int:
+    """``run.py eval CKPT --tiers``: the Low / Medium / High table of one task (the run's tier
+    prompts and limits, or those given as overrides); the JSON is the last line."""
+    from pipeline import TIERS, tier_report
+
+    if len(tasks) > 1:
+        raise C.ConfigError("--tiers evaluates one task: give at most one TASK")
+    if tasks:
+        cfg = msgspec.structs.replace(cfg, task=msgspec.structs.replace(cfg.task, name=tasks[0]))
+        check_seams(cfg)
+    report = {**tier_report(cfg, model_dir, k), "checkpoint": model_dir, "task": cfg.task.name}
+    for t in TIERS:
+        row = report["tiers"].get(t)
+        if row:
+            print(f"{t:<7} accuracy {row['accuracy']:.3f}  mean response tokens {row['mean_length']:.2f}  "
+                  f"({row['prompts']} prompts)")
     print(json.dumps(report))
     return 0
 
@@ -230,29 +260,42 @@ def main(argv=None) -> int:
         from core.plots import main as plot_main
 
         return plot_main(argv[1:])
-    from actor.evaluate import final_eval
-    from learner.contract import ContractError
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s launcher %(levelname)s: %(message)s")
+    # SIGTERM (e.g. from a job scheduler) stops the run exactly like Ctrl-C
+    launchers.Interrupt.install()
     if argv[:1] == ["sweep"]:  # its own options (--seeds, --minutes, --resume): sweep.py
         import sweep
 
-        launchers.Interrupt.install()  # Ctrl-C / SIGTERM stop the running training, as below
         return sweep.main(argv[1:])
-    args = parse(sys.argv[1:] if argv is None else argv)
-    # SIGTERM (e.g. from a job scheduler) stops the run exactly like Ctrl-C
-    launchers.Interrupt.install()
+    if argv[:1] == ["pipeline"]:  # its own options (--resume, --out): pipeline.py
+        import pipeline
+
+        return failure_exit(lambda: pipeline.main(argv[1:]))
+    args = parse(argv)
+    return failure_exit(lambda: eval_main(args) if args.mode == "eval" else train_main(args))
+
+
+def failure_exit(work) -> int:
+    """``work()``'s exit code; a config error exits 2, a failed role or contract check its own
+    code, each with one line on stderr."""
+    from learner.contract import ContractError
+
     try:
-        if args.mode == "eval":
-            return eval_main(args)
-        resume_dir = args.target if args.mode == "resume" else None
-        result = train(load_config(args.config, resume_dir, args.overrides), resume_dir)
+        return work()
     except (C.ConfigError, FileNotFoundError) as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     except (launchers.RoleFailed, ContractError) as e:
         print(f"run failed: {e}", file=sys.stderr)
         return getattr(e, "exit_code", 1)
+
+
+def train_main(args) -> int:
+    """``python run.py`` / ``run.py resume``: train, then evaluate the final model."""
+    from actor.evaluate import final_eval
+
+    resume_dir = args.target if args.mode == "resume" else None
+    result = train(load_config(args.config, resume_dir, args.overrides), resume_dir)
     if result.interrupted:
         print(f"interrupted; all roles stopped. Resume with: python run.py resume {result.run_dir}")
         return 130
@@ -261,7 +304,6 @@ def main(argv=None) -> int:
     print(f"done in {result.wall_s:.0f}s: held-out reward {start if start is not None else float('nan'):.3f} "
           f"-> {final['eval/reward']:.3f}; run dir {result.run_dir}")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

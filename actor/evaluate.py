@@ -8,6 +8,10 @@ and the same split by tier and by difficulty::
     pass@1 = mean over prompts of c/k          (c = correct samples of the prompt)
     pass@k = fraction of prompts with c >= 1   (every prompt has exactly k samples)
 
+Lengths: every prompt runs under its tier's limit (``actor/curriculum.py: prompt_limit``); the
+in-run eval also under the length curriculum's current limit, which the worker passes in, so it
+measures what training samples now.
+
 Which directory CKPT names (a run, a checkpoint, a model) is decided in ``run.py``, which alone
 sees both the actor's and the learner's files.
 """
@@ -22,15 +26,17 @@ from collections import defaultdict
 import numpy as np
 import torch
 
+from actor.curriculum import prompt_limit
 from actor.engines import Engine, make_engine
 from actor.tasks import Task, make_task
 from core import config as C
 from model.tokenizer import Tokenizer
 
 
-def evaluate(engine: Engine, task: Task, prompts) -> tuple[float, float]:
-    """Mean reward and length on a fixed held-out set, sampled exactly as training samples."""
-    samples = engine.generate([list(p.tokens) for p in prompts])
+def evaluate(engine: Engine, task: Task, prompts, max_new_tokens: list[int] | None = None) -> tuple[float, float]:
+    """Mean reward and length on a fixed held-out set, sampled exactly as training samples;
+    ``max_new_tokens``: each prompt's limit (None: the engine's)."""
+    samples = engine.generate([list(p.tokens) for p in prompts], max_new_tokens=max_new_tokens)
     rewards = task.rewards([(p, s.tokens) for p, s in zip(prompts, samples)])
     return float(np.mean(rewards)), float(np.mean([len(s.tokens) for s in samples]))
 
@@ -45,7 +51,8 @@ def final_eval(run_dir: str) -> dict:
     engine = make_engine(cfg.actor, model_dir, seed=cfg.run.seed)
     task = make_task(cfg.task, Tokenizer.from_dir(model_dir))
     try:
-        reward, length = evaluate(engine, task, task.eval_set(cfg.run.eval_prompts))
+        prompts = task.eval_set(cfg.run.eval_prompts)
+        reward, length = evaluate(engine, task, prompts, [prompt_limit(cfg, p) for p in prompts])
     finally:
         task.close()
     rec = {"step": -1, "time": time.time(), "role": "launcher", "id": "final_eval",
@@ -72,13 +79,16 @@ def _split(prompts, correct, lengths, key) -> dict[str, dict]:
             for name, idx in sorted(rows.items())}
 
 
-def _sample_all(engine: Engine, task: Task, prompts, k: int, progress) -> tuple[np.ndarray, np.ndarray]:
-    """``[prompts, k]`` correctness and lengths, ``chunk`` prompts per engine call."""
+def _sample_all(engine: Engine, task: Task, prompts, k: int, progress,
+                limits: list[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``[prompts, k]`` correctness and lengths, ``chunk`` prompts per engine call; ``limits``:
+    each prompt's length limit (None: the engine's)."""
     correct, lengths = np.zeros((len(prompts), k)), np.zeros((len(prompts), k))
     chunk = max(1, 256 // k)
     for start in range(0, len(prompts), chunk):
         part = prompts[start:start + chunk]
-        samples = engine.generate([list(p.tokens) for p in part for _ in range(k)])
+        budget = None if limits is None else [b for b in limits[start:start + chunk] for _ in range(k)]
+        samples = engine.generate([list(p.tokens) for p in part for _ in range(k)], max_new_tokens=budget)
         rewards = task.rewards([(p, s.tokens) for p, s in zip([p for p in part for _ in range(k)], samples)])
         correct[start:start + len(part)] = np.asarray(rewards).reshape(len(part), k) > 0.5
         lengths[start:start + len(part)] = np.asarray([len(s.tokens) for s in samples]).reshape(len(part), k)
@@ -94,7 +104,8 @@ def task_report(cfg: C.Config, model_dir: str, k: int, progress_factory) -> dict
         prompts = task.eval_set(cfg.run.eval_prompts)
         t0 = time.time()
         with progress_factory(f"eval {cfg.task.name}", len(prompts)) as advance:
-            correct, lengths = _sample_all(engine, task, prompts, k, advance)
+            limits = [prompt_limit(cfg, p) for p in prompts]
+            correct, lengths = _sample_all(engine, task, prompts, k, advance, limits)
     finally:
         task.close()
         engine.close()

@@ -5,6 +5,11 @@ groups (weights may change between decode steps) -> score -> send (the buffer cl
 group until acknowledged) -> emit metrics. Actor 0 also runs the held-out evaluation every
 ``run.eval_every`` policy versions.
 
+Lengths: each prompt runs under its own limit (``actor/curriculum.py: prompt_limit``: the cap,
+its tier's limit, and the length curriculum's limit at the batch's start version); every finished
+completion is fed back to the curriculum, whose ``clip_rate`` state lives in
+``run_dir/curriculum/actor<i>.json``.
+
 The staleness limit and the pause of admission follow the learner's control
 (``learner/control.py``), as the buffer passes them on in its acks (``ActorClient.control``).
 
@@ -30,6 +35,7 @@ import msgspec
 import numpy as np
 import torch
 
+from actor.curriculum import LengthCurriculum, prompt_limit, state_path
 from actor.engines import EngineStopped, make_engine
 from actor.evaluate import evaluate
 from actor.tasks import make_task
@@ -60,8 +66,20 @@ def temperature_skew(version: int, spec: str | None = None) -> float:
         raise ValueError(f"{SKEW_ENV}={spec!r}: want LO:HI:FACTOR, e.g. 5:6:3.0") from None
 
 
+def tier_means(groups) -> dict[str, float]:
+    """``reward/by_tier/<tier>`` and ``length/by_tier/<tier>``: means over each tier's completions."""
+    rewards: dict[str, list[float]] = {}
+    lengths: dict[str, list[int]] = {}
+    for g in groups:
+        rewards.setdefault(g.tier, []).extend(c.reward for c in g.completions)
+        lengths.setdefault(g.tier, []).extend(c.num_tokens for c in g.completions)
+    return {**{f"reward/by_tier/{t}": float(np.mean(r)) for t, r in rewards.items()},
+            **{f"length/by_tier/{t}": float(np.mean(n)) for t, n in lengths.items()}}
+
+
 class RolloutWorker:
     run_dir = ""  # set by __init__; a worker built piecemeal by a test has none (no heartbeat)
+    curriculum: LengthCurriculum | None = None  # likewise: none means actor.max_new_tokens throughout
 
     def __init__(self, cfg: C.Config, run_dir: str, index: int, stop=None):
         self.cfg, self.run_dir, self.index = cfg, run_dir, index
@@ -78,6 +96,7 @@ class RolloutWorker:
         self.admission: Admission | None = None  # set by the first weights applied (_wait_for_weights)
         self.rng: random.Random | None = None
         self.metrics = sink_for(cfg, run_dir, "actor", self.actor_id)
+        self.curriculum = LengthCurriculum(cfg.actor, state_path(run_dir, self.actor_id))
         self.last_eval = -1
         self.eval_set = self.task.eval_set(cfg.run.eval_prompts) if index == 0 and cfg.run.eval_every else []
 
@@ -178,10 +197,14 @@ class RolloutWorker:
         start_version = self.version
         prompts = [self.task.sample(self.rng, "train") for _ in range(n)]
         size = self.cfg.actor.group_size
+        limits = self.limits(prompts, start_version)
         done: dict[int, dict] = {}
         skew = self._skew_temperature(start_version)
-        for index, sample in self.engine.stream([list(p.tokens) for p in prompts for _ in range(size)]):
+        for index, sample in self.engine.stream([list(p.tokens) for p in prompts for _ in range(size)],
+                                                max_new_tokens=[b for b in limits for _ in range(size)]):
             self._beat()  # a long batch is not a hang
+            if self.curriculum is not None:
+                self.curriculum.observe(sample.finish_reason, limits[index // size])
             got = done.setdefault(index // size, {})
             got[index % size] = sample
             if len(got) == size:
@@ -190,6 +213,15 @@ class RolloutWorker:
                 if skew != 1.0:
                     log.warning("%s: group %s sampled at temperature x%g (test hook)", SKEW_ENV, list(group.key), skew)
                 yield group
+
+    def curriculum_limit(self, version: int) -> int:
+        """The length curriculum's limit for a batch started at ``version``."""
+        return self.cfg.actor.max_new_tokens if self.curriculum is None else self.curriculum.limit(version)
+
+    def limits(self, prompts, version: int) -> list[int]:
+        """Each prompt's response-length limit for a batch started at ``version``."""
+        cur = self.curriculum_limit(version)
+        return [prompt_limit(self.cfg, p, cur) for p in prompts]
 
     def _skew_temperature(self, version: int) -> float:
         """The test hook (see the docstring): the torch engine's sampling spec for this batch."""
@@ -210,9 +242,6 @@ class RolloutWorker:
         rewards = [c.reward for g in groups for c in g.completions]
         lengths = [c.num_tokens for g in groups for c in g.completions]
         ws = self.engine.weights.metrics()
-        by_tier: dict[str, list[float]] = {}
-        for g in groups:
-            by_tier.setdefault(g.tier, []).extend(c.reward for c in g.completions)
         self.metrics.emit(self.version, {
             "actor/tokens_per_s": sum(lengths) / max(gen_s, 1e-9),
             "actor/groups_per_s": len(groups) / max(gen_s + waited, 1e-9),
@@ -220,10 +249,12 @@ class RolloutWorker:
             "actor/buffer_wait_s": float(self.client.admission_wait_s),
             "actor/version": float(self.version),
             "reward/mean": float(np.mean(rewards)),
-            **{f"reward/by_tier/{tier}": float(np.mean(r)) for tier, r in by_tier.items()},
             "length/mean": float(np.mean(lengths)),
             "length/p90": float(np.percentile(lengths, 90)),
             "length/max": float(max(lengths)),
+            "length/limit": float(self.curriculum_limit(self.version)),
+            "length/clip_rate": float(np.mean([c.finish_reason == "length" for g in groups for c in g.completions])),
+            **tier_means(groups),
             **{k: float(v) for k, v in ws.items()},
             **self.task.metrics(),
         })
@@ -233,7 +264,8 @@ class RolloutWorker:
         if not self.eval_set or (self.last_eval >= 0 and self.version < self.last_eval + every):
             return
         self.last_eval = self.version
-        reward, length = evaluate(self.engine, self.task, self.eval_set)
+        # sampled as training samples now: the same tier limits and curriculum limit
+        reward, length = evaluate(self.engine, self.task, self.eval_set, self.limits(self.eval_set, self.version))
         self.metrics.emit(self.version, {"eval/reward": reward, "eval/length": length,
                                          "eval/version": float(self.version)})
 

@@ -75,6 +75,12 @@ class ModelSection(_Section):
     pretrain_correct_frac: Annotated[float, Meta(ge=0, le=1)] = 0.25
     # scratch task: fraction of pre-training answers that write their working out first
     pretrain_worked_frac: Annotated[float, Meta(ge=0, le=1)] = 0.1
+    # scratch task: fraction of worked answers that write everything out a second time, as a
+    # check (correct, and redundant: what a self-distillation removes)
+    pretrain_redundant_frac: Annotated[float, Meta(ge=0, le=1)] = 0.0
+    # drawn uniformly for each pre-training prompt and put before it (e.g. the tier system
+    # prompts a later stage gives meaning to), so the base model has seen them, meaning nothing
+    pretrain_prompt_prefixes: list[str] = []
     max_position_embeddings: PosInt = 128
 
 
@@ -96,6 +102,9 @@ class TaskSection(_Section):
     system_prompt: dict[str, str] = {}  # per tier ("default", "low", "medium", "high"); "" = none
     # per tier: its own response-length limit, at most actor.max_new_tokens (which the rest keep)
     tier_max_new_tokens: dict[str, PosInt] = {}
+    # a tier per difficulty (keys: str(Prompt.difficulty)), over the task's own thirds of its
+    # levels: the pipeline's tiers by measured pass rate write it (pipeline.py)
+    difficulty_tiers: dict[str, str] = {}
     # external scorers run in worker processes; a hung or crashed check scores 0 and is counted
     reward_workers: PosInt = 2
     reward_timeout_s: PosFloat = 10.0
@@ -299,8 +308,11 @@ class DistillSection(_Section):
 class PipelineSection(_Section):
     """``python run.py pipeline`` (pipeline.py): stages rl1 -> distill -> rl2 -> tiers. Each RL
     stage's table is a partial config over the rest of this file, on top of the recipe's own
-    settings for that stage (pipeline.py: STAGES)."""
+    settings for that stage (pipeline.py: RECIPE)."""
 
+    # the tiers stage's partition of prompts: the task's own levels in thirds, or the difficulties
+    # ranked by the rl2 model's measured held-out pass rate, in thirds (easiest = low)
+    tier_by: Literal["level", "pass_rate"] = "level"
     rl1: dict[str, Any] = {}
     rl2: dict[str, Any] = {}
     tiers: dict[str, Any] = {}
@@ -365,13 +377,14 @@ def apply_override(tree: dict, item: str) -> None:
     node[keys[-1]] = _parse_value(raw.strip())
 
 
-def _merge(base: dict, top: dict, where: str = "$", maps: frozenset[str] | None = None) -> None:
-    maps = _map_fields() if maps is None else maps
+def merge(base: dict, top: dict, where: str = "$", path: str = "$") -> None:
+    """Merge the partial config tree ``top`` into ``base`` (the subtree at ``path``) in place;
+    an unknown key is named under ``where`` (where ``top`` came from, e.g. ``$.pipeline.rl1``)."""
     for k, v in top.items():
-        if not _known(base, k, where, maps):
+        if not _known(base, k, path, _map_fields()):
             raise ConfigError(f"unknown config key `{where}.{k}`")
-        if isinstance(base.get(k), dict) and isinstance(v, dict) and f"{where}.{k}" not in maps:
-            _merge(base[k], v, f"{where}.{k}", maps)
+        if isinstance(base.get(k), dict) and isinstance(v, dict) and f"{path}.{k}" not in _map_fields():
+            merge(base[k], v, f"{where}.{k}", f"{path}.{k}")
         else:
             base[k] = v
 
@@ -411,6 +424,9 @@ def _validate_lengths(cfg: Config) -> None:
         bad = sorted(set(d) - set(TIERS))
         if bad:
             raise ConfigError(f"`$.task.{name}` has {bad}: tiers are {', '.join(TIERS)}")
+    odd = {d: t for d, t in cfg.task.difficulty_tiers.items() if t not in TIERS}
+    if odd:
+        raise ConfigError(f"`$.task.difficulty_tiers` = {odd}: tiers are {', '.join(TIERS)}")
     over = {t: n for t, n in cfg.task.tier_max_new_tokens.items() if n > cap}
     if over:
         raise ConfigError(f"`$.task.tier_max_new_tokens` = {over} exceeds `$.actor.max_new_tokens` = {cap}")
@@ -485,7 +501,7 @@ def load(toml_path: str | None = None, overrides: list[str] | tuple = ()) -> Con
     if toml_path:
         try:
             with open(toml_path, "rb") as f:
-                _merge(tree, tomllib.load(f))
+                merge(tree, tomllib.load(f))
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise ConfigError(f"cannot read config file {toml_path}: {e}") from None
     for item in overrides:

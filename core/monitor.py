@@ -143,6 +143,7 @@ class Monitor:
         self.refresh_s = cfg.monitor.refresh_s
         self.max_steps = cfg.run.max_steps
         self.max_time_s = cfg.run.max_time_s
+        self.stage = cfg.run.stage  # a pipeline's stage (pipeline.py): leads the step counter
         self.start_time = time.time()
         self.records = 0
         self.latest: dict[str, float | list[float]] = {}
@@ -292,7 +293,8 @@ class Monitor:
 
     def _step_text(self) -> str:
         budget = f"/{self.max_steps}" if self.max_steps else ""
-        return f"step {fmt(self.get('learner/step'), 0)}{budget}"
+        stage = f"{self.stage} · " if self.stage else ""
+        return f"{stage}step {fmt(self.get('learner/step'), 0)}{budget}"
 
     def summary(self) -> dict:
         out = dict(self.latest)
@@ -320,7 +322,8 @@ class Monitor:
         if g("reward/mean") is not None:
             parts.append(f"reward {fmt(g('reward/mean'), 2)}")
         if g("length/mean") is not None:
-            parts.append(f"len {fmt(g('length/mean'), 1)}")
+            limit = "" if g("length/limit") is None else f" (limit {fmt(g('length/limit'), 0)})"
+            parts.append(f"len {fmt(g('length/mean'), 1)}{limit}")
         if g("ratio/p50") is not None or g("ratio/p99") is not None:
             parts.append(
                 f"ratio p50 {fmt(g('ratio/p50'))} p99 {fmt(g('ratio/p99'), 2)} "
@@ -438,7 +441,8 @@ class Monitor:
         t.add_row("length", self._cell("length/mean", 1),
                   Text(sparkline(self._history["length/mean"]), style="cyan"))
         p90, mx = fmt(self.get("length/p90"), 0), fmt(self.get("length/max"), 0)
-        t.add_row("  p90/max", f"{p90}/{mx}", "")
+        limit = self.get("length/limit")  # the length curriculum's, when one runs
+        t.add_row("  p90/max", f"{p90}/{mx}", Text("" if limit is None else f"limit {fmt(limit, 0)}", style="dim"))
         return "reward (held-out · train)", t
 
     def _ratio_panel(self):

@@ -1,4 +1,5 @@
-"""``python run.py plot [RUN_DIR]``: PNG figures of a run, from its ``metrics.jsonl``.
+"""``python run.py plot [RUN_DIR]``: PNG figures of a run, from its ``metrics.jsonl`` (of a
+pipeline directory, one figure across its stages: :func:`pipeline_figure`).
 
 Read with the follower of ``run.py monitor`` (core/attach.py), so a running job can be plotted
 too and a torn or garbage line is skipped, never fatal. The x axis is the learner step: every
@@ -226,18 +227,68 @@ def figures(records: list):
     yield "throughput", fig
 
 
+# ---- a pipeline (pipeline.py): its RL stages one after the other on one step axis -------------
+
+PIPELINE_RL = ("rl1", "rl2", "tiers")
+PIPELINE_PANELS = (("mean response length (tokens)", "length/mean"), ("ratio p99", "ratio/p99"),
+                   ("held-out reward", "eval/reward"))
+
+
+def stage_series(pipeline_dir: str) -> list[tuple[str, float, dict[str, Points]]]:
+    """``(stage, first step on the shared axis, {metric: points})`` of each RL stage that has
+    metrics; a stage's steps are shifted to follow the stage before it."""
+    out, offset = [], 0.0
+    for stage in PIPELINE_RL:
+        if not os.path.exists(metrics_path(os.path.join(pipeline_dir, stage))):
+            continue
+        idx = index(load(os.path.join(pipeline_dir, stage)))
+        series = {key: [(x + offset, v) for x, v in merged(idx, key)] for _, key in PIPELINE_PANELS}
+        out.append((stage, offset, series))
+        steps = [x for pts in series.values() for x, _ in pts]
+        offset = max(steps, default=offset) + 1
+    return out
+
+
+def pipeline_figure(pipeline_dir: str):
+    """Length, ratio p99 and held-out reward across the stages; the distillation sits between
+    rl1 and rl2 (a dashed line: the policy is replaced there, not trained)."""
+    import matplotlib.pyplot as plt
+
+    stages = stage_series(pipeline_dir)
+    fig, axes = plt.subplots(1, len(PIPELINE_PANELS), figsize=(15, 4.5), squeeze=False)
+    for ax, (title, key) in zip(axes[0], PIPELINE_PANELS):
+        for i, (stage, start, series) in enumerate(stages):
+            pts = series[key]
+            if pts:
+                ax.plot(*zip(*pts), color=f"C{i}", label=stage, marker="." if key == "eval/reward" else None)
+            if stage == "rl2":
+                ax.axvline(start, color="gray", linestyle="--", linewidth=0.8)
+                ax.annotate("distill", (start, 1), xycoords=("data", "axes fraction"), fontsize=8, va="top")
+        ax.set(title=title, xlabel="learner step (stages in order)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"pipeline {os.path.basename(os.path.abspath(pipeline_dir))}")
+    return fig
+
+
+def is_pipeline(path: str) -> bool:
+    return os.path.exists(os.path.join(path, "pipeline.json"))
+
+
 def write_plots(run_dir: str, out_dir: str | None = None) -> list[str]:
-    """Every figure as ``<out_dir>/<name>.png`` (default ``run_dir/plots``); the paths written."""
+    """Every figure as ``<out_dir>/<name>.png`` (default ``run_dir/plots``); the paths written.
+    A pipeline directory gets its one figure across the stages, ``pipeline.png``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = load(run_dir)
+    pipeline = is_pipeline(run_dir)
+    records = [] if pipeline else load(run_dir)
     out_dir = out_dir or os.path.join(run_dir, PLOTS_DIR)
     os.makedirs(out_dir, exist_ok=True)
     paths = []
-    for name, fig in figures(records):
+    for name, fig in [("pipeline", pipeline_figure(run_dir))] if pipeline else figures(records):
         path = os.path.join(out_dir, f"{name}.png")
         fig.tight_layout()
         fig.savefig(path, dpi=100)

@@ -49,7 +49,9 @@ class DamagedCheckpoint(RuntimeError):
     """A checkpoint whose files do not match its manifest (or that has none)."""
 
 
-def _write(what: str, final: str, write) -> str:
+def write_dir(what: str, final: str, write) -> str:
+    """``write(tmp)`` fills a directory that appears at ``final`` whole (``COMPLETE`` marker) or
+    not at all; a failed write is a :class:`WriteError` naming ``what`` and the path."""
     try:
         return atomic_dir(final, write, marker=MARKER)
     except OSError as e:
@@ -58,7 +60,7 @@ def _write(what: str, final: str, write) -> str:
 
 def save_model(backend, final: str) -> str:
     """The backend's weights as an HF-format directory at ``final``, atomically."""
-    return _write("the final model", final, backend.save_model)
+    return write_dir("the final model", final, backend.save_model)
 
 
 def save(ckpt_root: str, step: int, backend, meta: dict) -> str:
@@ -73,7 +75,7 @@ def save(ckpt_root: str, step: int, backend, meta: dict) -> str:
         with open(os.path.join(tmp, MANIFEST), "w") as f:
             json.dump(_manifest(tmp), f, indent=1)
 
-    _write("the checkpoint", final, write)
+    write_dir("the checkpoint", final, write)
     _prune(ckpt_root)
     return final
 

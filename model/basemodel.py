@@ -70,6 +70,8 @@ def recipe_key(cfg, task_recipe: dict | None = None) -> str:
         lr=m.pretrain_lr, frac=m.pretrain_correct_frac, task=t.name, digits=t.digits, eval_frac=t.eval_frac,
         max_pos=m.max_position_embeddings, **(task_recipe or {}),
     )
+    if m.pretrain_prompt_prefixes:  # only when set: the keys of models built without stay valid
+        recipe["prefixes"] = m.pretrain_prompt_prefixes
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -80,8 +82,9 @@ def _corpus_batch(task, rng: random.Random, n: int, mc):
     tok = task.tok
     for _ in range(n):
         p = task.sample(rng, "train")
-        rows.append([*p.tokens, *tok.encode(task.pretrain_completion(p, rng, mc)), tok.eos_id])
-        starts.append(len(p.tokens))
+        prompt = _prefixed(list(p.tokens), tok, rng, mc.pretrain_prompt_prefixes)
+        rows.append([*prompt, *tok.encode(task.pretrain_completion(p, rng, mc)), tok.eos_id])
+        starts.append(len(prompt))
     width = max(map(len, rows))
     if width > mc.max_position_embeddings:
         raise ValueError(f"a pre-training row has {width} tokens > model.max_position_embeddings="
@@ -92,6 +95,15 @@ def _corpus_batch(task, rng: random.Random, n: int, mc):
         ids[i, : len(r)] = torch.tensor(r)
         mask[i, s : len(r)] = 1.0  # positions whose token is predicted (completion + EOS)
     return ids, mask
+
+
+def _prefixed(ids: list[int], tok, rng: random.Random, prefixes: list[str]) -> list[int]:
+    """``ids`` with one of ``prefixes`` (drawn uniformly) after BOS, as a plain-text system prompt
+    is placed (model/tokenizer.py ``prompt``); unchanged without prefixes."""
+    if not prefixes:
+        return ids
+    head = 1 if tok.bos_id is not None and ids[:1] == [tok.bos_id] else 0
+    return ids[:head] + tok.encode(rng.choice(prefixes)) + ids[head:]
 
 
 def _stage_cfg(mc, step: int):

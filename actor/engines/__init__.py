@@ -20,14 +20,20 @@ engine finishes short completions first), so the worker can send a group the mom
 sample is done instead of waiting for the batch's longest sequence. An engine implements
 ``stream``; ``generate`` is the whole stream put back in prompt order.
 
+Lengths: ``max_new_tokens`` is one limit for every prompt, a list of one per prompt (tier limits
+and the length curriculum, ``actor/curriculum.py``), or None for the engine's own
+(``actor.max_new_tokens``); :func:`budgets` is the one reading of it. A sequence that reaches its
+own limit without EOS finishes "length".
+
 One file per engine, one line in :data:`ENGINES` (``actor.engine`` selects it).
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from numbers import Integral
 
 from core.registry import resolve
 from model.sampling import SamplingSpec
@@ -39,6 +45,25 @@ class Sample:
     logprobs: list[float]
     versions: list[int]
     finish_reason: str  # "stop" | "length"
+
+
+def budgets(max_new_tokens: int | Sequence[int] | None, n: int, default: int) -> list[int]:
+    """Each of ``n`` prompts' token limit: ``default`` for None, one int for all, or a list of
+    exactly one per prompt; every limit an integer >= 1."""
+    if max_new_tokens is None:
+        max_new_tokens = default
+    if isinstance(max_new_tokens, Integral):
+        return [_limit(max_new_tokens, "max_new_tokens")] * n
+    limits = list(max_new_tokens)
+    if len(limits) != n:
+        raise ValueError(f"max_new_tokens has {len(limits)} limits for {n} prompts: give one per prompt")
+    return [_limit(b, f"max_new_tokens[{i}]") for i, b in enumerate(limits)]
+
+
+def _limit(b, name: str) -> int:
+    if isinstance(b, bool) or not isinstance(b, Integral) or b < 1:
+        raise ValueError(f"{name} = {b!r}: a limit is an integer >= 1")
+    return int(b)
 
 
 class EngineStopped(RuntimeError):
@@ -63,12 +88,13 @@ class Engine(abc.ABC):
         """Build from ``cfg.actor`` and an HF-format model directory (weights and tokenizer)."""
 
     @abc.abstractmethod
-    def stream(self, prompts: list[list[int]], *, max_new_tokens: int | None = None,
+    def stream(self, prompts: list[list[int]], *, max_new_tokens: int | Sequence[int] | None = None,
                greedy: bool = False) -> Iterator[tuple[int, Sample]]:
         """``(index into prompts, Sample)`` for every prompt, each index exactly once, as soon as
-        its sequence finishes (completion order); sampled as configured unless ``greedy``."""
+        its sequence finishes (completion order); sampled as configured unless ``greedy``.
+        ``max_new_tokens``: one limit, one per prompt, or None for the engine's (:func:`budgets`)."""
 
-    def generate(self, prompts: list[list[int]], *, max_new_tokens: int | None = None,
+    def generate(self, prompts: list[list[int]], *, max_new_tokens: int | Sequence[int] | None = None,
                  greedy: bool = False) -> list[Sample]:
         """One Sample per prompt, in prompt order (the whole of :meth:`stream`)."""
         out: list[Sample | None] = [None] * len(prompts)

@@ -32,8 +32,8 @@ Lifecycle (every wait has a deadline; each request and response shape is read fr
             weights) and weight_version only on the last bucket, so the version changes once,
             after every tensor landed: no token is tagged with a half-applied version
     generate POST /generate {input_ids, sampling_params, return_logprob: true,
-            return_sampling_mask (when top-k/top-p truncate)}, one request per prompt, in
-            flight together (SGLang batches them continuously); each Sample is handed over as
+            return_sampling_mask (when top-k/top-p truncate)}, one request per prompt (with
+            that prompt's own max_new_tokens), in flight together (SGLang batches them continuously); each Sample is handed over as
             its response arrives (completion order, as ``Engine.stream`` promises)
     stop    POST /abort_request {abort_all: true} on the stop event; SIGTERM to the server's
             process group with the engine (SIGKILL after a grace period)
@@ -98,11 +98,11 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import zmq
 
-from actor.engines import Engine, EngineStopped, Sample
+from actor.engines import Engine, EngineStopped, Sample, budgets
 from core import net
 from core.files import read_json
 from core.messages import Hello, Shutdown, WeightUpdateHeader, decoder, encode
@@ -590,16 +590,18 @@ class SGLangEngine(Engine):
 
     # ---- generation
 
-    def stream(self, prompts: list[list[int]], *, max_new_tokens: int | None = None,
+    def stream(self, prompts: list[list[int]], *, max_new_tokens: int | Sequence[int] | None = None,
                greedy: bool = False) -> Iterator[tuple[int, Sample]]:
-        """Every prompt in flight at once (at most ``max_batch``); yields as responses arrive."""
+        """Every prompt in flight at once (at most ``max_batch``); yields as responses arrive.
+        Each request carries its prompt's own ``max_new_tokens`` (one params dict per distinct limit)."""
         if self.poisoned is not None:
             raise SGLangError(f"the SGLang engine is poisoned ({self.poisoned}); refresh_weights() restarts it")
+        limits = budgets(max_new_tokens, len(prompts), self.max_new_tokens)
         if not prompts:
             return
         mask = truncates(self.spec) and not greedy
-        params = sampling_params(self.spec, max_new_tokens or self.max_new_tokens, self.eos_ids, greedy)
-        bodies = [generate_body(p, params, sampling_mask=mask) for p in prompts]
+        params = {n: sampling_params(self.spec, n, self.eos_ids, greedy) for n in set(limits)}
+        bodies = [generate_body(p, params[n], sampling_mask=mask) for p, n in zip(prompts, limits)]
         pool = cf.ThreadPoolExecutor(min(self.max_batch, len(bodies)), thread_name_prefix="sglang")
         try:
             futures = {pool.submit(self.server.post, "/generate", b): i for i, b in enumerate(bodies)}

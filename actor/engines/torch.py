@@ -14,8 +14,11 @@ wait for the batch's longest member. When nothing waits, the last running sequen
 the hole (one copy of its K/V), so the running rows stay packed at the front of the cache and a
 decode step reads it as a view: finished rows cost nothing more, and no step gathers K/V.
 
+Each sequence has its own token budget (``max_new_tokens``, one per prompt or one for all) and
+finishes "length" when it reaches it.
+
 The cache is allocated once per engine and grown geometrically (slots up to ``max_batch``,
-positions to the longest prompt plus ``max_new_tokens``) when a call needs more than it holds;
+positions to the longest prompt plus its budget) when a call needs more than it holds;
 it is kept between calls, so an actor's steady state allocates nothing per call.
 
 Streaming: :meth:`TorchEngine.stream` yields ``(index, Sample)`` the moment a sequence finishes,
@@ -37,12 +40,12 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from actor.engines import Engine, EngineStopped, Sample
+from actor.engines import Engine, EngineStopped, Sample, budgets
 from core import placement
 from model.decoder import DTYPES
 from model.hf import load_pretrained
@@ -59,10 +62,12 @@ DRAW_CHUNK = 256  # entries per chunk of the sampler's two-level inverse CDF
 
 @dataclass
 class _Seq:
-    """One prompt's sequence: what it has produced so far, and why it stopped (once it has)."""
+    """One prompt's sequence: its token budget, what it has produced so far, and why it stopped
+    (once it has)."""
 
     index: int
     prompt: list[int]
+    budget: int
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -174,19 +179,20 @@ class TorchEngine(Engine):
         return self.weights.apply(self._params)
 
     @torch.inference_mode()
-    def stream(self, prompts: list[list[int]], *, max_new_tokens: int | None = None,
+    def stream(self, prompts: list[list[int]], *, max_new_tokens: int | Sequence[int] | None = None,
                greedy: bool = False) -> Iterator[tuple[int, Sample]]:
         """Continuous batching (module docstring): each turn admits waiting prompts into free
         slots and prefills them, or decodes one token for every running sequence; then yields
         what finished."""
-        budget = max_new_tokens or self.max_new_tokens
+        limits = budgets(max_new_tokens, len(prompts), self.max_new_tokens)
         if not prompts:
             return
         for i, p in enumerate(prompts):
             if not p:
                 raise ValueError(f"prompt {i} is empty: a sequence needs at least one token to condition on")
-        cache = self._cache_for(min(self.max_batch, len(prompts)), max(map(len, prompts)) + budget)
-        waiting = deque(_Seq(i, list(p)) for i, p in enumerate(prompts))
+        longest = max(len(p) + b for p, b in zip(prompts, limits))
+        cache = self._cache_for(min(self.max_batch, len(prompts)), longest)
+        waiting = deque(_Seq(i, list(p), b) for i, (p, b) in enumerate(zip(prompts, limits)))
         running: list[_Seq | None] = []  # running[i] lives in cache slot i
         while True:
             if self.stop is not None and self.stop.is_set():
@@ -197,9 +203,9 @@ class TorchEngine(Engine):
             if not running:
                 return
             if fresh:
-                self._prefill(cache, running, fresh, budget, greedy)
+                self._prefill(cache, running, fresh, greedy)
             else:
-                self._decode(cache, running, budget, greedy)
+                self._decode(cache, running, greedy)
             for slot, seq in enumerate(running):
                 if seq.finish:
                     running[slot] = None
@@ -229,7 +235,7 @@ class TorchEngine(Engine):
         _pack(cache, running)
         return fresh
 
-    def _prefill(self, cache: KVCache, running: list[_Seq], fresh: list[int], budget: int, greedy: bool) -> None:
+    def _prefill(self, cache: KVCache, running: list[_Seq], fresh: list[int], greedy: bool) -> None:
         """One forward over the newly admitted slots only, right-padded; samples each first token."""
         seqs = [running[i] for i in fresh]
         lens = torch.tensor([len(s.prompt) for s in seqs])
@@ -243,25 +249,25 @@ class TorchEngine(Engine):
         cache.bind(rows, lens)
         version = self.refresh_weights()
         hidden = self.model(ids, cols.expand_as(ids), cols[None] < lens[:, None], cache)
-        self._record(seqs, hidden[torch.arange(len(seqs), device=self.device), lens - 1], version, budget, greedy)
+        self._record(seqs, hidden[torch.arange(len(seqs), device=self.device), lens - 1], version, greedy)
 
-    def _decode(self, cache: KVCache, running: list[_Seq], budget: int, greedy: bool) -> None:
+    def _decode(self, cache: KVCache, running: list[_Seq], greedy: bool) -> None:
         """One token for every running sequence (slots [0, m)), each at its own position."""
         pos = cache.lengths[: len(running), None].clone()  # the pending token's position
         ids = torch.tensor([[s.tokens[-1]] for s in running], dtype=torch.long, device=self.device)
         mask = torch.arange(int(pos.max()) + 1, device=self.device)[None] <= pos
         version = self.refresh_weights()
         hidden = self.model(ids, pos, mask, cache)
-        self._record(running, hidden[:, -1], version, budget, greedy)
+        self._record(running, hidden[:, -1], version, greedy)
 
-    def _record(self, seqs: list[_Seq], hidden, version: int, budget: int, greedy: bool) -> None:
+    def _record(self, seqs: list[_Seq], hidden, version: int, greedy: bool) -> None:
         nxt, lp = self._next_token(hidden, greedy)
         stops = torch.isin(nxt, self.eos_ids).tolist()
         for seq, tok, logp, stop in zip(seqs, nxt.tolist(), lp.tolist(), stops):
             seq.tokens.append(tok)
             seq.logprobs.append(logp)
             seq.versions.append(version)
-            if stop or len(seq.tokens) >= budget:
+            if stop or len(seq.tokens) >= seq.budget:
                 seq.finish = "stop" if stop else "length"
 
     def _next_token(self, hidden, greedy: bool):

@@ -77,6 +77,12 @@ class Task(abc.ABC):
         end = next((i for i, t in enumerate(ids) if t in self.tok.eos_ids), None)
         return None if end is None else self.tok.decode(ids[:end])
 
+    def tier(self, difficulty: float, by_level: str) -> str:
+        """A prompt's tier: ``by_level`` (the task's own, from its level), unless
+        ``task.difficulty_tiers`` assigns this difficulty one (tiers by measured pass rate:
+        pipeline.py ``pass_rate_tiers``; keyed as ``str(Prompt.difficulty)``)."""
+        return self.cfg.difficulty_tiers.get(str(difficulty), by_level)
+
     def prompt_tokens(self, text: str, tier: str = "default") -> tuple[int, ...]:
         """Prompt ids of a task's question ``text`` (+ ``task.instruction``): through the chat
         template when ``task.chat_template`` asks for it (model/tokenizer.py), with the system

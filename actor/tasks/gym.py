@@ -117,6 +117,7 @@ class GymTask(PooledTask):
 
     def _prompt(self, name: str, split: str, index: int, item: dict) -> Prompt:
         difficulty, tier = difficulty_of(item.get("metadata") or {})
+        tier = self.tier(difficulty, tier)
         answer = item.get("answer")
         return Prompt(f"{name}-{split}-{index}", self.prompt_tokens(item["question"], tier), tier, difficulty,
                       "" if answer is None else str(answer))

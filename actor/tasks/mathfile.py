@@ -151,7 +151,7 @@ class MathTask(PooledTask):
         row = rng.choice(self.splits[split])
         key = (split, row["id"])
         if key not in self._prompts:  # tokenised once, on first use: files can be large
-            tier = self._tier(row["difficulty"])
+            tier = self.tier(row["difficulty"] or 0.0, self._tier(row["difficulty"]))
             self._prompts[key] = Prompt(row["id"], self.prompt_tokens(row["prompt"], tier), tier,
                                         row["difficulty"] or 0.0, row["answer"])
         return self._prompts[key]

@@ -24,7 +24,8 @@ last few digits, which needs no working.
 The base model (``model/basemodel.py``) is pre-trained to answer mostly without working: a
 ``pretrain_worked_frac`` share of its corpus is worked, the rest direct answers, correct with
 probability ``pretrain_correct_frac`` and otherwise divided digit by digit with the remainders
-dropped. Problems are split into train and held-out by a hash, as in :mod:`actor.tasks.arith`,
+dropped; a ``pretrain_redundant_frac`` share of the worked ones is written out twice, as a check
+(``r1100:2551r1100:2551``). Problems are split into train and held-out by a hash, as in :mod:`actor.tasks.arith`,
 whose character-level tokenizer this task extends with ``/``.
 """
 
@@ -55,6 +56,13 @@ def remainders(a: int, k: int) -> str:
 def worked_text(a: int, k: int) -> str:
     """The worked completion: the marker, the remainders, then the quotient."""
     return f"{WORK_MARK}{remainders(a, k)}{ANSWER_SEP}{a // k}"
+
+
+def checked_text(a: int, k: int) -> str:
+    """The worked completion written twice, the second time as a check: just as correct (the
+    answer is what follows the last ``:``) and about twice as long -- the redundancy a
+    self-distillation that keeps the shortest correct completion removes."""
+    return worked_text(a, k) * 2
 
 
 def digitwise_quotient(a: int, k: int) -> str:
@@ -101,8 +109,8 @@ class ScratchTask(Task):
             key = f"{q * k}/{k}"
             if self._is_eval(key) == (split == "eval"):
                 level = self.difficulty(d)
-                return Prompt(key, self.prompt_tokens(f"{key}=", tier_of(level)), tier_of(level), level,
-                              answer=str(q))
+                tier = self.tier(level, tier_of(level))
+                return Prompt(key, self.prompt_tokens(f"{key}=", tier), tier, level, answer=str(q))
 
     def reward(self, prompt: Prompt, completion_ids) -> float:
         """1.0 iff EOS was produced and the final answer is exactly the quotient; working is free."""
@@ -110,18 +118,21 @@ class ScratchTask(Task):
         return 1.0 if text is not None and final_answer(text) == prompt.answer else 0.0
 
     def pretrain_completion(self, prompt: Prompt, rng: random.Random, model_cfg) -> str:
-        """Worked with probability ``pretrain_worked_frac``; else a direct answer, correct with
-        probability ``pretrain_correct_frac`` and otherwise divided digit by digit."""
+        """Worked with probability ``pretrain_worked_frac`` (and then, with probability
+        ``pretrain_redundant_frac``, written out twice: :func:`checked_text`); else a direct
+        answer, correct with probability ``pretrain_correct_frac``, otherwise divided digit by digit."""
         a, k = operands(prompt)
         if rng.random() < model_cfg.pretrain_worked_frac:
-            return worked_text(a, k)
+            return checked_text(a, k) if rng.random() < model_cfg.pretrain_redundant_frac else worked_text(a, k)
         return prompt.answer if rng.random() < model_cfg.pretrain_correct_frac else digitwise_quotient(a, k)
 
     def pretrain_recipe(self, model_cfg) -> dict:
         """What shapes this corpus beyond the shared fields: the difficulty range, the format
-        and the worked share."""
-        return {"min_digits": self.cfg.min_digits, "format": FORMAT_VERSION,
-                "worked": model_cfg.pretrain_worked_frac}
+        and the worked share (and the redundant share, when there is one)."""
+        recipe = {"min_digits": self.cfg.min_digits, "format": FORMAT_VERSION, "worked": model_cfg.pretrain_worked_frac}
+        if model_cfg.pretrain_redundant_frac:  # only when set: earlier models' keys stay valid
+            recipe["redundant"] = model_cfg.pretrain_redundant_frac
+        return recipe
 
     @classmethod
     def base_model(cls, cfg) -> str:

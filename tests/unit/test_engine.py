@@ -218,3 +218,38 @@ def test_any_of_several_eos_ids_stops_a_row(task):
             assert s.tokens == [extra] and s.finish_reason == "stop"
         else:
             assert s.tokens[0] == t and extra not in s.tokens[:-1]
+
+
+# ---- per-prompt limits (tier limits and the length curriculum, actor/curriculum.py)
+
+
+def _no_eos(engine):
+    engine.eos_ids = torch.tensor([-1])  # no sampled id matches: only the limits end sequences
+    return engine
+
+
+def test_each_prompt_runs_to_its_own_limit(task):
+    """max_batch 2 < 5 prompts: refilled slots take other budgets; 7 exceeds the engine's own 4,
+    so the cache grows to the longest prompt plus its budget."""
+    prompts = _prompts(task, 4)
+    limits = [1, 5, 2, 7, 3]
+    samples = _no_eos(_engine(temperature=50.0, seed=2, max_new_tokens=4, max_batch=2)).generate(
+        prompts, max_new_tokens=limits)
+    assert [len(s.tokens) for s in samples] == limits
+    assert {s.finish_reason for s in samples} == {"length"}
+    assert all(len(s.logprobs) == len(s.versions) == len(s.tokens) for s in samples)
+    # greedy under per-prompt limits is a prefix of greedy under the longest: each row's cache is its own
+    short = _no_eos(_engine(max_batch=2)).generate(prompts, max_new_tokens=limits, greedy=True)
+    full = _no_eos(_engine(max_batch=2)).generate(prompts, max_new_tokens=max(limits), greedy=True)
+    assert [s.tokens for s in short] == [f.tokens[:n] for f, n in zip(full, limits)]
+
+
+def test_per_prompt_limits_are_checked(task):
+    engine = _engine()
+    prompts = _prompts(task, 2)
+    with pytest.raises(ValueError, match="2 limits for 3 prompts"):
+        engine.generate(prompts, max_new_tokens=[3, 4])
+    with pytest.raises(ValueError, match=r"max_new_tokens\[1\] = 0"):
+        engine.generate(prompts, max_new_tokens=[3, 0, 2])
+    with pytest.raises(ValueError, match="max_new_tokens = -2"):
+        engine.generate(prompts, max_new_tokens=-2)

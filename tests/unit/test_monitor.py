@@ -275,3 +275,12 @@ def test_a_broken_panel_does_not_raise_out_of_refresh(monkeypatch):
     m.refresh(force=True)  # logged once, counted; the run goes on
     m.refresh(force=True)
     assert m.render_errors == 2
+
+
+def test_a_pipeline_stage_leads_the_step_counter_and_the_length_limit_shows():
+    m = Monitor(cfg_with(run__max_steps=150, run__stage="3/4 rl2 · sustain"), console=recording_console(), live=False)
+    m.update(run_records() + [rec("actor", "0", 14, {"length/limit": 20.0})])
+    assert "3/4 rl2 · sustain · step 14/150" in m.format_line() and "len 4.1 (limit 20)" in m.format_line()
+    m.console.print(m.renderable())
+    text = m.console.export_text()
+    assert "3/4 rl2 · sustain · step 14/150" in text and "limit 20" in text

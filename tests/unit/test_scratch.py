@@ -149,3 +149,18 @@ def test_writing_the_working_out_raises_held_out_accuracy(tmp_path):
     worked = sum(_greedy_reward(model, task, p, True) for p in prompts) / len(prompts)
     direct = sum(_greedy_reward(model, task, p, False) for p in prompts) / len(prompts)
     assert worked > direct + 0.15, (worked, direct)
+
+
+def test_a_checked_answer_is_correct_redundant_and_in_the_corpus_at_its_share():
+    from actor.tasks.scratch import checked_text
+
+    task = _task("task.min_digits=2", "task.digits=4")
+    p = task.sample(random.Random(1))
+    a, k = operands(p)
+    assert checked_text(a, k) == worked_text(a, k) * 2  # the working and answer, then again as a check
+    assert task.reward(p, _ids(task, checked_text(a, k))) == 1.0
+    mc = msgspec.structs.replace(C.Config().model, pretrain_worked_frac=1.0, pretrain_redundant_frac=0.4)
+    rng = random.Random(2)
+    texts = [task.pretrain_completion(task.sample(rng), rng, mc) for _ in range(2000)]
+    assert sum(t.count(":") == 2 for t in texts) / 2000 == pytest.approx(0.4, abs=0.04)
+    assert "redundant" in task.pretrain_recipe(mc) and "redundant" not in task.pretrain_recipe(C.Config().model)

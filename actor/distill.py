@@ -1,0 +1,171 @@
+"""Self-distillation, the actor's half: a corpus of the policy's shortest correct answers.
+
+The pipeline's stage-1 policy samples ``cfg.distill.samples`` completions for each of
+``cfg.distill.prompts`` distinct training prompts, exactly as the actors sample (the engine built
+from ``cfg.actor``, scored by the task's own reward). Per prompt the shortest correct completion
+is kept: RL teaches the policy *what* is right, and the shortest right answer among its own
+samples is the least redundant way it already knows to get there. ``learner/sft.py`` then
+fine-tunes the *base* model on the corpus, so stage 2 starts from a model that answers right
+and short instead of from the stage-1 weights with their accumulated length drift.
+
+Optional second pass (``cfg.distill.compress_prompt`` non-empty): the policy is shown the prompt,
+its kept answer and the compress instruction, and samples one rewrite; the rewrite replaces the
+kept answer only if it is still correct *and* strictly shorter, so the pass never makes the
+corpus worse.
+
+The corpus is JSONL, one row per kept prompt::
+
+    {"id": "47+38", "tier": "default", "difficulty": 0.0, "prompt": [1, 8, ...],
+     "completion": [12, 9, 2], "compressed": false}
+
+``completion`` holds the token ids as sampled, EOS included (what SFT must learn to stop with).
+It is written atomically: a reader sees the whole corpus or none.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+
+import numpy as np
+import torch
+
+from actor.engines import Engine, make_engine
+from actor.tasks import Prompt, Task, make_task
+from core.files import atomic_write
+from model.tokenizer import Tokenizer
+
+SEQUENCES_PER_CALL = 256  # as actor/evaluate.py: enough to fill the engine's batch, bounded memory
+DRAWS_PER_PROMPT = 50  # a task with fewer distinct training prompts than asked for is an error
+
+
+def is_correct(reward: float, finish: str) -> bool:
+    """Correct for distillation: rewarded and finished with EOS. A truncated ("length") sample
+    that happens to score is not an answer SFT may learn from: it never learnt to stop."""
+    return reward > 0.5 and finish == "stop"
+
+
+def shortest_correct(samples, rewards) -> int | None:
+    """Index of the shortest correct sample (:func:`is_correct`), the first on ties; None when
+    none is correct. ``samples`` are engine Samples (``tokens``, ``finish_reason``).
+
+    Worked example: lengths ``[5, 3, 3, 2, 4]``, rewards ``[1, 1, 1, 0, 1]``, the second
+    truncated (``"length"``) and the rest stopped. Sample 3 is shortest but wrong, sample 1 scores
+    but never stopped, so samples 0, 2 and 4 are correct and the answer is 2 (length 3).
+    """
+    if len(samples) != len(rewards):
+        raise ValueError(f"samples ({len(samples)}) and rewards ({len(rewards)}) must have the same length")
+    best = None
+    for i, (s, r) in enumerate(zip(samples, rewards)):
+        if is_correct(r, s.finish_reason) and (best is None or len(s.tokens) < len(samples[best].tokens)):
+            best = i
+    return best
+
+
+def train_prompts(task: Task, n: int, seed: int) -> list[Prompt]:
+    """``n`` distinct (by ``Prompt.id``) training prompts from a fixed seeded rng, in draw order."""
+    rng, found = random.Random(seed), {}
+    for _ in range(n * DRAWS_PER_PROMPT):
+        p = task.sample(rng, "train")
+        found.setdefault(p.id, p)
+        if len(found) == n:
+            return list(found.values())
+    raise ValueError(f"distill.prompts={n}: the task gave only {len(found)} distinct training prompts "
+                     f"in {n * DRAWS_PER_PROMPT} draws")
+
+
+def _sample(engine: Engine, task: Task, prompts: list[Prompt], k: int, progress) -> tuple[list, list]:
+    """``k`` samples and their rewards per prompt (lists of ``k``-lists), in chunks of prompts."""
+    samples, rewards = [], []
+    chunk = max(1, SEQUENCES_PER_CALL // k)
+    for start in range(0, len(prompts), chunk):
+        part = [p for p in prompts[start:start + chunk] for _ in range(k)]
+        got = engine.generate([list(p.tokens) for p in part])
+        scored = task.rewards([(p, s.tokens) for p, s in zip(part, got)])
+        for i in range(0, len(part), k):
+            samples.append(got[i:i + k])
+            rewards.append(scored[i:i + k])
+        if progress is not None:
+            progress(len(part) // k)
+    return samples, rewards
+
+
+def _row(p: Prompt, completion: list[int], compressed: bool = False) -> dict:
+    return {"id": p.id, "tier": p.tier, "difficulty": p.difficulty, "prompt": [int(t) for t in p.tokens],
+            "completion": [int(t) for t in completion], "compressed": compressed}
+
+
+def accept_rewrites(prompts: list[Prompt], rows: list[dict], rewrites, rewards) -> int:
+    """Replace each row's completion by its rewrite when the rewrite is correct and strictly
+    shorter (in place); how many were replaced. A rewrite of equal length is not taken: the
+    sampled original is the policy's own answer, the rewrite only a second opinion."""
+    accepted = 0
+    for p, row, s, r in zip(prompts, rows, rewrites, rewards, strict=True):
+        if is_correct(r, s.finish_reason) and len(s.tokens) < len(row["completion"]):
+            row.update(_row(p, s.tokens, compressed=True))
+            accepted += 1
+    return accepted
+
+
+def _compress(engine: Engine, task: Task, prompts: list[Prompt], rows: list[dict], instruction: list[int]) -> int:
+    """The rewrite pass over ``rows`` (in place): prompt, kept answer without EOS, instruction."""
+    eos = set(task.tok.eos_ids)
+    asks = [list(p.tokens) + [t for t in r["completion"] if t not in eos] + instruction
+            for p, r in zip(prompts, rows)]
+    rewrites = []
+    for start in range(0, len(asks), SEQUENCES_PER_CALL):
+        rewrites += engine.generate(asks[start:start + SEQUENCES_PER_CALL])
+    rewards = task.rewards([(p, s.tokens) for p, s in zip(prompts, rewrites)])
+    return accept_rewrites(prompts, rows, rewrites, rewards)
+
+
+def _mean(values) -> float:
+    return float(np.mean(values)) if len(values) else float("nan")
+
+
+def _stats(prompts, samples, rewards, rows, selected_lengths) -> dict:
+    flat = [(s, r) for ss, rr in zip(samples, rewards) for s, r in zip(ss, rr)]
+    return {"prompts": len(prompts), "samples": len(flat), "corpus": len(rows),
+            "mean_length_all": _mean([len(s.tokens) for s, _ in flat]),
+            "mean_length_correct": _mean([len(s.tokens) for s, r in flat if is_correct(r, s.finish_reason)]),
+            "mean_length_selected": _mean(selected_lengths),
+            "mean_length_kept": _mean([len(r["completion"]) for r in rows]),
+            # pass@1 as actor/evaluate.py counts it (reward > 0.5), so it compares with eval figures
+            "accuracy_policy": _mean([float(r > 0.5) for _, r in flat])}
+
+
+def _select(prompts, samples, rewards) -> tuple[list[Prompt], list[dict]]:
+    kept_prompts, rows = [], []
+    for p, ss, rr in zip(prompts, samples, rewards):
+        best = shortest_correct(ss, rr)
+        if best is not None:
+            kept_prompts.append(p)
+            rows.append(_row(p, ss[best].tokens))
+    return kept_prompts, rows
+
+
+def build_corpus(cfg, policy_dir: str, out_path: str, progress=None) -> dict:
+    """Sample ``cfg.distill`` from the policy in ``policy_dir``, write the shortest-correct corpus
+    to ``out_path`` (JSONL, atomically) and return its stats. ``progress(n)``, if given, is called
+    with the number of prompts sampled as each chunk finishes (total ``cfg.distill.prompts``)."""
+    dc, t0 = cfg.distill, time.time()
+    torch.set_num_threads(cfg.actor.threads)
+    engine = make_engine(cfg.actor, policy_dir, seed=cfg.run.seed)
+    task = make_task(cfg.task, Tokenizer.from_dir(policy_dir))
+    try:
+        prompts = train_prompts(task, dc.prompts, cfg.run.seed)
+        samples, rewards = _sample(engine, task, prompts, dc.samples, progress)
+        kept_prompts, rows = _select(prompts, samples, rewards)
+        selected = [len(r["completion"]) for r in rows]
+        accepted = 0
+        if dc.compress_prompt and rows:
+            accepted = _compress(engine, task, kept_prompts, rows, task.tok.encode(dc.compress_prompt))
+    finally:
+        task.close()
+        engine.close()
+    atomic_write(out_path, "".join(json.dumps(r) + "\n" for r in rows).encode())
+    seconds = time.time() - t0
+    return {**_stats(prompts, samples, rewards, rows, selected),
+            "compress_tried": len(rows) if dc.compress_prompt else 0, "compress_accepted": accepted,
+            "seconds": round(seconds, 2), "prompts_per_s": round(len(prompts) / max(seconds, 1e-9), 2)}

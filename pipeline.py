@@ -1,0 +1,308 @@
+"""``python run.py pipeline``: the Ring-Zero recipe as one resumable command.
+
+    python run.py pipeline [--config FILE] [section.key=value ...] [--out DIR]
+    python run.py pipeline --resume DIR
+
+Zero RL from a base model is staged because it must be: stage 1's token-level loss elicits
+reasoning but lets length (and with it the train/inference gap) grow; a self-distillation resets
+both; stage 2 goes on with sample-level normalisation and no KL; the tiers stage teaches the
+model to spend reasoning in proportion to difficulty, each tier with its own system prompt and
+length limit, so that at inference the user picks Low, Medium or High::
+
+    base ──rl1──▶ rl1/final_model ──distill──▶ distill/model ──rl2──▶ rl2/final_model ──tiers──▶ tiers/final_model
+          token norm, KL k3,        K samples per prompt, the       sample norm,         tier prompts and
+          length curriculum         shortest correct; SFT of base   no KL                length limits
+
+Each RL stage is an ordinary run (``run.train``: its own run directory, checkpoints, metrics,
+live view titled with the stage) whose config is the pipeline's config, then the recipe's own
+settings for that stage (:data:`RECIPE`), then the user's ``[pipeline.<stage>]`` table. Every
+stage's config is built and validated before anything runs.
+
+``DIR/`` holds ``config.json`` (the resolved base config), ``pipeline.json`` (what is done: each
+stage's model, its held-out evaluation, its seconds), one directory per stage and ``eval.json``
+(the final tier table, also the last stdout line). Resuming never re-runs a finished stage; an RL
+stage that was interrupted resumes from its newest checkpoint (as ``run.py resume``: its step
+budget is the same, a time budget starts afresh), the distillation from the corpus it wrote.
+
+Every model is evaluated the same way (``actor/evaluate.py``: the held-out set, sampled as the
+actors sample, ``--k`` samples per prompt, no tier prompts, the run's ``actor.max_new_tokens``),
+so the stages' accuracies and lengths compare; the final model is then evaluated per tier with
+the tier prompts and limits of the tiers stage (:func:`tier_report`, also ``run.py eval CKPT --tiers``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime as _dt
+import json
+import logging
+import os
+import sys
+import time
+
+import msgspec
+
+from core import config as C
+from core.files import atomic_write, read_json
+
+log = logging.getLogger("driftrl.pipeline")
+STAGES = ("rl1", "distill", "rl2", "tiers")
+RL_STAGES = ("rl1", "rl2", "tiers")
+# the recipe's settings per RL stage; the user's [pipeline.<stage>] tables go on top
+RECIPE = {
+    "rl1": {"learner": {"norm": "token", "kl_beta": 0.01, "kl_estimator": "k3"},
+            "actor": {"length_schedule": "steps"}},
+    "rl2": {"learner": {"norm": "sample", "kl_beta": 0.0}, "actor": {"length_schedule": "off"}},
+    "tiers": {"learner": {"norm": "sample", "kl_beta": 0.0}, "actor": {"length_schedule": "off"}},
+}
+TITLES = {"rl1": "1/4 rl1 · elicit", "distill": "2/4 distill", "rl2": "3/4 rl2 · sustain", "tiers": "4/4 tiers"}
+TIERS = ("low", "medium", "high")
+
+
+class Interrupted(Exception):
+    """Ctrl-C / SIGTERM inside a stage: what is done is kept, ``--resume`` continues."""
+
+
+# ---- configs ------------------------------------------------------------------------------------
+
+
+def stage_inputs(out: str, base_model: str) -> dict[str, str]:
+    """The model each stage starts from: the one the stage before it produced."""
+    return {"rl1": base_model, "distill": os.path.join(out, "rl1", "final_model"),
+            "rl2": os.path.join(out, "distill", "model"), "tiers": os.path.join(out, "rl2", "final_model")}
+
+
+def stage_config(base: dict, stage: str, model_path: str, run_dir: str, extra: dict | None = None) -> C.Config:
+    """``base`` (a config tree) + :data:`RECIPE` [stage] + ``[pipeline.<stage>]`` (+ ``extra``),
+    starting from ``model_path``, in ``run_dir``; the distillation samples with rl1's settings."""
+    tree = copy.deepcopy(base)
+    rl = "rl1" if stage == "distill" else stage
+    C.merge(tree, copy.deepcopy(RECIPE[rl]))
+    C.merge(tree, copy.deepcopy(base["pipeline"][rl]), where=f"$.pipeline.{rl}")
+    C.merge(tree, copy.deepcopy(extra or {}))
+    tree["model"]["path"], tree["run"]["run_dir"], tree["run"]["stage"] = model_path, run_dir, TITLES[stage]
+    cfg = C.from_dict(tree)
+    check_stage(stage, cfg)
+    return cfg
+
+
+def check_stage(stage: str, cfg: C.Config) -> None:
+    """What makes a stage the recipe's: rl1 has its KL, tiers has every tier's prompt and limit."""
+    if stage == "rl1" and cfg.learner.kl_beta <= 0:
+        raise C.ConfigError("`$.pipeline.rl1.learner.kl_beta` must be > 0: stage 1 keeps a KL to the base model")
+    if stage == "tiers":
+        t = cfg.task
+        missing = [f"task.{name}.{tier}" for name, d in (("system_prompt", t.system_prompt),
+                                                        ("tier_max_new_tokens", t.tier_max_new_tokens))
+                   for tier in TIERS if tier not in d]
+        if missing:
+            raise C.ConfigError(f"the tiers stage needs {', '.join(missing)} (`$.pipeline.tiers.task`)")
+
+
+def all_configs(base: dict, out: str) -> dict[str, C.Config]:
+    """Every stage's config, built (and so validated) before the first stage starts."""
+    inputs = stage_inputs(out, base["model"]["path"])
+    return {s: stage_config(base, s, inputs[s], os.path.join(out, s)) for s in STAGES}
+
+
+def pass_rate_tiers(by_difficulty: dict[str, dict]) -> dict[str, str]:
+    """``task.difficulty_tiers`` from a model's held-out accuracy per difficulty: ranked from the
+    highest pass rate down (ties: the lower difficulty first), in thirds -- low, medium, high.
+    E.g. accuracies {0.0: 0.9, 0.5: 0.2, 1.0: 0.6} rank 0.0, 1.0, 0.5: low, medium, high."""
+    ranked = sorted(by_difficulty, key=lambda d: (-by_difficulty[d]["accuracy"], float(d)))
+    return {d: TIERS[min(2, 3 * i // len(ranked))] for i, d in enumerate(ranked)}
+
+
+# ---- state --------------------------------------------------------------------------------------
+
+
+def load_state(out: str) -> dict:
+    return read_json(os.path.join(out, "pipeline.json")) or {"stages": {}, "evals": {}}
+
+
+def save_state(out: str, state: dict) -> None:
+    atomic_write(os.path.join(out, "pipeline.json"), json.dumps(state, indent=1).encode())
+
+
+def pending(state: dict) -> list[str]:
+    """The stages still to run, in order: a finished stage is never run again."""
+    return [s for s in STAGES if state["stages"].get(s, {}).get("status") != "done"]
+
+
+# ---- stages -------------------------------------------------------------------------------------
+
+
+def run_rl(cfg: C.Config) -> dict:
+    """One RL stage, an ordinary run in its own directory; one interrupted before resumes there."""
+    import run  # the wiring script: the stage is exactly ``python run.py``'s job
+
+    run_dir = cfg.run.run_dir
+    if os.path.exists(os.path.join(run_dir, "config.json")):
+        log.info("resuming %s from its newest checkpoint", run_dir)
+        cfg = run.load_config(None, run_dir, [])
+    result = run.train(cfg, run_dir)
+    if result.interrupted:
+        raise Interrupted(cfg.run.stage)
+    return {"model": os.path.join(run_dir, "final_model"), "run_dir": run_dir}
+
+
+def run_distill(cfg: C.Config, base_model: str) -> dict:
+    """The rl1 policy (``cfg.model.path``) writes the corpus, the *base* model is fine-tuned on
+    it; each part is skipped when its output exists (both are written atomically)."""
+    from actor.distill import build_corpus
+    from core.progress import progress
+    from learner.sft import finetune
+
+    out = cfg.run.run_dir
+    os.makedirs(out, exist_ok=True)
+    corpus, model = os.path.join(out, "corpus.jsonl"), os.path.join(out, "model")
+    stats = read_json(os.path.join(out, "corpus.json"))
+    if stats is None:
+        with progress("distill: sampling", cfg.distill.prompts) as advance:
+            stats = build_corpus(cfg, cfg.model.path, corpus, advance)
+        atomic_write(os.path.join(out, "corpus.json"), json.dumps(stats, indent=1).encode())
+    log.info("distillation corpus: %s", stats)
+    sft = read_json(os.path.join(out, "sft.json"))
+    if sft is None or not os.path.exists(os.path.join(model, "config.json")):
+        sft = finetune(cfg, base_model, corpus, model, cfg.run.seed)
+        atomic_write(os.path.join(out, "sft.json"), json.dumps(sft, indent=1).encode())
+    return {"model": model, "run_dir": out, "corpus": stats, "sft": sft}
+
+
+def evaluate_model(cfg: C.Config, model_dir: str, k: int) -> dict:
+    """Held-out accuracy (pass@1 over ``k`` samples) and mean response length of ``model_dir``,
+    the same evaluation for every stage (module docstring)."""
+    from actor.evaluate import task_report
+    from core.progress import progress
+
+    cfg = msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=model_dir))
+    r = task_report(cfg, model_dir, k, progress)
+    return {"accuracy": r["pass@1"], "pass@k": r["pass@k"], "mean_length": r["mean_length"], "k": k,
+            "by_difficulty": {d: {"accuracy": v["pass@1"], "mean_length": v["mean_length"]}
+                              for d, v in r["by_difficulty"].items()}}
+
+
+def tier_table(report: dict) -> dict:
+    """The Low / Medium / High table of a ``task_report`` run under the tier prompts and limits."""
+    return {t: {"accuracy": v["pass@1"], "mean_length": v["mean_length"], "pass@k": v["pass@k"],
+                "prompts": v["prompts"]} for t, v in report["by_tier"].items()}
+
+
+def tier_report(cfg: C.Config, model_dir: str, k: int) -> dict:
+    """Per tier: held-out accuracy and mean response tokens, each tier's prompts under its own
+    system prompt and length limit (``cfg``: the tiers stage's)."""
+    from actor.evaluate import task_report
+    from core.progress import progress
+
+    r = task_report(cfg, model_dir, k, progress)
+    return {"tiers": tier_table(r), "accuracy": r["pass@1"], "mean_length": r["mean_length"], "k": k}
+
+
+# ---- the command --------------------------------------------------------------------------------
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="run.py pipeline", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", help="TOML file with overrides of the defaults (see configs/pipeline.toml)")
+    ap.add_argument("--out", help="the pipeline directory (default runs/pipeline-<UTC timestamp>)")
+    ap.add_argument("--resume", metavar="DIR", help="continue the pipeline in DIR")
+    ap.add_argument("--k", type=int, default=4, help="samples per held-out prompt in every evaluation")
+    ap.add_argument("overrides", nargs="*", help="section.key=value overrides (not with --resume)")
+    ns = ap.parse_args(argv)
+    if ns.resume and (ns.config or ns.overrides or ns.out):
+        ap.error("--resume DIR takes the pipeline's own config.json: no --config, --out or overrides")
+    if ns.k < 1:
+        ap.error("--k must be >= 1")
+    return ns
+
+
+def prepare(ns) -> tuple[str, dict]:
+    """The pipeline directory and its base config tree (the base model resolved, built if need be):
+    written once to ``DIR/config.json``, read back on ``--resume``."""
+    import run
+
+    if ns.resume:
+        out = os.path.abspath(ns.resume)
+        base = read_json(os.path.join(out, "config.json"))
+        if base is None:
+            raise FileNotFoundError(f"{out} has no config.json: not a pipeline directory")
+        return out, base
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    out = os.path.abspath(ns.out or os.path.join("runs", f"pipeline-{stamp}"))
+    cfg = C.load(ns.config, ns.overrides)
+    run.check_seams(cfg)
+    cfg = run.resolve_model(cfg)
+    base = msgspec.to_builtins(cfg)
+    all_configs(base, out)  # every stage's config valid before anything is written or run
+    os.makedirs(out, exist_ok=True)
+    atomic_write(os.path.join(out, "config.json"), C.to_json(cfg))
+    return out, base
+
+
+def run_stage(stage: str, cfgs: dict, base: dict) -> dict:
+    if stage == "distill":
+        return run_distill(cfgs[stage], base["model"]["path"])
+    return run_rl(cfgs[stage])
+
+
+def run_all(out: str, base: dict, k: int) -> dict:
+    """Every pending stage, then the final tier table; the state is saved after each step."""
+    state, cfgs = load_state(out), all_configs(base, out)
+    eval_cfg = C.from_dict(base)
+    if "base" not in state["evals"]:
+        state["evals"]["base"] = evaluate_model(eval_cfg, base["model"]["path"], k)
+        save_state(out, state)
+    for stage in pending(state):
+        log.info("pipeline stage %s", TITLES[stage])
+        if stage == "tiers" and base["pipeline"]["tier_by"] == "pass_rate":
+            tiers = pass_rate_tiers(state["evals"]["rl2"]["by_difficulty"])
+            log.info("tiers by the rl2 model's pass rate: %s", tiers)
+            cfgs["tiers"] = stage_config(base, "tiers", cfgs["tiers"].model.path, cfgs["tiers"].run.run_dir,
+                                         {"task": {"difficulty_tiers": tiers}})
+        t0, before = time.time(), state["stages"].get(stage, {}).get("seconds", 0.0)
+        state["stages"][stage] = {"status": "running", "seconds": before}
+        save_state(out, state)
+        try:
+            info = run_stage(stage, cfgs, base)
+        finally:  # an interrupted stage keeps the seconds it spent
+            state["stages"][stage]["seconds"] = before + time.time() - t0
+            save_state(out, state)
+        state["evals"][stage] = evaluate_model(eval_cfg, info["model"], k)
+        state["stages"][stage] = {"status": "done", **info, "seconds": before + time.time() - t0}
+        save_state(out, state)
+    report = {**tier_report(cfgs["tiers"], state["stages"]["tiers"]["model"], k), "pipeline": out,
+              "stages": state["evals"], "seconds": {s: round(state["stages"][s]["seconds"], 1) for s in STAGES}}
+    atomic_write(os.path.join(out, "eval.json"), json.dumps(report, indent=1).encode())
+    return report
+
+
+def print_table(report: dict) -> None:
+    """The stages' accuracy and length, then the Low / Medium / High table, as markdown."""
+    print("| model | held-out accuracy | mean response tokens |\n|---|---|---|")
+    for name, e in report["stages"].items():
+        print(f"| {name} | {e['accuracy']:.3f} | {e['mean_length']:.2f} |")
+    print("\n| tier | held-out accuracy | mean response tokens | prompts |\n|---|---|---|---|")
+    for t in TIERS:
+        e = report["tiers"].get(t)
+        if e:
+            print(f"| {t} | {e['accuracy']:.3f} | {e['mean_length']:.2f} | {e['prompts']} |")
+
+
+def main(argv: list[str]) -> int:
+    ns = parse(argv)
+    out = None
+    try:
+        out, base = prepare(ns)
+        report = run_all(out, base, ns.k)
+    except (Interrupted, KeyboardInterrupt):
+        where = f"Resume with: python run.py pipeline --resume {out}" if out else "Nothing was started."
+        print(f"interrupted; finished stages are kept. {where}")
+        return 130
+    except ValueError as e:  # a stage's own refusal (e.g. an empty distillation corpus): one line
+        print(f"pipeline failed: {e}", file=sys.stderr)
+        return 1
+    print_table(report)
+    print(json.dumps(report))
+    return 0
