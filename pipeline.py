@@ -1,7 +1,10 @@
 """``python run.py pipeline``: the Ring-Zero recipe as one resumable command.
 
-    python run.py pipeline [--config FILE] [section.key=value ...] [--out DIR]
+    python run.py pipeline [--config FILE] [section.key=value ...] [--out DIR] [--k K]
     python run.py pipeline --resume DIR
+
+Without ``--config`` the pipeline is :data:`DEFAULT_CONFIG` (configs/pipeline.toml: the built-in
+reasoning task, sized for 2 CPU cores); a file given replaces it (copy it to start yours).
 
 Zero RL from a base model is staged because it must be: stage 1's token-level loss elicits
 reasoning but lets length (and with it the train/inference gap) grow; a self-distillation resets
@@ -58,6 +61,7 @@ RECIPE = {
 }
 TITLES = {"rl1": "1/4 rl1 · elicit", "distill": "2/4 distill", "rl2": "3/4 rl2 · sustain", "tiers": "4/4 tiers"}
 TIERS = ("low", "medium", "high")
+DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "pipeline.toml")
 
 
 class Interrupted(Exception):
@@ -205,7 +209,7 @@ def tier_report(cfg: C.Config, model_dir: str, k: int) -> dict:
 def parse(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="run.py pipeline", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", help="TOML file with overrides of the defaults (see configs/pipeline.toml)")
+    ap.add_argument("--config", help=f"TOML file with overrides of the defaults (default: {DEFAULT_CONFIG})")
     ap.add_argument("--out", help="the pipeline directory (default runs/pipeline-<UTC timestamp>)")
     ap.add_argument("--resume", metavar="DIR", help="continue the pipeline in DIR")
     ap.add_argument("--k", type=int, default=4, help="samples per held-out prompt in every evaluation")
@@ -231,11 +235,11 @@ def prepare(ns) -> tuple[str, dict]:
         return out, base
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
     out = os.path.abspath(ns.out or os.path.join("runs", f"pipeline-{stamp}"))
-    cfg = C.load(ns.config, ns.overrides)
+    cfg = C.load(ns.config or DEFAULT_CONFIG, ns.overrides)
+    all_configs(msgspec.to_builtins(cfg), out)  # every stage's config valid before a model is built
     run.check_seams(cfg)
     cfg = run.resolve_model(cfg)
     base = msgspec.to_builtins(cfg)
-    all_configs(base, out)  # every stage's config valid before anything is written or run
     os.makedirs(out, exist_ok=True)
     atomic_write(os.path.join(out, "config.json"), C.to_json(cfg))
     return out, base
@@ -300,6 +304,8 @@ def main(argv: list[str]) -> int:
         where = f"Resume with: python run.py pipeline --resume {out}" if out else "Nothing was started."
         print(f"interrupted; finished stages are kept. {where}")
         return 130
+    except C.ConfigError:
+        raise  # run.py says "config error" and exits 2
     except ValueError as e:  # a stage's own refusal (e.g. an empty distillation corpus): one line
         print(f"pipeline failed: {e}", file=sys.stderr)
         return 1

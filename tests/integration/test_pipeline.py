@@ -12,12 +12,14 @@ import time
 
 from tests.support.runs import ROOT, TINY_RUN, lines
 
-TINY_PIPELINE = [*TINY_RUN, "task.name=scratch", "task.min_digits=2", "task.digits=3",
-                 "model.pretrain_steps=150", "model.pretrain_correct_frac=1.0", "model.pretrain_worked_frac=0.5",
+# over configs/pipeline.toml (the default): 1- and 2-digit quotients, which a 32-wide model built in
+# 300 steps answers right ~7 % of the time (measured), so 32 prompts x 8 samples leave a corpus
+TINY_PIPELINE = [*TINY_RUN, "task.name=scratch", "task.min_digits=1", "task.digits=2",
+                 "model.pretrain_steps=300", "model.pretrain_batch=64",
                  "actor.max_new_tokens=12", "actor.dtype=float32", "learner.body_dtype=float32",
                  "actor.length_start=6", "actor.length_every=2", "run.max_time_s=0", "run.ckpt_every=2",
-                 "run.eval_prompts=32", "distill.prompts=24", "distill.samples=4", "distill.epochs=1",
-                 "pipeline.rl1.run.max_steps=4", "pipeline.rl2.run.max_steps=40", "pipeline.tiers.run.max_steps=2",
+                 "run.eval_prompts=32", "distill.prompts=32", "distill.samples=8", "distill.epochs=1",
+                 "pipeline.rl1.run.max_steps=4", "pipeline.rl2.run.max_steps=12", "pipeline.tiers.run.max_steps=2",
                  'pipeline.tiers.task.system_prompt={low="l ", medium="m ", high="h "}',
                  "pipeline.tiers.task.tier_max_new_tokens={low=8, medium=10, high=12}"]
 
@@ -60,18 +62,37 @@ def test_pipeline_interrupted_in_stage_2_resumes_there_and_ends_with_the_tier_ta
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert {s: _digest(os.path.join(out, s)) for s in ("rl1", "distill")} == done_before  # never re-run
     steps = [s["version"] for s in lines(os.path.join(out, "rl2", "trained_keys.jsonl"))]
-    assert steps == list(range(1, 41))  # rl2 went on from its checkpoint: every step once
+    assert steps == list(range(1, 13))  # rl2 went on from its checkpoint: every step once
     with open(os.path.join(out, "rl2", "logs", "learner.log")) as f:
         assert "resumed from" in f.read()
     report = json.loads(res.stdout.strip().splitlines()[-1])
-    assert set(report["tiers"]) == {"low", "high"}  # 2 and 3 quotient digits: difficulty 0 and 1
+    assert set(report["tiers"]) == {"low", "high"}  # 1 and 2 quotient digits: difficulty 0 and 1
     for row in report["tiers"].values():
         assert 0 <= row["accuracy"] <= 1 and 0 < row["mean_length"] <= 12
     assert report["tiers"]["low"]["mean_length"] <= 8  # the low tier's own limit
     assert set(report["stages"]) == {"base", "rl1", "distill", "rl2", "tiers"}
     corpus = json.load(open(os.path.join(out, "distill", "corpus.json")))
-    assert corpus["prompts"] == 24
+    assert corpus["prompts"] == 32 and corpus["corpus"] >= 1
     ran = json.load(open(os.path.join(out, "pipeline.json")))
     assert all(ran["stages"][s]["status"] == "done" for s in ("rl1", "distill", "rl2", "tiers"))
     tiers_cfg = json.load(open(os.path.join(out, "tiers", "config.json")))
     assert tiers_cfg["task"]["system_prompt"]["low"] == "l " and tiers_cfg["learner"]["norm"] == "sample"
+
+    # the same table from the command line, the pipeline directory standing for its last stage
+    ev = subprocess.run([sys.executable, "run.py", "eval", out, "--tiers", "--k", "2"], cwd=ROOT,
+                        capture_output=True, text=True, timeout=120)
+    assert ev.returncode == 0, ev.stderr[-3000:]
+    table = json.loads(ev.stdout.strip().splitlines()[-1])
+    assert set(table["tiers"]) == {"low", "high"} and table["checkpoint"] == os.path.join(out, "tiers", "final_model")
+    assert "low     accuracy" in ev.stdout
+    plot = subprocess.run([sys.executable, "run.py", "plot", out], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert plot.returncode == 0 and json.loads(plot.stdout.strip().splitlines()[-1])["plots"] == [
+        os.path.join(out, "plots", "pipeline.png")], plot.stderr[-2000:]
+
+
+def test_a_bad_stage_key_is_a_config_error_before_anything_is_built(tmp_path):
+    res = subprocess.run([sys.executable, "run.py", "pipeline", "--out", str(tmp_path / "p"),
+                          f"model.cache_dir={tmp_path / 'models'}", "pipeline.rl2.learner.nrom=1"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "`$.pipeline.rl2.learner.nrom`" in res.stderr, res.stderr[-2000:]
+    assert not os.path.exists(tmp_path / "models") and not os.path.exists(tmp_path / "p")

@@ -102,3 +102,13 @@ def test_tiers_by_pass_rate_rank_the_difficulties_from_easiest_in_thirds():
     assert {p.tier for p in prompts if p.difficulty == 1.0} == {"high"}  # by level, as before
     with pytest.raises(C.ConfigError, match="difficulty_tiers"):
         C.load(None, ['task.difficulty_tiers={"0.0" = "hard"}'])
+
+
+def test_the_shipped_default_pipeline_builds_every_stage():
+    base = msgspec.to_builtins(C.load(P.DEFAULT_CONFIG, ["model.path=/b"]))
+    c = P.all_configs(base, "/p")
+    assert c["rl1"].task.name == "scratch" and c["rl1"].learner.kl_beta > 0
+    assert set(c["tiers"].task.system_prompt) == set(P.TIERS)
+    # the tier prompts are what the base model saw, at random, before every pre-training prompt
+    assert set(c["tiers"].task.system_prompt.values()) <= set(c["rl1"].model.pretrain_prompt_prefixes)
+    assert all(c[s].run.max_steps > 0 for s in P.RL_STAGES)
