@@ -89,40 +89,6 @@ def test_ctrl_c_leaves_nothing_behind(tmp_path, cache_dir):
     assert not any(alive(pid) for pid in pids.values())
 
 
-def test_killed_actor_and_buffer_are_restarted_and_lose_nothing(tmp_path, cache_dir):
-    """SIGKILL the actor and the buffer mid-run: the launcher restarts them, the run completes,
-    and no group is trained twice (spool + segment log carry the accepted data across)."""
-    import threading
-
-    cfg = C.load(None, TINY + [f"model.cache_dir={cache_dir}", "buffer.max_staleness=1",
-                               "run.max_steps=24", "run.max_time_s=150", "run.eval_every=0"])
-    killed = []
-
-    def killer(run_dir, procs):
-        def work():
-            path = os.path.join(run_dir, "trained_keys.jsonl")
-            deadline = time.time() + 60
-            while time.time() < deadline and not (os.path.exists(path) and len(open(path).readlines()) >= 3):
-                time.sleep(0.05)
-            for role in procs:
-                if role.name in ("actor0", "buffer"):
-                    os.kill(role.pid, signal.SIGKILL)
-                    killed.append(role.name)
-        threading.Thread(target=work, daemon=True).start()
-
-    result = run.train(cfg, str(tmp_path / "run"), on_ready=killer)
-    assert sorted(killed) == ["actor0", "buffer"]
-    with open(os.path.join(result.run_dir, "trained_keys.jsonl")) as f:
-        steps = [json.loads(line) for line in f]
-    assert [s["version"] for s in steps] == list(range(1, 25))
-    keys = [tuple(k) for s in steps for k in s["keys"]]
-    assert len(keys) == len(set(keys))
-    with open(os.path.join(result.run_dir, "logs", "actor0.log")) as f:
-        assert f.read().count("started at version") == 2  # the restarted incarnation ran
-    with open(os.path.join(result.run_dir, "pids.json")) as f:
-        assert not any(alive(pid) for name, pid in json.load(f).items() if name != "launcher")
-
-
 def test_run_dir_is_private(tmp_path, cache_dir):
     from core import launchers
 
