@@ -266,7 +266,10 @@ def pipeline_figure(pipeline_dir: str):
                 ax.annotate("distill", (start, 1), xycoords=("data", "axes fraction"), fontsize=8, va="top")
         ax.set(title=title, xlabel="learner step (stages in order)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+        else:
+            not_logged(ax, [key])
     fig.suptitle(f"pipeline {os.path.basename(os.path.abspath(pipeline_dir))}")
     return fig
 
