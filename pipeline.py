@@ -60,7 +60,7 @@ RECIPE = {
     "tiers": {"learner": {"norm": "sample", "kl_beta": 0.0}, "actor": {"length_schedule": "off"}},
 }
 TITLES = {"rl1": "1/4 rl1 · elicit", "distill": "2/4 distill", "rl2": "3/4 rl2 · sustain", "tiers": "4/4 tiers"}
-TIERS = ("low", "medium", "high")
+TIERS = C.TIERS[1:]  # low, medium, high: the tiers a prompt is given ("default" is none)
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "pipeline.toml")
 
 

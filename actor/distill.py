@@ -31,12 +31,13 @@ import time
 import numpy as np
 import torch
 
+from actor.curriculum import prompt_limit
 from actor.engines import Engine, make_engine
+from actor.evaluate import SEQUENCES_PER_CALL, sample_k
 from actor.tasks import Prompt, Task, make_task
 from core.files import atomic_write
 from model.tokenizer import Tokenizer
 
-SEQUENCES_PER_CALL = 256  # as actor/evaluate.py: enough to fill the engine's batch, bounded memory
 DRAWS_PER_PROMPT = 50  # a task with fewer distinct training prompts than asked for is an error
 
 
@@ -73,22 +74,6 @@ def train_prompts(task: Task, n: int, seed: int) -> list[Prompt]:
             return list(found.values())
     raise ValueError(f"distill.prompts={n}: the task gave only {len(found)} distinct training prompts "
                      f"in {n * DRAWS_PER_PROMPT} draws")
-
-
-def _sample(engine: Engine, task: Task, prompts: list[Prompt], k: int, progress) -> tuple[list, list]:
-    """``k`` samples and their rewards per prompt (lists of ``k``-lists), in chunks of prompts."""
-    samples, rewards = [], []
-    chunk = max(1, SEQUENCES_PER_CALL // k)
-    for start in range(0, len(prompts), chunk):
-        part = [p for p in prompts[start:start + chunk] for _ in range(k)]
-        got = engine.generate([list(p.tokens) for p in part])
-        scored = task.rewards([(p, s.tokens) for p, s in zip(part, got)])
-        for i in range(0, len(part), k):
-            samples.append(got[i:i + k])
-            rewards.append(scored[i:i + k])
-        if progress is not None:
-            progress(len(part) // k)
-    return samples, rewards
 
 
 def _row(p: Prompt, completion: list[int], compressed: bool = False) -> dict:
@@ -155,7 +140,8 @@ def build_corpus(cfg, policy_dir: str, out_path: str, progress=None) -> dict:
     task = make_task(cfg.task, Tokenizer.from_dir(policy_dir))
     try:
         prompts = train_prompts(task, dc.prompts, cfg.run.seed)
-        samples, rewards = _sample(engine, task, prompts, dc.samples, progress)
+        samples, rewards = sample_k(engine, task, prompts, dc.samples, progress,
+                                    [prompt_limit(cfg, p) for p in prompts])
         kept_prompts, rows = _select(prompts, samples, rewards)
         selected = [len(r["completion"]) for r in rows]
         accepted = 0

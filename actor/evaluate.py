@@ -32,6 +32,8 @@ from actor.tasks import Task, make_task
 from core import config as C
 from model.tokenizer import Tokenizer
 
+SEQUENCES_PER_CALL = 256  # fills an engine batch, bounds its memory
+
 
 def evaluate(engine: Engine, task: Task, prompts, max_new_tokens: list[int] | None = None) -> tuple[float, float]:
     """Mean reward and length on a fixed held-out set, sampled exactly as training samples;
@@ -79,20 +81,31 @@ def _split(prompts, correct, lengths, key) -> dict[str, dict]:
             for name, idx in sorted(rows.items())}
 
 
+def sample_k(engine: Engine, task: Task, prompts, k: int, progress=None,
+             limits: list[int] | None = None) -> tuple[list[list], list[list[float]]]:
+    """``k`` samples of every prompt and their rewards (one ``k``-list per prompt), about
+    ``SEQUENCES_PER_CALL`` sequences per engine call; ``limits``: each prompt's length limit (None:
+    the engine's); ``progress(n)`` after each call with its number of prompts."""
+    samples, rewards = [], []
+    chunk = max(1, SEQUENCES_PER_CALL // k)
+    for start in range(0, len(prompts), chunk):
+        part = [p for p in prompts[start:start + chunk] for _ in range(k)]
+        budget = None if limits is None else [b for b in limits[start:start + chunk] for _ in range(k)]
+        got = engine.generate([list(p.tokens) for p in part], max_new_tokens=budget)
+        scored = task.rewards([(p, s.tokens) for p, s in zip(part, got)])
+        samples += [got[i:i + k] for i in range(0, len(part), k)]
+        rewards += [scored[i:i + k] for i in range(0, len(part), k)]
+        if progress is not None:
+            progress(len(part) // k)
+    return samples, rewards
+
+
 def _sample_all(engine: Engine, task: Task, prompts, k: int, progress,
                 limits: list[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """``[prompts, k]`` correctness and lengths, ``chunk`` prompts per engine call; ``limits``:
-    each prompt's length limit (None: the engine's)."""
-    correct, lengths = np.zeros((len(prompts), k)), np.zeros((len(prompts), k))
-    chunk = max(1, 256 // k)
-    for start in range(0, len(prompts), chunk):
-        part = prompts[start:start + chunk]
-        budget = None if limits is None else [b for b in limits[start:start + chunk] for _ in range(k)]
-        samples = engine.generate([list(p.tokens) for p in part for _ in range(k)], max_new_tokens=budget)
-        rewards = task.rewards([(p, s.tokens) for p, s in zip([p for p in part for _ in range(k)], samples)])
-        correct[start:start + len(part)] = np.asarray(rewards).reshape(len(part), k) > 0.5
-        lengths[start:start + len(part)] = np.asarray([len(s.tokens) for s in samples]).reshape(len(part), k)
-        progress(len(part))
+    """``[prompts, k]`` correctness (0/1) and lengths (:func:`sample_k`)."""
+    samples, rewards = sample_k(engine, task, prompts, k, progress, limits)
+    correct = (np.asarray(rewards, dtype=float).reshape(len(prompts), k) > 0.5).astype(float)
+    lengths = np.asarray([[len(s.tokens) for s in ss] for ss in samples], dtype=float).reshape(len(prompts), k)
     return correct, lengths
 
 

@@ -21,6 +21,7 @@ import torch
 
 from core.config import load
 from tests.support.runs import ROOT
+from tests.support.weights import random_weights
 from weightsync import layout
 from weightsync.base import make_publisher
 from weightsync.nccl import NcclPublisher, check_backend, packed_nbytes, packed_views
@@ -90,12 +91,7 @@ with open(args["out"] + ".json", "w") as f:
 
 def _weights(version: int) -> dict[str, torch.Tensor]:
     """Arbitrary bit patterns (NaNs included: bit-exactness, not value equality), new per version."""
-    gen = torch.Generator().manual_seed(1000 + version)
-    out = {}
-    for name, dtype, shape in SPECS:
-        n = torch.Size(shape).numel() * dtype.itemsize
-        out[name] = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen).view(dtype).reshape(shape)
-    return out
+    return random_weights(SPECS, 1000 + version)
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

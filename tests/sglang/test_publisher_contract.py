@@ -28,6 +28,7 @@ pytest.importorskip("sglang.srt.weight_sync.tensor_bucket")
 
 import torch  # noqa: E402
 
+from tests.support.weights import random_weights  # noqa: E402
 from weightsync.nccl import NcclPublisher  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -87,12 +88,7 @@ with open(args["out"] + ".json", "w") as f:
 
 def _weights(version: int) -> dict[str, torch.Tensor]:
     """Arbitrary bit patterns (NaNs included: bit-exactness, not value equality), new per version."""
-    gen = torch.Generator().manual_seed(2000 + version)
-    out = {}
-    for name, dtype, shape in SPECS:
-        n = torch.Size(shape).numel() * dtype.itemsize
-        out[name] = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen).view(dtype).reshape(shape)
-    return out
+    return random_weights(SPECS, 2000 + version)
 
 
 @pytest.mark.slow

@@ -192,7 +192,7 @@ class _Recorder:
         self.bodies = []
 
     def start(self, timeout_s, stop=None):
-        pass
+        """Nothing to start: this recorder answers in-process."""
 
     def post(self, path, body, timeout_s=None):
         self.bodies.append(body)
