@@ -1,6 +1,7 @@
-"""driftrl: asynchronous off-policy RL for LLM post-training, one command.
+"""driftrl: asynchronous off-policy RL for LLM post-training, one command: ``driftrl`` once
+installed (``pip install -e .``), or ``python run.py`` from a checkout; the same subcommands.
 
-    python run.py [--config FILE.toml] [section.key=value ...]    train (defaults: tiny CPU run)
+    python run.py [train] [--config FILE.toml] [section.key=value ...]  train (defaults: tiny CPU run)
     python run.py resume RUN_DIR [section.key=value ...]          continue a stopped run
     python run.py eval CKPT [TASK ...] [section.key=value ...] [--k K] [--tiers]
                                                                   pass@1/pass@k, lengths (JSON); --tiers:
@@ -51,20 +52,24 @@ import time
 import msgspec
 
 from core import config as C
-from core import launchers, placement
+from core import launchers, placement, precision
 
 log = logging.getLogger("driftrl")
+# `driftrl` (the installed command) or `run.py`: usage lines name what the user typed
+PROG = "driftrl" if os.path.basename(sys.argv[0]) == "driftrl" else "run.py"
 
 
 def parse(argv):
-    ap = argparse.ArgumentParser(prog="run.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", help="TOML file with overrides of the defaults")
     ap.add_argument("--k", type=int, default=4, help="eval: samples per prompt for pass@k")
     ap.add_argument("--tiers", action="store_true",
                     help="eval: per tier, accuracy and mean response tokens under its prompt and length limit")
-    ap.add_argument("args", nargs="*", help="`resume RUN_DIR`, `eval CKPT [TASK ...]`, section.key=value overrides")
+    ap.add_argument("args", nargs="*", help="`train`, `resume RUN_DIR`, `eval CKPT [TASK ...]`, section.key=value overrides")
     ns = ap.parse_intermixed_args(argv)
     mode, target, rest = "train", None, list(ns.args)
+    if rest[:1] == ["train"]:  # `driftrl train ...` = `driftrl ...`
+        rest = rest[1:]
     if rest and rest[0] in ("resume", "eval"):
         if len(rest) < 2:
             ap.error(f"{rest[0]} needs a {'RUN_DIR' if rest[0] == 'resume' else 'CKPT'}")
@@ -159,6 +164,8 @@ def train(cfg: C.Config, run_dir: str | None = None, monitor=None, on_ready=None
 
     check_seams(cfg)
     cfg = resolve_model(cfg)
+    cfg, note = precision.resolve(cfg, *placement.check(cfg))
+    log.info("precision: %s", note)
     report = contract_check(cfg, run_dir)
     log.info("contract check passed: %s", report)
     run_dir = os.path.abspath(run_dir or cfg.run.run_dir or launchers.new_run_dir())

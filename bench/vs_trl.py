@@ -12,7 +12,8 @@ wall time:
     | loss                    | Ring-Zero, token-level constant div | dr_grpo (constant divisor), beta=0     |
     | advantages              | group mean / std                    | scale_rewards="group"                  |
     | CPU threads (2 cores)   | 1 actor + 1 learner process, 1 each | one process, 1 or 2 torch threads (*)  |
-    | precision               | its defaults (body BF16 autocast)   | fp32 (bf16=False), no vLLM             |
+    | precision               | its defaults (auto: FP32 without    | fp32 (bf16=False), no vLLM             |
+    |                         | native BF16, else BF16 autocast)    |                                        |
 
 (*) ``--trl-threads auto`` (default) probes 1 and 2 threads for ``--probe-s`` each and gives TRL
 the faster: on this tiny model two OpenMP threads can lose to one, badly so on a loaded machine.

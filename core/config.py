@@ -21,7 +21,7 @@ PosInt = Annotated[int, Meta(ge=1)]
 NonNegInt = Annotated[int, Meta(ge=0)]
 PosFloat = Annotated[float, Meta(gt=0)]
 NonNegFloat = Annotated[float, Meta(ge=0)]
-Dtype = Literal["float32", "bfloat16", "float16"]
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]  # auto: core/precision.py
 # "auto" | "cpu" | "cuda" | "cuda:N" (core/placement.py resolves and validates it)
 Device = str
 
@@ -54,6 +54,8 @@ class RunSection(_Section):
     # that fails at once is not restarted in a tight loop; 0 = restart at once
     restart_backoff_s: NonNegFloat = 1.0
     stage: str = ""  # the pipeline stage this run is (pipeline.py sets it); shown in the live view
+    # written by run.py: what `auto` chose for learner.body_dtype and actor.dtype, and why
+    precision_note: str = ""
 
 
 class ModelSection(_Section):
@@ -62,12 +64,15 @@ class ModelSection(_Section):
     # resolved by run.py from path's config.json; the buffer rejects token ids outside it (0: unset)
     vocab_size: NonNegInt = 0
     cache_dir: str = ".cache/driftrl"
+    # the built-in base model's build seed (run.seed leaves the base model alone, so runs with
+    # different seeds start from the same model); the default recipe's build ships in model/shipped/
+    pretrain_seed: NonNegInt = 0
     hidden_size: PosInt = 128
     num_layers: PosInt = 4
     num_heads: PosInt = 4
     num_kv_heads: PosInt = 2
     intermediate_size: PosInt = 384
-    pretrain_steps: NonNegInt = 1200
+    pretrain_steps: NonNegInt = 2400
     pretrain_batch: PosInt = 64
     pretrain_lr: PosFloat = 3e-3
     # fraction of pre-training answers that are correct; the rest carry the classic
@@ -131,9 +136,10 @@ class ActorSection(_Section):
     temperature: PosFloat = 1.0
     top_k: NonNegInt = 0  # 0 = off
     top_p: Annotated[float, Meta(gt=0, le=1)] = 1.0
-    # the engine's numerics, as an inference engine's on a GPU: BF16 body, FP32 attention
-    # softmax and LM head, so the ratio at staleness 0 measures a real engine/learner gap
-    dtype: Dtype = "bfloat16"
+    # the engine's numerics: auto = BF16 where the device computes it natively (CUDA, AMX or
+    # AVX-512 BF16 CPUs), as an inference engine on a GPU runs, else FP32 (core/precision.py);
+    # FP32 attention softmax and LM head either way
+    dtype: Dtype = "auto"
     fp32_attn_softmax: bool = True
     threads: PosInt = 1
     # one value for every actor, or a list with one per actor (core/placement.py)
@@ -175,8 +181,9 @@ class LearnerSection(_Section):
     norm: Literal["token", "sample"] = "token"
     kl_beta: NonNegFloat = 0.0
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    # precision policy (DESIGN §4)
-    body_dtype: Dtype = "bfloat16"
+    # precision policy: the body's matmuls (auto: as actor.dtype's auto, core/precision.py);
+    # master weights, optimiser, the islands below stay FP32
+    body_dtype: Dtype = "auto"
     fp32_attn_softmax: bool = True
     fp32_head: bool = True
     logprob_chunk: PosInt = 1024  # tokens per FP32 head chunk
@@ -242,6 +249,9 @@ class RaySection(_Section):
 class MonitorSection(_Section):
     live: Literal["auto", "on", "off"] = "auto"  # auto: rich Live on a TTY, plain lines otherwise
     refresh_s: PosFloat = 1.0
+    # plain lines (no terminal): at most one every plain_every_s (an overnight log stays readable);
+    # with nothing new, a keep-alive line every 6 x plain_every_s
+    plain_every_s: PosFloat = 10.0
 
 
 class MetricsSection(_Section):

@@ -3,7 +3,7 @@
 ``Monitor`` is fed the MetricRecords the launcher's :class:`core.metrics.MetricsCollector`
 drains, keeps the latest value of every metric (DESIGN §6 names) plus a short history, and shows
 them either as a rich ``Live`` dashboard (a TTY, or ``monitor.live = "on"``) or as one plain line
-at most every ``monitor.refresh_s`` seconds (pipes, CI logs, ``monitor.live = "off"``).
+at most every ``monitor.plain_every_s`` seconds (pipes, CI logs, ``monitor.live = "off"``).
 
 It only reads what roles report: a metric nobody has sent yet is shown as "–", so the view works
 for partial runs (buffer only, learner without actors) and never invents a number.
@@ -141,6 +141,7 @@ class Monitor:
             live = mode == "on" or (mode == "auto" and self.console.is_terminal)
         self.live = live
         self.refresh_s = cfg.monitor.refresh_s
+        self.plain_every_s = cfg.monitor.plain_every_s
         self.max_steps = cfg.run.max_steps
         self.max_time_s = cfg.run.max_time_s
         self.stage = cfg.run.stage  # a pipeline's stage (pipeline.py): leads the step counter
@@ -546,8 +547,9 @@ class Monitor:
             return
         if self.live:
             return  # live mode outside the context manager: nothing to draw on
-        # plain: a line when something new arrived, and a keep-alive line during long stalls
-        if force or self._dirty or now - self._last_line >= 10 * self.refresh_s:
+        # plain: a line when something new arrived (at most one per plain_every_s), and a
+        # keep-alive line during long stalls
+        if force or now - self._last_line >= self.plain_every_s * (1 if self._dirty else 6):
             self.console.print(self.format_line(), markup=False, highlight=False, soft_wrap=True)
             self._last_line = now
             self._dirty = False

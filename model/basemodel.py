@@ -18,8 +18,8 @@ keeps the method but answers mostly without it -- what RL then has to elicit.
 
 The result is an HF-format directory (config.json, model.safetensors, tokenizer.json) keyed by a
 hash of everything that shapes it, built into a temporary directory and renamed into place, so a
-crash mid-build never leaves a half model behind and concurrent builders don't collide. Long
-builds log their progress (step, loss, elapsed, estimated time left).
+crash mid-build never leaves a half model behind and concurrent builders don't collide. A build
+shows a progress bar on a terminal (core/progress.py), plain lines otherwise.
 """
 
 from __future__ import annotations
@@ -38,11 +38,15 @@ import msgspec
 import torch
 import torch.nn.functional as F
 
+from core.progress import progress
 from model.decoder import ArchConfig, Qwen3
 from model.hf import save_pretrained
 
 log = logging.getLogger("driftrl.basemodel")
 BUILD_VERSION = 4  # bump when the recipe below changes
+# built models that ship with driftrl (bench/base_model.py --ship writes them): the default
+# recipe's, so the default job starts from the same weights on every CPU, without a build
+SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shipped")
 METHOD_FRAC = 0.8  # share of the steps in the method stage (module docstring)
 
 
@@ -65,7 +69,7 @@ def recipe_key(cfg, task_recipe: dict | None = None) -> str:
     the corpus -- the fields every task shares plus ``task_recipe`` (``Task.pretrain_recipe``)."""
     m, t = cfg.model, cfg.task
     recipe = dict(
-        v=BUILD_VERSION, seed=cfg.run.seed, hidden=m.hidden_size, layers=m.num_layers, heads=m.num_heads,
+        v=BUILD_VERSION, seed=m.pretrain_seed, hidden=m.hidden_size, layers=m.num_layers, heads=m.num_heads,
         kv=m.num_kv_heads, inter=m.intermediate_size, steps=m.pretrain_steps, batch=m.pretrain_batch,
         lr=m.pretrain_lr, frac=m.pretrain_correct_frac, task=t.name, digits=t.digits, eval_frac=t.eval_frac,
         max_pos=m.max_position_embeddings, **(task_recipe or {}),
@@ -131,28 +135,21 @@ def _loss(model, ids, mask, pad_id: int):
     return (nll * mask[:, 1:]).sum() / mask[:, 1:].sum()
 
 
-def _log_progress(step: int, total: int, loss: float, t0: float) -> None:
-    """A line every ~10% (at most every 200 steps): a build of minutes shows it is moving."""
-    every = max(1, min(200, total // 10))
-    if step % every == 0 or step == total - 1:
-        elapsed = time.time() - t0
-        eta = elapsed / (step + 1) * (total - step - 1)
-        log.info("pretrain step %d/%d loss %.3f elapsed %.0fs eta %.0fs", step + 1, total, loss, elapsed, eta)
-
-
-def _train(model, opt, sched, task, rng: random.Random, mc, t0: float) -> float:
-    """The pre-training steps (the corpus drawn per step, :func:`_stage_cfg`); the last loss."""
+def _train(model, opt, sched, task, rng: random.Random, mc) -> float:
+    """The pre-training steps (the corpus drawn per step, :func:`_stage_cfg`) under a progress
+    bar (plain lines off a terminal); the last loss."""
     loss_v = float("nan")
-    for step in range(mc.pretrain_steps):
-        batch = _corpus_batch(task, rng, mc.pretrain_batch, _stage_cfg(mc, step))
-        loss = _loss(model, *batch, task.tok.pad_id)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        loss_v = loss.item()
-        _log_progress(step, mc.pretrain_steps, loss_v, t0)
+    with progress("building the tiny base model (first use only)", mc.pretrain_steps) as advance:
+        for step in range(mc.pretrain_steps):
+            batch = _corpus_batch(task, rng, mc.pretrain_batch, _stage_cfg(mc, step))
+            loss = _loss(model, *batch, task.tok.pad_id)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            loss_v = loss.item()
+            advance(1)
     return loss_v
 
 
@@ -172,19 +169,32 @@ def pretrain(cfg, task, files: dict[str, bytes], special_ids: dict, out_dir: str
     """Pre-train on ``task``'s prompts and its pre-training completions (its tokenizer:
     ``task.tok``); write the model, ``files`` (the tokenizer's) and a build record into ``out_dir``."""
     mc = cfg.model
-    torch.manual_seed(cfg.run.seed)
-    rng = random.Random(cfg.run.seed)
+    torch.manual_seed(mc.pretrain_seed)
+    rng = random.Random(mc.pretrain_seed)
     model = _init_model(mc, task.tok.vocab_size, special_ids)
     opt = torch.optim.AdamW(model.parameters(), lr=mc.pretrain_lr, weight_decay=0.01, betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=mc.pretrain_lr, total_steps=max(mc.pretrain_steps, 1),
                                                 pct_start=0.05)
     t0 = time.time()
     with _one_thread():
-        loss_v = _train(model, opt, sched, task, rng, mc, t0)
+        loss_v = _train(model, opt, sched, task, rng, mc)
     info = {"pretrain_loss": loss_v, "pretrain_s": time.time() - t0,
             "recipe": recipe_key(cfg, task.pretrain_recipe(mc))}
     save_pretrained(model, out_dir, {**files, "driftrl_base.json": json.dumps(info).encode()})
     return info
+
+
+def verified(model_dir: str) -> str:
+    """``model_dir`` if its weights hash to the ``sha256`` its build record names (a shipped
+    model); a damaged or replaced file is refused by name, never loaded."""
+    with open(os.path.join(model_dir, "driftrl_base.json")) as f:
+        want = json.load(f)["sha256"]
+    path = os.path.join(model_dir, "model.safetensors")
+    with open(path, "rb") as f:
+        got = hashlib.file_digest(f, "sha256").hexdigest()
+    if got != want:
+        raise ValueError(f"{path} is damaged: sha256 {got[:12]}..., its build record says {want[:12]}...")
+    return model_dir
 
 
 def ensure_base_model(cfg, build=None, task_recipe: dict | None = None) -> str:
@@ -196,6 +206,8 @@ def ensure_base_model(cfg, build=None, task_recipe: dict | None = None) -> str:
             raise FileNotFoundError(f"model.path={cfg.model.path!r} has no config.json")
         return cfg.model.path
     name = f"base-{cfg.task.name}-{recipe_key(cfg, task_recipe)}"
+    if os.path.isdir(os.path.join(SHIPPED, name)):
+        return verified(os.path.join(SHIPPED, name))
     final = os.path.abspath(os.path.join(cfg.model.cache_dir, name))
     if os.path.exists(os.path.join(final, "driftrl_base.json")):
         return final

@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from core import precision
 from model.arch import ArchConfig
 from model.rope import inv_freq
 
@@ -248,7 +249,9 @@ Qwen3 = Decoder  # the name most callers know it by
 
 
 def body_autocast(dtype_name: str, device: str = "cpu"):
-    """Run the model body's matmuls in ``dtype_name``; FP32 means no autocast at all."""
+    """Run the model body's matmuls in ``dtype_name`` (``auto``: core/precision.py for ``device``);
+    FP32 means no autocast at all."""
+    dtype_name = precision.dtype_name(dtype_name, device)
     if dtype_name == "float32":
         return contextlib.nullcontext()
     return torch.autocast(device, dtype=DTYPES[dtype_name])

@@ -494,7 +494,7 @@ class SGLangEngine(Engine):
 
         def fresh() -> SGLangServer:
             port = net.free_port()
-            argv = launch_argv(actor_cfg.sglang_python, model_dir, port, dtype=actor_cfg.dtype,
+            argv = launch_argv(actor_cfg.sglang_python, model_dir, port, dtype=precision.dtype_name(actor_cfg.dtype, "cuda"),
                                mem_fraction=actor_cfg.sglang_mem_fraction, max_running=actor_cfg.max_batch,
                                seed=seed, version=0 if weights is None else -1, gpu=gpu)
             return SGLangServer(argv, port, request_timeout_s=actor_cfg.sglang_request_timeout_s)

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 import torch
 
 from actor.engines import Engine, EngineStopped, Sample, budgets
-from core import placement
+from core import placement, precision
 from model.decoder import DTYPES
 from model.hf import load_pretrained
 from model.kvcache import KVCache
@@ -142,9 +142,9 @@ class TorchEngine(Engine):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1 (sequences decoded at once), got {max_batch}")
         self.device = torch.device(device)
-        self.model = model.to(device=self.device, dtype=DTYPES[dtype]).eval()
+        self.dtype = DTYPES[precision.dtype_name(dtype, self.device)]
+        self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.model.fp32_attn_softmax = fp32_attn_softmax
-        self.dtype = DTYPES[dtype]
         self.spec = spec
         self.max_new_tokens = max_new_tokens
         self.max_batch = max_batch

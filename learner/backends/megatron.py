@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from core import precision
 from learner.backends.torch import TorchBackend, _as_oserror
 from model.decoder import DTYPES, ArchConfig, Decoder, body_autocast
 from model.hf import load_pretrained, save_pretrained, tokenizer_files
@@ -100,7 +101,7 @@ def _yarn_fields(arch: ArchConfig) -> dict:
 
 def core_config(arch: ArchConfig, lc) -> TransformerConfig:
     """megatron's TransformerConfig for ``arch`` under the learner's precision policy ``lc``."""
-    body = lc.body_dtype
+    body = precision.dtype_name(lc.body_dtype, DEVICE)
     yarn = _yarn_fields(arch)
     return (YarnTransformerConfig if yarn else TransformerConfig)(
         num_layers=arch.num_hidden_layers, hidden_size=arch.hidden_size, ffn_hidden_size=arch.intermediate_size,
@@ -296,7 +297,7 @@ class MegatronBackend(TorchBackend):
         t = ids.shape[1]
         causal = torch.ones(t, t, dtype=torch.bool).tril()
         masked = ~(causal[None, None] & key_mask[:, None, None, :])  # [N, 1, T, T], True = masked out
-        with body_autocast(self.cfg.learner.body_dtype):
+        with body_autocast(self.cfg.learner.body_dtype, DEVICE.type):
             x = model.embedding(input_ids=ids, position_ids=None)  # [T, N, H]; rope, no learned positions
             h = model.decoder(hidden_states=x, attention_mask=masked, rotary_pos_emb=model.rotary_pos_emb(t))
         return h.transpose(0, 1)

@@ -1,7 +1,7 @@
 """The plain-PyTorch backend: one process, FP32 master weights, AdamW.
 
 The numerator of the ratio is always recomputed here with the learner's current weights and
-precision policy (DESIGN §4): the body under ``body_autocast(learner.body_dtype)``, the head and
+precision policy: the body under ``body_autocast(learner.body_dtype)``, the head and
 log-softmax through ``learner/logprobs.py``; the actor's log-probs are only the denominator.
 
 Placement: the model, the frozen reference and AdamW's state live on ``learner.device``
@@ -24,7 +24,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from core import placement
+from core import placement, precision
 from learner.advantages import group_advantages
 from learner.backends import Backend, NonFiniteError
 from learner.batching import Batch, micro_batches
@@ -97,7 +97,7 @@ class TorchBackend(Backend):
         sel = batch.mask > 0
         h = hidden[sel]
         if not lc.fp32_head:
-            h = h.to(DTYPES[lc.body_dtype])
+            h = h.to(DTYPES[precision.dtype_name(lc.body_dtype, h.device)])
         lp, ent = token_logprobs(h, self._head_weight(model), ids[:, 1:][sel], temperature=s.temperature,
                                  fp32=lc.fp32_head, chunk=lc.logprob_chunk, with_entropy=with_entropy,
                                  top_k=s.top_k, top_p=s.top_p)

@@ -127,7 +127,7 @@ def test_follow_shows_new_records_and_stops_when_the_launcher_is_gone(tmp_path):
     write_pids(tmp_path, os.getpid())
     console, out = plain_console()
     monitor = Monitor(attach.run_config(str(tmp_path)), console, live=False)
-    monitor.refresh_s = 0.01
+    monitor.refresh_s = monitor.plain_every_s = 0.01
 
     def job():
         time.sleep(0.3)

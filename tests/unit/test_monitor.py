@@ -90,6 +90,19 @@ def test_plain_refresh_is_throttled_and_forced(monitor):
     assert out.getvalue().count("step 14/150") == 2
 
 
+def test_plain_lines_at_most_one_per_plain_every_s_even_when_records_keep_coming():
+    m = Monitor(cfg_with(monitor__refresh_s=0.001, monitor__plain_every_s=3600.0),
+                console=recording_console(), live=False)
+    for step in range(5):  # new records before every refresh: only the first draws a line
+        m.update(run_records(step))
+        m.refresh()
+    out = m.console.file.getvalue()
+    assert out.count("step ") == 1
+    m.refresh(force=True)  # the last line (end of a run) is always written
+    assert m.console.file.getvalue().count("step ") == 2
+    assert Monitor(cfg_with(), console=recording_console(), live=False).plain_every_s == 10.0  # the default
+
+
 def test_dashboard_render_contains_panel_numbers(monitor):
     con = monitor.console
     con.print(monitor.renderable())
