@@ -16,7 +16,7 @@ length limit, so that at inference the user picks Low, Medium or High::
           token norm, KL k3,        K samples per prompt, the       sample norm,         tier prompts and
           length curriculum         shortest correct; SFT of base   no KL                length limits
 
-Each RL stage is an ordinary run (``run.train``: its own run directory, checkpoints, metrics,
+Each RL stage is an ordinary run (``jobs.train``: its own run directory, checkpoints, metrics,
 live view titled with the stage) whose config is the pipeline's config, then the recipe's own
 settings for that stage (:data:`RECIPE`), then the user's ``[pipeline.<stage>]`` table. Every
 stage's config is built and validated before anything runs.
@@ -139,13 +139,13 @@ def pending(state: dict) -> list[str]:
 
 def run_rl(cfg: C.Config) -> dict:
     """One RL stage, an ordinary run in its own directory; one interrupted before resumes there."""
-    import run  # the wiring script: the stage is exactly ``python run.py``'s job
+    import jobs  # the stage is exactly ``python run.py``'s job
 
     run_dir = cfg.run.run_dir
     if os.path.exists(os.path.join(run_dir, "config.json")):
         log.info("resuming %s from its newest checkpoint", run_dir)
-        cfg = run.load_config(None, run_dir, [])
-    result = run.train(cfg, run_dir)
+        cfg = jobs.load_config(None, run_dir, [])
+    result = jobs.train(cfg, run_dir)
     if result.interrupted:
         raise Interrupted(cfg.run.stage)
     return {"model": os.path.join(run_dir, "final_model"), "run_dir": run_dir}
@@ -225,7 +225,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def prepare(ns) -> tuple[str, dict]:
     """The pipeline directory and its base config tree (the base model resolved, built if need be):
     written once to ``DIR/config.json``, read back on ``--resume``."""
-    import run
+    import jobs
 
     if ns.resume:
         out = os.path.abspath(ns.resume)
@@ -237,8 +237,8 @@ def prepare(ns) -> tuple[str, dict]:
     out = os.path.abspath(ns.out or os.path.join("runs", f"pipeline-{stamp}"))
     cfg = C.load(ns.config or DEFAULT_CONFIG, ns.overrides)
     all_configs(msgspec.to_builtins(cfg), out)  # every stage's config valid before a model is built
-    run.check_seams(cfg)
-    cfg = run.resolve_model(cfg)
+    jobs.check_seams(cfg)
+    cfg = jobs.resolve_model(cfg)
     base = msgspec.to_builtins(cfg)
     os.makedirs(out, exist_ok=True)
     atomic_write(os.path.join(out, "config.json"), C.to_json(cfg))

@@ -19,13 +19,13 @@ Dataflow (ARCHITECTURE.md)::
                         ▲  behaviour log-probs + per-token versions        (staleness,     │
                         │                                                    persistence)  │
                         └───────── weightsync (shm | fs | NCCL) ◀── publish(version) ───────┘
-    every role ──MetricRecords──▶ launcher: rich view + run_dir/metrics.jsonl
+    every role ──MetricRecords──▶ run_dir/metrics/<role>.jsonl ──▶ launcher: rich view + metrics.jsonl
 
 Seams (ARCHITECTURE.md): engine (actor/engines/), backend (learner/backends/), task
 (actor/tasks/), launcher (core/launchers/), weight transport (weightsync/); each a registry
-keyed by its config value. This module is the only one that wires both sides together: it
-checks the seams' keys, resolves the model, runs the actor-vs-learner contract check, launches
-the roles and evaluates the result.
+keyed by its config value. This module is the command line; jobs.py, below it and below
+pipeline.py and sweep.py, wires both sides together (seams, model, precision, contract check,
+launch).
 
 Who waits for whom:
 
@@ -42,19 +42,17 @@ Who waits for whom:
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import logging
 import os
 import sys
-import time
 
 import msgspec
 
 from core import config as C
-from core import launchers, placement, precision
+from core import launchers
+from jobs import check_seams, first_eval, load_config, resolve_checkpoint, train
 
-log = logging.getLogger("driftrl")
 # `driftrl` (the installed command) or `run.py`: usage lines name what the user typed
 PROG = "driftrl" if os.path.basename(sys.argv[0]) == "driftrl" else "run.py"
 
@@ -79,133 +77,6 @@ def parse(argv):
     if ns.tiers and mode != "eval":
         ap.error("--tiers is an eval option: run.py eval CKPT --tiers")
     return argparse.Namespace(config=ns.config, mode=mode, target=target, overrides=rest, k=ns.k, tiers=ns.tiers)
-
-
-def load_config(toml_path, resume_dir, overrides) -> C.Config:
-    if resume_dir is None:
-        return C.load(toml_path, overrides)
-    path = os.path.join(resume_dir, "config.json")
-    if not os.path.exists(path):
-        raise C.ConfigError(f"{resume_dir} has no config.json: not a driftrl run directory")
-    with open(path, "rb") as f:
-        tree = json.loads(f.read())
-    # fresh ports: the old ones may be taken by now
-    tree["net"].update(buffer_actor_port=0, buffer_learner_port=0, metrics_port=0)
-    for item in overrides:
-        C.apply_override(tree, item)
-    return C.from_dict(tree)
-
-
-def check_seams(cfg: C.Config) -> None:
-    """Every seam's config value names a registered implementation (before anything starts)."""
-    from actor.engines import ENGINES
-    from actor.tasks import TASKS
-    from learner.backends import BACKENDS
-
-    for path, value, registry in (("actor.engine", cfg.actor.engine, ENGINES), ("task.name", cfg.task.name, TASKS),
-                                  ("learner.backend", cfg.learner.backend, BACKENDS),
-                                  ("run.launcher", cfg.run.launcher, launchers.LAUNCHERS)):
-        if value not in registry:
-            raise C.ConfigError(f"`$.{path}` = {value!r} is not one of {', '.join(sorted(registry))}")
-    placement.check(cfg)  # a CUDA device asked for where there is none fails here, not in a role
-    # an optional stack that is chosen but not installed fails here, in a second, with its extra
-    stacks = ((cfg.metrics.tensorboard, "tensorboardX", "`$.metrics.tensorboard` = true", "tensorboard"),
-              (cfg.run.launcher == "ray", "ray", "`$.run.launcher` = 'ray'", "ray"))
-    for chosen, module, what, extra in stacks:
-        if chosen and importlib.util.find_spec(module) is None:
-            raise C.ConfigError(f"{what} needs {module}: pip install -e '.[{extra}]'")
-
-
-def resolve_model(cfg: C.Config) -> C.Config:
-    """``model.path`` set (the built-in task's tiny model, built on first use, when empty) and
-    ``model.vocab_size`` read from its config.json."""
-    path = cfg.model.path
-    if path and not os.path.exists(os.path.join(path, "config.json")):
-        raise C.ConfigError(f"`$.model.path` = {path!r} has no config.json")
-    if not path:
-        from actor.tasks import task_class
-
-        t0 = time.time()
-        try:
-            path = task_class(cfg.task.name).base_model(cfg)
-        except ValueError as e:
-            raise C.ConfigError(f"`$.model.path` is empty: {e}") from None
-        log.info("base model ready in %.1fs: %s", time.time() - t0, path)
-    with open(os.path.join(path, "config.json")) as f:
-        vocab = int(json.load(f)["vocab_size"])
-    return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=path, vocab_size=vocab))
-
-
-def contract_check(cfg: C.Config, run_dir: str | None) -> dict:
-    """Engine and backend, built as the roles build them, score one fixed batch alike
-    (learner/contract.py); the weights are the newest checkpoint's when resuming."""
-    import torch
-
-    from actor.engines import make_engine
-    from actor.tasks import make_task
-    from learner import checkpoint, contract
-    from learner.backends import make_backend
-    from model.sampling import SamplingSpec
-    from model.tokenizer import Tokenizer
-
-    torch.set_num_threads(1)
-    ck = checkpoint.latest(os.path.join(run_dir, "checkpoints")) if run_dir else None
-    model_dir = os.path.join(ck, "model") if ck else cfg.model.path
-    engine = make_engine(cfg.actor, model_dir, seed=cfg.run.seed)
-    task = make_task(cfg.task, Tokenizer.from_dir(model_dir))
-    lc = cfg.learner
-    return contract.check(make_backend(cfg, model_dir), engine, task, SamplingSpec.of(cfg.actor),
-                          lc.contract_max_abs_logp_diff, lc.contract_max_kl_k3)
-
-
-def train(cfg: C.Config, run_dir: str | None = None, monitor=None, on_ready=None) -> launchers.RunResult:
-    """Check the seams, resolve the model, check the contract, run every role to the budget."""
-    from weightsync.shm import remove_dead_region
-
-    check_seams(cfg)
-    cfg = resolve_model(cfg)
-    cfg, note = precision.resolve(cfg, *placement.check(cfg))
-    log.info("precision: %s", note)
-    report = contract_check(cfg, run_dir)
-    log.info("contract check passed: %s", report)
-    run_dir = os.path.abspath(run_dir or cfg.run.run_dir or launchers.new_run_dir())
-    try:
-        result = launchers.launch(cfg, run_dir, monitor, on_ready)
-    finally:  # a learner that died for good leaves no shared-memory region behind
-        remove_dead_region(run_dir)
-    result.contract = report
-    return result
-
-
-def first_eval(run_dir: str) -> float | None:
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        for line in f:
-            rec = json.loads(line)
-            if rec.get("eval/reward") is not None and not rec.get("eval/final"):
-                return rec["eval/reward"]
-    return None
-
-
-def resolve_checkpoint(path: str) -> tuple[str, str | None]:
-    """``(model_dir, run_config_path or None)`` of CKPT: a run directory (its config; its
-    ``final_model``, else its newest intact checkpoint), a checkpoint directory, or a model."""
-    from learner import checkpoint
-
-    path = os.path.abspath(path)
-    if os.path.exists(os.path.join(path, "pipeline.json")):  # a pipeline: its last stage's run
-        path = os.path.join(path, "tiers")
-    run_cfg = os.path.join(path, "config.json")
-    if os.path.isdir(os.path.join(path, "final_model")) or os.path.isdir(os.path.join(path, "checkpoints")):
-        final = os.path.join(path, "final_model")
-        ck = None if os.path.isdir(final) else checkpoint.latest(os.path.join(path, "checkpoints"))
-        if ck is None and not os.path.isdir(final):
-            raise FileNotFoundError(f"run {path} has neither final_model/ nor an intact checkpoint")
-        return (final if ck is None else os.path.join(ck, "model")), run_cfg
-    if os.path.exists(os.path.join(path, "model", "config.json")):
-        return os.path.join(path, "model"), None
-    if os.path.exists(run_cfg):
-        return path, None
-    raise FileNotFoundError(f"{path} is not a run, checkpoint or model directory (no config.json)")
 
 
 def eval_main(args) -> int:
@@ -259,7 +130,7 @@ def main(argv=None) -> int:
         from learner.tailview import main as tail_main
 
         return tail_main(argv[1:])
-    if argv[:1] == ["monitor"]:  # follows metrics.jsonl; never writes to or signals the job
+    if argv[:1] == ["monitor"]:  # follows the roles' metrics files; never writes to or signals the job
         from core.attach import main as monitor_main
 
         return monitor_main(argv[1:])

@@ -10,7 +10,7 @@ A token ``section.key=v1,v2,...`` (two or more values, split on the commas outsi
 trained once per seed (``run.seed`` = 0..N-1, or ``--seed-list``), all seeds of the first round
 before the second, so a sweep cut short still compares every setting. ``--minutes M`` gives
 each training ``run.max_time_s = 60*M`` (and ``run.max_steps = 0`` unless given). Every training
-is a full real job (``run.train``, then ``final_eval``) in ``OUT/<NN>-<setting>-seed<S>/``
+is a full real job (``jobs.train``, then ``final_eval``) in ``OUT/<NN>-<setting>-seed<S>/``
 (``OUT`` defaults to ``runs/sweep-<UTC timestamp>``) and leaves ``result.json`` there.
 
 Per training, read from its ``metrics.jsonl`` (the names of ARCHITECTURE.md):
@@ -444,19 +444,19 @@ def report(plan: Plan, results: list[dict], failed: list[dict], interrupted: boo
 
 
 def run_one(cfg: C.Config, setting, seed: int, run_dir: str) -> dict:
-    """One full real job (run.train, final_eval) and its ``result.json``."""
-    import run  # the wiring script: the job is exactly ``python run.py``'s
+    """One full real job (jobs.train, final_eval) and its ``result.json``."""
+    import jobs  # the job is exactly ``python run.py``'s
     from actor.evaluate import final_eval
 
     t0 = time.time()
-    result = run.train(cfg, run_dir)
+    result = jobs.train(cfg, run_dir)
     if result.interrupted:
         raise KeyboardInterrupt
     final = final_eval(result.run_dir)
     per_step = cfg.learner.groups_per_step * cfg.actor.group_size
     out = {"label": label(setting), "setting": {k: config_value(cfg, k) for k, _ in setting}, "seed": seed,
            "run_dir": result.run_dir, **summarise(read_records(result.run_dir), per_step),
-           "reward_start": run.first_eval(result.run_dir), "reward_final": final["eval/reward"],
+           "reward_start": jobs.first_eval(result.run_dir), "reward_final": final["eval/reward"],
            "wall_s": time.time() - t0}
     atomic_write(os.path.join(result.run_dir, "result.json"), json.dumps(out, indent=1).encode())
     return out

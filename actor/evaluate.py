@@ -18,7 +18,6 @@ sees both the actor's and the learner's files.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections import defaultdict
@@ -30,6 +29,7 @@ from actor.curriculum import prompt_limit
 from actor.engines import Engine, make_engine
 from actor.tasks import Task, make_task
 from core import config as C
+from core.metrics import MetricsWriter, merge_pending
 from model.tokenizer import Tokenizer
 
 SEQUENCES_PER_CALL = 256  # fills an engine batch, bounds its memory
@@ -45,7 +45,8 @@ def evaluate(engine: Engine, task: Task, prompts, max_new_tokens: list[int] | No
 
 def final_eval(run_dir: str) -> dict:
     """Held-out reward of ``run_dir/final_model``, sampled as the actors sample; the record is
-    appended to ``run_dir/metrics.jsonl`` (``eval/final`` = 1)."""
+    appended to its own metrics file, ``run_dir/metrics/launcher-final_eval.jsonl``, and merged
+    into ``run_dir/metrics.jsonl`` (``eval/final`` = 1): the launcher's follower has stopped."""
     with open(os.path.join(run_dir, "config.json"), "rb") as f:
         cfg = C.from_json(f.read())
     torch.set_num_threads(1)
@@ -57,11 +58,11 @@ def final_eval(run_dir: str) -> dict:
         reward, length = evaluate(engine, task, prompts, [prompt_limit(cfg, p) for p in prompts])
     finally:
         task.close()
-    rec = {"step": -1, "time": time.time(), "role": "launcher", "id": "final_eval",
-           "eval/reward": reward, "eval/length": length, "eval/final": 1.0}
-    with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
-        f.write(json.dumps(rec) + "\n")
-    return rec
+    values = {"eval/reward": reward, "eval/length": length, "eval/final": 1.0}
+    with MetricsWriter(run_dir, "launcher", "final_eval") as metrics:
+        metrics.emit(-1, values)
+    merge_pending(run_dir)
+    return {"step": -1, "time": time.time(), "role": "launcher", "id": "final_eval", **values}
 
 
 # ---- run.py eval ------------------------------------------------------------------------------

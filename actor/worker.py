@@ -45,7 +45,7 @@ from core import heartbeat
 from core import messages as M
 from core import placement
 from core.admission import Admission
-from core.metrics import sink_for
+from core.metrics import MetricsWriter
 from core.proc import die_with_parent, setup_logging, stop_event
 from model.tokenizer import Tokenizer
 from weightsync.base import Stopped, make_subscriber
@@ -95,7 +95,7 @@ class RolloutWorker:
         self.client = ActorClient(cfg, self.actor_id, run_dir=run_dir, stop=stop)
         self.admission: Admission | None = None  # set by the first weights applied (_wait_for_weights)
         self.rng: random.Random | None = None
-        self.metrics = sink_for(cfg, run_dir, "actor", self.actor_id)
+        self.metrics = MetricsWriter(run_dir, "actor", self.actor_id)
         self.curriculum = LengthCurriculum(cfg.actor, state_path(run_dir, self.actor_id))
         self.last_eval = -1
         self.eval_set = self.task.eval_set(cfg.run.eval_prompts) if index == 0 and cfg.run.eval_every else []

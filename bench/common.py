@@ -85,6 +85,15 @@ def _sum(records: list[dict], key: str) -> float:
     return float(sum(r[key] for r in records if isinstance(r.get(key), (int, float))))
 
 
+def learner_origin(records: list[dict]) -> float:
+    """The learner's ``time/elapsed_s`` when its first step began: ``run.max_time_s`` (and so
+    ``time/elapsed_s``) counts from the launch, which includes process start-up and model load
+    (~7 s here); a bench's time axis starts at the first step (the learner's first publish)."""
+    first = min((r for r in records if r.get("role") == "learner" and "learner/step" in r),
+                key=lambda r: r["learner/step"])
+    return float(first["time/elapsed_s"]) - float(first["learner/wait_s"]) - float(first["learner/step_s"])
+
+
 def summarize_run(records: list[dict], groups_per_step: int, group_size: int) -> dict:
     """Throughput and where the wall time of one driftrl run went, from its metrics.jsonl.
 
@@ -100,7 +109,7 @@ def summarize_run(records: list[dict], groups_per_step: int, group_size: int) ->
     if not lrn:
         raise ValueError("no learner step records: the run trained nothing")
     steps = int(lrn[-1]["learner/step"])
-    wall = float(lrn[-1]["time/elapsed_s"])
+    wall = float(lrn[-1]["time/elapsed_s"]) - learner_origin(records)
     wait, busy = _sum(lrn, "learner/wait_s"), _sum(lrn, "learner/step_s")
     publish = _sum(lrn, "weightsync/publish_s")
     actors: dict[str, list[dict]] = {}
@@ -142,8 +151,10 @@ def final_reward(records: list[dict]) -> float | None:
 
 
 def version_times(records: list[dict]) -> dict[int, float]:
-    """Learner wall time (``time/elapsed_s``) at which each policy version was published."""
-    return {int(r["learner/version"]): float(r["time/elapsed_s"]) for r in records
+    """Learner wall time since its first step (:func:`learner_origin`) at which each policy
+    version was published."""
+    origin = learner_origin(records)
+    return {int(r["learner/version"]): float(r["time/elapsed_s"]) - origin for r in records
             if r.get("role") == "learner" and "learner/version" in r and "time/elapsed_s" in r}
 
 
@@ -279,7 +290,7 @@ def engine_batch(cfg: C.Config, seed: int = 0):
 
 def resolved_config(overrides: list[str] | tuple = ()) -> C.Config:
     """Bench config with the base model built/located, so every run shares one model dir."""
-    from run import resolve_model
+    from jobs import resolve_model
 
     return resolve_model(bench_config(overrides))
 
@@ -326,7 +337,7 @@ def make_observer(cfg: C.Config, run_dir: str, every_s: float):
 def run_driftrl(cfg: C.Config, run_dir: str, snapshot_every_s: float = 0.0):
     """One driftrl job, then run.py's final held-out eval. Returns (RunResult, records, snapshots)."""
     from actor.evaluate import final_eval
-    from run import train
+    from jobs import train
 
     monitor = make_observer(cfg, run_dir, snapshot_every_s) if snapshot_every_s else None
     try:

@@ -6,7 +6,7 @@
 #
 # (a) installs .wheels/ offline (pip --no-index --no-deps --find-links .wheels --target, then
 #     PYTHONPATH): the GPU image brings torch/cupy/NCCL but not msgspec, pyzmq, crc32c;
-# (b) python -m weightsync.gpu_check $OUT/gpu_check.log: the weight-path check (PASS only if
+# (b) python -m bench.gpu_check $OUT/gpu_check.log: the weight-path check (PASS only if
 #     every step ran: cupy/NCCL, CUDA IPC between two processes, shm, fs);
 # (c) a short real training run: learner and embedded engine on cuda, BF16 bodies with the FP32
 #     islands (attention softmax, LM head), weightsync.transport=cuda_ipc, buffer.max_staleness=0;
@@ -54,10 +54,10 @@ fi
 # ---- (b) the weight-path check ------------------------------------------------------------------
 t0=$SECONDS
 if [[ $MODE == gpu ]]; then
-    timeout 150 "$PYTHON" -m weightsync.gpu_check "$OUT/gpu_check.log" --ipc-mb 1024 || failed+=(gpu_check)
+    timeout 150 "$PYTHON" -m bench.gpu_check "$OUT/gpu_check.log" --ipc-mb 1024 || failed+=(gpu_check)
 else
     # no CUDA here: the check must refuse, exit 1, and say why
-    timeout 150 "$PYTHON" -m weightsync.gpu_check "$OUT/gpu_check.log" --device cpu
+    timeout 150 "$PYTHON" -m bench.gpu_check "$OUT/gpu_check.log" --device cpu
     rc=$?
     if [[ $rc == 1 ]] && grep -q "^GPU_CHECK FAIL: needs a CUDA device" "$OUT/gpu_check.log"; then
         echo "OK gpu_check refused the CPU as it must (exit 1)"

@@ -2,14 +2,14 @@
 
 learner:   ``TorchBackend.logprobs`` under no_grad with the default precision policy -- body matmuls in
            bf16 under autocast, attention softmax in FP32, LM head + log-softmax in FP32, chunked
-           (DESIGN §4). Exactly what the trainer runs for the numerator.
+           (ARCHITECTURE.md: Precision and the ratio). Exactly what the trainer runs for the numerator.
 bare:      the same FP32 model, plain forward + full ``[N, L-1, V]`` FP32 logits; no autocast, no
            chunking, no log-softmax. The cheapest pass that could produce the numerator at all.
 bf16_all:  ``TorchBackend.logprobs`` with every island off (bf16 body, bf16 softmax, bf16 head).
 fp32_all:  ``TorchBackend.logprobs`` with an FP32 body (islands moot): isolates what autocast costs.
 no_fp32_softmax / no_fp32_head: the learner with one island switched off, to price each one.
 
-Model: the default tiny CPU model (``run.resolve_model``, cached in .cache/driftrl; built
+Model: the default tiny CPU model (``jobs.resolve_model``, cached in .cache/driftrl; built
 on first use). Batches: 8 groups x 8 completions sampled by the engine
 (the default run's step batch, ~16 tokens a row), plus a synthetic batch of longer rows. Every
 variant runs once per round in a rotating order (so background load hits all alike); the table
@@ -41,7 +41,7 @@ from core import config as C  # noqa: E402
 from learner.backends.torch import TorchBackend  # noqa: E402
 from learner.batching import Batch  # noqa: E402
 from model.hf import load_pretrained  # noqa: E402
-from run import resolve_model  # noqa: E402
+from jobs import resolve_model  # noqa: E402
 
 VARIANTS = {  # name -> learner config overrides (None: the bare forward)
     "learner": [],

@@ -28,7 +28,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
-import run  # noqa: E402
+import jobs  # noqa: E402
 from core import config as C  # noqa: E402
 from core import net  # noqa: E402
 from tests.support.runs import TINY_RUN, lines  # noqa: E402
@@ -73,7 +73,7 @@ def main() -> None:
     try:
         run_dir = os.path.abspath(args.run_dir or f"runs/ray-two-nodes-{int(t0)}")
         cfg = config(cluster.address, args.steps, args.actors, run_dir, args.model)
-        result = run.train(cfg, run_dir, on_ready=lambda rd, procs: placed.update(
+        result = jobs.train(cfg, run_dir, on_ready=lambda rd, procs: placed.update(
             {r.name: r.handle.node_id for r in procs}))
     finally:
         if ray.is_initialized():

@@ -7,7 +7,7 @@ and decides which to hand out and which to drop::
 
 ``take_order`` holds at most ``n`` groups; ``drops`` are removed from the buffer and counted as
 ``stale``. Neither list may contain a group whose staleness exceeds the bound in ``take_order``:
-that is the DESIGN §2 guarantee, and :func:`staleness` is the only place it is computed.
+that is the guarantee (ARCHITECTURE.md: Versions and staleness), and :func:`staleness` is the only place it is computed.
 
 Worked example. Five groups arrived in the order A..E, whose oldest token versions are::
 
@@ -41,7 +41,7 @@ class Versioned(Protocol):
 
 
 def staleness(group: Versioned, learner_version: int) -> int:
-    """DESIGN §2: learner version minus the oldest policy version among the group's tokens."""
+    """Learner version minus the oldest policy version among the group's tokens."""
     return learner_version - group.min_version
 
 

@@ -651,29 +651,23 @@ def main(argv=None) -> None:
     stop = stop_event()
     with open(args.config, "rb") as f:
         cfg = C.from_json(f.read())
-    sink = server = None
-    if cfg.net.metrics_port:
-        from core.metrics import MetricsSink, sink_for
+    from core.metrics import MetricsWriter
 
-        if os.path.exists(os.path.join(args.run_dir, net.SECRET_FILE)):
-            sink = sink_for(cfg, args.run_dir, "buffer", "buffer")
-        else:  # started by hand, no launcher: a collector without a secret takes it
-            sink = MetricsSink(cfg.net.host, cfg.net.metrics_port, "buffer", "buffer",
-                               curve=net.curve_from_config(cfg.net))
+    sink = MetricsWriter(args.run_dir, "buffer", "buffer")  # run_dir/metrics/buffer-buffer.jsonl
+    server = None
 
     def emit(values: dict) -> None:
         sink.emit(server.learner_version or 0, values)
 
     try:
-        server = BufferServer(cfg, args.run_dir, metrics=emit if sink else None)
+        server = BufferServer(cfg, args.run_dir, metrics=emit)
         _write_ports(args.run_dir, server)
         server.serve_forever(stop)
     except CorruptLog as e:  # one clear line: restarting cannot help, salvaging can
         log.error("%s", e)
         sys.exit(EXIT_CORRUPT_LOG)
     finally:
-        if sink is not None:
-            sink.close()
+        sink.close()
         log.info("buffer stopped")
 
 

@@ -1,4 +1,4 @@
-"""Actor-side admission control by staleness (DESIGN §2), as plain arithmetic.
+"""Actor-side admission control by staleness (ARCHITECTURE.md: Versions and staleness), as plain arithmetic.
 
 AReaL-style capacity: an actor may have started at most ``(max_staleness + v + 1) * share``
 groups while the learner is at version ``v``, where ``share`` is its part of

@@ -1,16 +1,14 @@
 """``python run.py monitor [RUN_DIR]``: the live view of a job started in another terminal.
 
-The launcher appends every record to ``run_dir/metrics.jsonl`` (core/metrics.py); that file is
-the whole interface. Following it, rather than connecting to the job's metrics socket, is what
-makes attaching harmless: this process never writes into the run directory and never sends the
-job a byte, so detaching (Ctrl-C, a closed terminal) cannot disturb it, and a finished run is
-replayed from the very same file the next morning.
-
-:class:`JsonlFollower` reads what was appended since its last read, complete lines only: the
-collector appends whole lines, but a read may land between two ``write`` calls of a long batch,
-so the part after the last newline is kept until the rest arrives. A line that does not decode
-is counted and skipped. A file that shrank or was replaced (another job reusing the directory)
-is read again from its start, and counted.
+Every role appends its records to its own file under ``run_dir/metrics/`` (core/metrics.py);
+this command follows those files directly, with the same :class:`~core.metrics.MetricsFollower`
+the launcher uses, read-only. Following files, rather than connecting to the job, is what makes
+attaching harmless: this process never writes into the run directory and never sends the job a
+byte, so detaching (Ctrl-C, a closed terminal) cannot disturb it, a finished run is replayed from
+the very same files the next morning, and what the roles wrote is shown even when the launcher
+never merged it (it was killed). A run directory from before the per-role files (no
+``metrics/``) is followed through its ``metrics.jsonl``. Complete lines only; a line that does
+not decode is counted and skipped; a file that shrank or was replaced is read from its start.
 
 Whether the job still runs: the launcher pid in ``pids.json`` (core/launchers). A pid that is
 gone, a zombie, or a process that started after ``pids.json`` was written (the pid was reused
@@ -24,81 +22,15 @@ import os
 import time
 
 from core.messages import MetricRecords
-from core.metrics import record_from_json
+from core.files import run_file
+from core.metrics import MERGED_FILE, METRICS_DIR, FileTail, MetricsFollower
 
-METRICS_FILE = "metrics.jsonl"
-READ_CHUNK = 8 << 20  # bytes per read: a big backlog is replayed in slices, never all in memory
-MAX_LINE = 4 << 20  # a "line" longer than any collector frame (MAX_FRAME_BYTES) is garbage
 POLL_S = 0.25
+Follower = MetricsFollower | FileTail  # the two share read(), caught_up(), bad_lines, resets
 
 
 class AttachError(Exception):
     """A run directory that cannot be attached to (``run.py monitor`` exits 2)."""
-
-
-class JsonlFollower:
-    """The records appended to one metrics.jsonl since the last :meth:`read`."""
-
-    def __init__(self, path: str):
-        self.path = path
-        self.offset = 0
-        self.bad_lines = 0  # lines that were not a metrics record
-        self.resets = 0  # times the file shrank or was replaced and was read from its start
-        self._partial = b""
-        self._ino: int | None = None
-
-    def read(self) -> list[MetricRecords]:
-        """Every complete new line, decoded; [] while the file does not exist."""
-        chunk = self._read_bytes()
-        if not chunk:
-            return []
-        lines = (self._partial + chunk).split(b"\n")
-        self._partial = lines.pop()
-        if len(self._partial) > MAX_LINE:  # never a line: drop it instead of growing without bound
-            self._partial = b""
-            self.bad_lines += 1
-        return [r for r in map(self._decode, lines) if r is not None]
-
-    def _read_bytes(self) -> bytes:
-        try:
-            with open(self.path, "rb") as f:
-                st = os.fstat(f.fileno())
-                self._check_reset(st)
-                f.seek(self.offset)
-                chunk = f.read(READ_CHUNK)
-        except FileNotFoundError:
-            return b""
-        self.offset += len(chunk)
-        return chunk
-
-    def _check_reset(self, st: os.stat_result) -> None:
-        replaced = self._ino is not None and st.st_ino != self._ino
-        if replaced or st.st_size < self.offset:
-            self.offset, self._partial = 0, b""
-            self.resets += 1
-        self._ino = st.st_ino
-
-    def _decode(self, line: bytes) -> MetricRecords | None:
-        if not line.strip():
-            return None
-        rec = _parse_line(line)
-        if rec is None:
-            self.bad_lines += 1
-        return rec
-
-    def caught_up(self) -> bool:
-        """True when the last read reached the end of the file (nothing backlogged)."""
-        try:
-            return os.path.getsize(self.path) <= self.offset
-        except OSError:
-            return True
-
-
-def _parse_line(line: bytes) -> MetricRecords | None:
-    try:
-        return record_from_json(json.loads(line))
-    except (ValueError, TypeError):  # JSONDecodeError, UnicodeDecodeError, a wrong shape
-        return None
 
 
 # ---- is the job still running ------------------------------------------------------------------
@@ -147,13 +79,18 @@ def _same_process(pid: int, pids_path: str) -> bool:
 
 
 def metrics_path(run_dir: str) -> str:
-    if not os.path.isdir(run_dir):
-        raise AttachError(f"run directory {run_dir} does not exist")
-    path = os.path.join(run_dir, METRICS_FILE)
-    if not os.path.exists(path):
-        raise AttachError(f"{run_dir} has no {METRICS_FILE}: not a driftrl run directory, or its "
-                          "launcher has not started yet")
-    return path
+    """The run's merged ``metrics.jsonl`` (AttachError without one)."""
+    try:
+        return run_file(run_dir, MERGED_FILE, "not a driftrl run directory, or its launcher has not started yet")
+    except FileNotFoundError as e:
+        raise AttachError(str(e)) from None
+
+
+def follower_of(run_dir: str) -> Follower:
+    """What to follow in ``run_dir``: its role files, else (an older run) its metrics.jsonl."""
+    if os.path.isdir(os.path.join(run_dir, METRICS_DIR)):
+        return MetricsFollower(run_dir)
+    return FileTail(metrics_path(run_dir))
 
 
 def run_config(run_dir: str):
@@ -183,14 +120,14 @@ def paced(records: list[MetricRecords], speed: float, max_gap_s: float = 2.0):
     yield batch
 
 
-def _status(follower: JsonlFollower, text: str) -> str:
+def _status(follower: Follower, text: str) -> str:
     if follower.bad_lines:
         text += f" · {follower.bad_lines} unreadable lines skipped"
     return text + (f" · file restarted {follower.resets}x" if follower.resets else "")
 
 
-def drain(monitor, follower: JsonlFollower, speed: float = 0.0) -> None:
-    """Feed everything up to the end of the file (paced by ``speed``: a redraw per batch)."""
+def drain(monitor, follower: Follower, speed: float = 0.0) -> None:
+    """Feed everything up to the end of the files (paced by ``speed``: a redraw per batch)."""
     while True:
         for batch in paced(follower.read(), speed):
             monitor.update(batch)
@@ -200,14 +137,14 @@ def drain(monitor, follower: JsonlFollower, speed: float = 0.0) -> None:
             return
 
 
-def replay(monitor, follower: JsonlFollower, speed: float = 0.0) -> None:
-    """Feed the whole file, then (on leaving the view's context) show the final view once."""
+def replay(monitor, follower: Follower, speed: float = 0.0) -> None:
+    """Feed every record, then (on leaving the view's context) show the final view once."""
     monitor.note = "replay: the job has ended"
     drain(monitor, follower, speed)
     monitor.note = _status(follower, monitor.note)
 
 
-def follow(monitor, follower: JsonlFollower, run_dir: str, keep_waiting: bool, poll_s: float = POLL_S) -> None:
+def follow(monitor, follower: Follower, run_dir: str, keep_waiting: bool, poll_s: float = POLL_S) -> None:
     """Show the records as they arrive until the launcher is gone (forever with ``keep_waiting``)."""
     while True:
         running = job_running(run_dir)  # before the read: what it wrote before it ended is read
@@ -230,7 +167,7 @@ def attach(run_dir: str, keep_waiting: bool = False, speed: float = 0.0, console
 
     from core.monitor import Monitor
 
-    follower = JsonlFollower(metrics_path(run_dir))
+    follower = follower_of(run_dir)
     cfg = run_config(run_dir)
     cfg = msgspec.structs.replace(cfg, monitor=msgspec.structs.replace(cfg.monitor, live=live))
     monitor = Monitor(cfg, console)

@@ -175,7 +175,7 @@ class LearnerSection(_Section):
     weight_decay: NonNegFloat = 0.0
     betas: tuple[float, float] = (0.9, 0.99)
     grad_clip: NonNegFloat = 1.0  # 0 = off
-    loss: Literal["ring_zero", "ppo_clip", "tis"] = "ring_zero"
+    loss: str = "ring_zero"  # learner/losses/ LOSSES; eps_high, eps_clip: the parameters each names
     eps_high: PosFloat = 2.0  # Ring-Zero/TIS upper truncation of the ratio
     eps_clip: PosFloat = 0.2  # PPO-clip only
     norm: Literal["token", "sample"] = "token"
@@ -204,20 +204,17 @@ class LearnerSection(_Section):
 
 
 class WeightSyncSection(_Section):
-    # cuda_ipc: learner and actors on one shared GPU, weights never through host memory
-    transport: Literal["shm", "filesystem", "nccl", "cuda_ipc"] = "shm"
+    # a key of weightsync.PUBLISHERS: shm (default), filesystem (hosts sharing only a file system),
+    # nccl (GPUs), cuda_ipc (learner and actors on one shared GPU, weights never through host
+    # memory); checked before anything starts by core/placement.py (core imports no weightsync)
+    transport: str = "shm"
     bucket_mb: PosInt = 64
-    # shm: slots in /dev/shm (cuda_ipc: in device memory), each one model copy; 0 = num_actors + 3,
-    # so a version is never skipped; fewer trades memory for the occasional skipped version while
-    # every actor pins one
-    shm_slots: NonNegInt = 0
 
 
 class NetSection(_Section):
     host: str = "127.0.0.1"
     buffer_actor_port: NonNegInt = 0  # 0 = pick a free port at launch
     buffer_learner_port: NonNegInt = 0
-    metrics_port: NonNegInt = 0
     # ZeroMQ CURVE keys (z85) -- required when `host` is not loopback. curve_client_public is
     # the servers' allow-list (one key or a list); a client's own public key is derived from its
     # curve_client_secret
@@ -255,7 +252,8 @@ class MonitorSection(_Section):
 
 
 class MetricsSection(_Section):
-    """Where metrics go besides ``run_dir/metrics.jsonl`` (always written; core/metrics.py)."""
+    """Where metrics go besides each role's ``run_dir/metrics/<role>-<id>.jsonl`` and their merge,
+    ``run_dir/metrics.jsonl`` (always written; core/metrics.py)."""
 
     # also TensorBoard event files under run_dir/tensorboard/, same names (extra `tensorboard`)
     tensorboard: bool = False

@@ -87,3 +87,14 @@ def read_json(path: str) -> dict | None:
             return json.loads(f.read())
     except (FileNotFoundError, ValueError):
         return None
+
+
+def run_file(run_dir: str, name: str, why_missing: str) -> str:
+    """``run_dir/name``; FileNotFoundError naming the run directory when it or the file is not
+    there (``why_missing``: what its absence may mean)."""
+    if not os.path.isdir(run_dir):
+        raise FileNotFoundError(f"run directory {run_dir} does not exist")
+    path = os.path.join(run_dir, name)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{run_dir} has no {name}: {why_missing}")
+    return path

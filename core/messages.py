@@ -1,4 +1,4 @@
-"""The one wire schema of driftrl (DESIGN §3).
+"""The one wire schema of driftrl (ARCHITECTURE.md: Dataflow).
 
 Every message is a frozen, tagged, ``array_like`` msgspec Struct. Each socket decodes with one
 typed decoder built by :func:`decoder` for exactly the messages it may receive, so a malformed
@@ -104,7 +104,7 @@ class RolloutGroup(_Msg, tag="group"):
         return (self.actor_id, self.seq)
 
     def min_version(self) -> int:
-        """Oldest policy version among the group's tokens (DESIGN §2 staleness anchor); the
+        """Oldest policy version among the group's tokens (the staleness anchor, ARCHITECTURE.md: Versions and staleness); the
         start version when no completion has a token. One numpy reduction over all completions'
         versions joined: ~5x cheaper than one per completion (4 us instead of 21 for 8 x 1,024)."""
         versions = b"".join([c.versions for c in self.completions])
@@ -192,7 +192,7 @@ class WeightUpdateHeader(_Msg, tag="weights"):
     buckets: list[Bucket]
 
 
-# ---- metrics ----------------------------------------------------------------------------------
+# ---- metrics: JSON lines in run_dir/metrics/ (core/metrics.py), on no socket ------------------
 
 MetricValue = Union[float, list[float]]
 
@@ -211,7 +211,6 @@ ACTOR_TO_BUFFER = Union[Hello, RolloutGroup]
 BUFFER_TO_ACTOR = Union[Ack, Acks]
 LEARNER_TO_BUFFER = Union[Hello, SampleRequest, Consumed]
 BUFFER_TO_LEARNER = Union[SampleBatch, Ack]  # Ack: "unauthenticated", or "rejected" for a Hello
-TO_MONITOR = Union[MetricRecords, Hello]
 
 _encoder = msgspec.msgpack.Encoder()
 

@@ -1,9 +1,10 @@
 """The live terminal view of a run.
 
-``Monitor`` is fed the MetricRecords the launcher's :class:`core.metrics.MetricsCollector`
-drains, keeps the latest value of every metric (DESIGN §6 names) plus a short history, and shows
-them either as a rich ``Live`` dashboard (a TTY, or ``monitor.live = "on"``) or as one plain line
-at most every ``monitor.plain_every_s`` seconds (pipes, CI logs, ``monitor.live = "off"``).
+``Monitor`` is fed the MetricRecords the launcher's :class:`core.metrics.MetricsFollower`
+reads from the roles' metrics files, keeps the latest value of every metric (DESIGN §6 names)
+plus a short history, and shows them either as a rich ``Live`` dashboard (a TTY, or
+``monitor.live = "on"``) or as one plain line at most every ``monitor.plain_every_s`` seconds
+(pipes, CI logs, ``monitor.live = "off"``).
 
 It only reads what roles report: a metric nobody has sent yet is shown as "–", so the view works
 for partial runs (buffer only, learner without actors) and never invents a number.

@@ -13,9 +13,9 @@ count is an argument) and resolves ``auto`` so that a host needs no configuratio
 :func:`check` is the validation every entry point runs before it allocates anything (``run.py``
 before it starts the roles, each role again at its own start, so a role started by hand fails
 the same way): a malformed value, a CUDA device on a machine without CUDA, an index past the
-device count, a list of the wrong length, or a weight transport the placement cannot serve
-(NCCL needs every rank on its own CUDA device; CUDA IPC needs every role on one device) is a
-:class:`core.config.ConfigError` naming the field and its value.
+device count, a list of the wrong length, an unknown weight transport, or one the placement
+cannot serve (NCCL needs every rank on its own CUDA device; CUDA IPC needs every role on one
+device) is a :class:`core.config.ConfigError` naming the field and its value.
 """
 
 from __future__ import annotations

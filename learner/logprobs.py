@@ -1,4 +1,4 @@
-"""The one place driftrl computes token log-probs (DESIGN §4: the ratio's numerator).
+"""The one place driftrl computes token log-probs (the ratio's numerator; ARCHITECTURE.md: Precision and the ratio).
 
 Every loss, the start-up contract check and the metrics use :func:`token_logprobs`, so "the
 learner's log-prob" means one thing. The LM head matmul and the log-softmax run in float32 by

@@ -1,6 +1,6 @@
 """Learner process: sample -> recompute log-probs -> Ring-Zero step -> publish -> mark consumed.
 
-Versions (DESIGN §2): version 0 is the initial weights, published before the first request; each
+Versions (ARCHITECTURE.md: Versions and staleness): version 0 is the initial weights, published before the first request; each
 optimiser step publishes ``version + 1``. The staleness bound is re-checked here as the last line
 of defence: a sample older than ``max_staleness`` is dropped and counted, never trained on.
 
@@ -72,7 +72,7 @@ from core import config as C
 from core import heartbeat
 from core import messages as M
 from core import placement
-from core.metrics import sink_for
+from core.metrics import MetricsWriter
 from core.proc import EXIT_WRITE_FAILED, die_with_parent, setup_logging, stop_event
 from core.stats import dense_histogram
 from learner import checkpoint, journal, tail
@@ -100,7 +100,7 @@ class LearnerLoop:
         self._drop_poisoned_replay()
         self.publisher = make_publisher(cfg, run_dir, self.backend.named_tensors(), stop=stop)
         self.client = client or LearnerClient(cfg, run_dir=run_dir, stop=stop)
-        self.metrics = metrics or sink_for(cfg, run_dir, "learner", "learner0")
+        self.metrics = metrics or MetricsWriter(run_dir, "learner", "learner0")
         self.tail = tail.writer_for(cfg, run_dir)  # run_dir/tail.jsonl; None when learner.tail_k = 0
         self.stale_hist: list[float] = []
         self.window = collections.deque(maxlen=10)  # (wait_s, busy_s) of recent steps

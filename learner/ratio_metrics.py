@@ -1,4 +1,4 @@
-"""Train/inference mismatch metrics (DESIGN §6): the ratio and its tail, measured honestly.
+"""Train/inference mismatch metrics (ARCHITECTURE.md: Metric vocabulary): the ratio and its tail, measured honestly.
 
 Inputs are the learner's freshly recomputed log-probs (never the actor's cached ones), the actor's
 behaviour log-probs, the response mask and the staleness of each token. Everything is computed in
@@ -41,7 +41,7 @@ def _host(x) -> np.ndarray:
 
 
 def ratio_metrics(logp, behaviour_logp, mask, staleness=None, eps_high: float = 2.0) -> dict[str, float]:
-    """DESIGN §6 ``ratio/*`` and ``mismatch/*`` metrics over the response tokens.
+    """The ``ratio/*`` and ``mismatch/*`` metrics (ARCHITECTURE.md: Metric vocabulary) over the response tokens.
 
     logp, behaviour_logp, mask: ``[B, T]`` (torch or numpy); mask > 0 marks response tokens.
     staleness: per token ``[B, T]`` or per sample ``[B]`` integers, or None to skip

@@ -24,6 +24,7 @@ import os
 import sys
 from collections import Counter, defaultdict
 
+from core.files import run_file
 from core.monitor import fmt
 from learner.tail import TAIL_FILE
 
@@ -57,12 +58,8 @@ def _parse(path: str) -> list[dict]:
 def load(run_dir: str, last: int = 0) -> list[dict]:
     """The run's step lines in step order, the last line of each step winning; only the
     ``last`` steps when > 0."""
-    if not os.path.isdir(run_dir):
-        raise FileNotFoundError(f"run directory {run_dir} does not exist")
-    path = os.path.join(run_dir, TAIL_FILE)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{run_dir} has no {TAIL_FILE}: the learner writes it every step "
-                                "when learner.tail_k > 0 (no step finished yet, or tail_k = 0)")
+    path = run_file(run_dir, TAIL_FILE, "the learner writes it every step when learner.tail_k > 0 "
+                    "(no step finished yet, or tail_k = 0)")
     by_step = {line["step"]: line for line in _parse(path)}
     steps = [by_step[s] for s in sorted(by_step)]
     return steps[-last:] if last > 0 else steps

@@ -2,7 +2,7 @@
 
 Why our own module instead of ``transformers``' models: the actor needs a KV cache whose weights
 can be swapped between decode steps, and the learner needs the attention softmax and the LM head
-precision under its control (DESIGN §4). The three families differ only in switches that
+precision under its control (ARCHITECTURE.md: Precision and the ratio). The three families differ only in switches that
 ``model/arch.py`` reads from ``config.json`` (q/k-norm, attention and MLP biases, tied head, rope
 scaling: ``model/rope.py``); parameter names, shapes and numerics follow transformers exactly
 (``tests/unit/test_families.py`` compares log-probs against it), so checkpoints load in both
@@ -18,24 +18,20 @@ sampler's truncation rule, which both sides share, in ``model/sampling.py``.
 
 from __future__ import annotations
 
-import contextlib
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from core import precision
 from model.arch import ArchConfig
+from model.attention import DTYPES, attention_probs, attention_values, body_autocast
 from model.rope import inv_freq
 
 if TYPE_CHECKING:
     from model.kvcache import KVCache
 
 __all__ = ["DTYPES", "ArchConfig", "Decoder", "Qwen3", "attention_probs", "attention_values", "body_autocast"]
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -98,44 +94,6 @@ class Attention(nn.Module):
         probs_t = attention_probs(k, qg.transpose(2, 3), bias, hd**-0.5, -2, fp32_softmax, v.dtype)
         out = attention_values(probs_t.transpose(2, 3), v)  # [B, nkv, rep*T, hd]
         return out.view(b, self.nh, t, hd).transpose(1, 2).reshape(b, t, self.nh * hd)
-
-
-def _island(device_type: str = "cpu"):
-    """No autocast inside the island: under a BF16 autocast torch.matmul would round its FP32
-    operands (and its output) back to BF16, which is exactly what the island is for avoiding.
-    Autocast is per device type, so it is the operands' device type that is switched off."""
-    if torch.is_autocast_enabled(device_type):
-        return torch.autocast(device_type, enabled=False)
-    return contextlib.nullcontext()
-
-
-def attention_probs(a, b, bias, scale: float, dim: int, fp32: bool, dtype: torch.dtype):
-    """softmax(a @ b * scale + bias) over ``dim``: the attention-precision decision, one place for
-    the learner's and the engine's paths (DESIGN §4). ``dtype`` is the body's compute dtype.
-
-    ``fp32`` (the island): the scores are the FP32 product of q and k as they arrive -- FP32 from
-    the rotary embedding (which runs in FP32), keys read back from a BF16 engine's cache in BF16.
-    On CPU the operands are upcast first: BF16 -> FP32 is exact and so is the product of two 8-bit
-    mantissas, so for BF16 operands this is what a GPU tensor core computes (BF16 inputs, FP32
-    accumulate and output). Nothing rounds the scores before the softmax, which runs in FP32.
-    Off: q and k are rounded to ``dtype``, the scores come out of a ``dtype`` matmul (in BF16 a
-    logit of 20 is then only known to 0.06) and the softmax runs in ``dtype``: all-BF16."""
-    with _island(a.device.type):
-        if not fp32:
-            scores = torch.matmul(a.to(dtype), b.to(dtype)) * scale
-            return torch.softmax(scores + bias.to(dtype), dim=dim)
-        wide = torch.promote_types(a.dtype, torch.float32)  # a float64 reference stays float64
-        return torch.softmax(torch.matmul(a.to(wide), b.to(wide)) * scale + bias.to(wide), dim=dim)
-
-
-def attention_values(probs, v):
-    """``probs @ v``, rounded to ``v``'s dtype (the body's) once on the way out. FP32
-    probabilities stay FP32 for the product, ``v`` upcast exactly: a deliberate choice. Rounding
-    them to BF16 first, as FlashAttention-style GPU kernels do, costs each weight up to 2^-9
-    relative, and on CPU the FP32 matmul is no slower (faster without native BF16). Body-dtype
-    probabilities (island off) meet ``v`` in that dtype."""
-    with _island(probs.device.type):
-        return torch.matmul(probs, v.to(probs.dtype)).to(v.dtype)
 
 
 class MLP(nn.Module):
@@ -246,12 +204,3 @@ class Decoder(nn.Module):
 
 
 Qwen3 = Decoder  # the name most callers know it by
-
-
-def body_autocast(dtype_name: str, device: str = "cpu"):
-    """Run the model body's matmuls in ``dtype_name`` (``auto``: core/precision.py for ``device``);
-    FP32 means no autocast at all."""
-    dtype_name = precision.dtype_name(dtype_name, device)
-    if dtype_name == "float32":
-        return contextlib.nullcontext()
-    return torch.autocast(device, dtype=DTYPES[dtype_name])

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from model.decoder import attention_probs, attention_values
+from model.attention import attention_probs, attention_values
 
 
 class KVCache:

@@ -1,21 +1,23 @@
 """Parameter server: the learner publishes weight versions, actors apply them between decode steps.
 
-Transports: ``shm`` (one host; pinned slots, zero-copy for same-dtype CPU actors), ``filesystem`` (safetensors files, late
-joiners), ``nccl`` (GPUs across hosts, via cupy). See :mod:`weightsync.base` for the interface.
-Names are imported lazily so that :mod:`weightsync.layout` stays importable without torch.
+Transports (``weightsync.transport``), a seam like the others (core/registry.py): ``shm`` and
+``filesystem`` are one implementation, weights as versioned files (:mod:`weightsync.files`; in a
+private /dev/shm directory, or in ``run_dir/weights`` for hosts that share only a file system),
+``nccl`` (GPUs across hosts, via cupy), ``cuda_ipc`` (one shared GPU). See :mod:`weightsync.base`
+for the interface. Classes are named as strings and imported only when chosen
+(:func:`weightsync.base.make_publisher`), so this package imports nothing: no torch, and no
+circle through it.
 """
 
-_BASE = ("Publisher", "PublishStats", "Subscriber", "SubscriberStats", "make_publisher", "make_subscriber")
-__all__ = [*_BASE, "LayoutError"]
-
-
-def __getattr__(name):
-    if name in _BASE:
-        from weightsync import base
-
-        return getattr(base, name)
-    if name == "LayoutError":
-        from weightsync.layout import LayoutError
-
-        return LayoutError
-    raise AttributeError(name)
+PUBLISHERS = {
+    "shm": "weightsync.files:ShmPublisher",
+    "filesystem": "weightsync.files:FsPublisher",
+    "nccl": "weightsync.nccl:NcclPublisher",
+    "cuda_ipc": "weightsync.cuda_ipc:CudaIpcPublisher",
+}
+SUBSCRIBERS = {
+    "shm": "weightsync.files:ShmSubscriber",
+    "filesystem": "weightsync.files:FsSubscriber",
+    "nccl": "weightsync.nccl:NcclSubscriber",
+    "cuda_ipc": "weightsync.cuda_ipc:CudaIpcSubscriber",
+}

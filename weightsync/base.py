@@ -3,14 +3,15 @@
 ``Publisher`` (learner side) and ``Subscriber`` (actor side) hold the checks every transport
 shares -- increasing versions, a layout fixed at start, updates under ``no_grad`` (in-place
 copies, or for shm by default a zero-copy mapping), timing and counters -- and delegate the
-moving of bytes to ``_write`` / ``_apply`` in
-:mod:`weightsync.shm`, :mod:`weightsync.filesystem`, :mod:`weightsync.nccl` and
-:mod:`weightsync.cuda_ipc`.
-:func:`make_publisher` / :func:`make_subscriber` pick one from ``cfg.weightsync.transport``.
+moving of bytes to ``_write`` / ``_apply`` in the transports that ``weightsync.PUBLISHERS`` /
+``weightsync.SUBSCRIBERS`` name (:mod:`weightsync.files` for ``shm`` and ``filesystem``,
+:mod:`weightsync.nccl`, :mod:`weightsync.cuda_ipc`). :func:`make_publisher` /
+:func:`make_subscriber` resolve ``cfg.weightsync.transport`` there by name, so this module
+imports no transport and no transport's import comes back here in a circle.
 
-An actor calls ``latest_version()`` between decode steps (cheap: a word read from shared memory,
-a cached ``stat``, or a non-blocking socket poll) and ``apply(params)`` when it is newer than what
-it holds, so a weight update lands between two decode steps without stopping generation.
+An actor calls ``latest_version()`` between decode steps (cheap: a small file read, or a
+non-blocking socket poll) and ``apply(params)`` when it is newer than what it holds, so a weight
+update lands between two decode steps without stopping generation.
 
 Every blocking wait (a subscriber waiting for its publisher, an NCCL publisher waiting for its
 subscribers) has a deadline and takes ``stop``: a ``threading.Event`` (anything with
@@ -27,7 +28,8 @@ from typing import Callable, Mapping
 import torch
 
 from core.messages import WeightUpdateHeader
-from weightsync import layout
+from core.registry import resolve
+from weightsync import PUBLISHERS, SUBSCRIBERS, layout
 
 
 @dataclass(frozen=True)
@@ -47,13 +49,13 @@ class SubscriberStats:
     # versions published between two applies of this reader that it never applied (versions
     # before its first apply do not count: a late joiner is not behind)
     versions_skipped: int = 0
-    mapped: int = 0  # tensors the last apply mapped from shared memory instead of copying (shm)
+    mapped: int = 0  # tensors the last apply mapped from the version file instead of copying (shm)
 
 
 class Publisher:
     """Learner side. Subclasses implement ``_write(version, named) -> payload bytes``, or None
-    when the transport dropped that version (shm with every slot in use): ``publish`` then
-    returns None and ``skipped`` counts it."""
+    when the transport dropped that version (cuda_ipc with every device slot in use): ``publish``
+    then returns None and ``skipped`` counts it."""
 
     transport = "?"
 
@@ -82,6 +84,11 @@ class Publisher:
             return None
         self.last_stats = PublishStats(version, nbytes, time.perf_counter() - t0)
         return self.last_stats
+
+    @classmethod
+    def from_config(cls, cfg, run_dir: str, template: Mapping[str, torch.Tensor], *, stop=None) -> "Publisher":
+        """The learner's publisher of this transport, from the run's config (:func:`make_publisher`)."""
+        raise NotImplementedError
 
     def _write(self, version: int, named: Mapping[str, torch.Tensor]) -> int | None:
         raise NotImplementedError
@@ -120,6 +127,11 @@ class Subscriber:
     def __init__(self):
         self.stats = SubscriberStats()
         self._closed = False
+
+    @classmethod
+    def from_config(cls, cfg, run_dir: str, timeout_s: float = 60, *, stop=None, device=None) -> "Subscriber":
+        """An actor's subscriber of this transport, from the run's config (:func:`make_subscriber`)."""
+        raise NotImplementedError
 
     def latest_version(self) -> int:
         raise NotImplementedError
@@ -210,73 +222,17 @@ def make_publisher(cfg, run_dir: str, template: Mapping[str, torch.Tensor], *, s
     """The learner's publisher for ``cfg.weightsync.transport``; ``template`` fixes the layout.
     ``stop`` ends the nccl transport's wait for its subscribers (see :func:`wait_until`). With
     ``actor.engine=sglang`` the actors' servers join a torch.distributed group instead: the nccl
-    transport's ``backend="sglang"`` mode."""
-    ws = cfg.weightsync
-    bucket_bytes = ws.bucket_mb << 20
-    if cfg.actor.engine == "sglang":
-        return _sglang_publisher(cfg, run_dir, template, bucket_bytes, stop)
-    if ws.transport == "shm":
-        from weightsync.shm import ShmPublisher
-
-        # one reader entry per actor plus a spare (a restarted actor, a debugging reader)
-        return ShmPublisher(run_dir, template, bucket_bytes, max_readers=cfg.actor.num_actors + 1,
-                            slots=cfg.weightsync.shm_slots or None)
-    if ws.transport == "filesystem":
-        from weightsync.filesystem import FsPublisher
-
-        return FsPublisher(run_dir, template, bucket_bytes)
-    if ws.transport == "cuda_ipc":
-        from weightsync.cuda_ipc import CudaIpcPublisher
-
-        return CudaIpcPublisher(run_dir, template, bucket_bytes, max_readers=cfg.actor.num_actors + 1,
-                                slots=cfg.weightsync.shm_slots or None)
-    if ws.transport == "nccl":
-        from core.net import curve_from_config
-        from weightsync.nccl import NcclPublisher
-
-        return NcclPublisher(
-            run_dir, template, bucket_bytes, world_size=1 + cfg.actor.num_actors,
-            host=cfg.net.host, curve=curve_from_config(cfg.net), stop=stop,
-        )
-    raise ValueError(f"unknown weightsync transport {ws.transport!r}")
-
-
-def _sglang_publisher(cfg, run_dir: str, template: Mapping[str, torch.Tensor], bucket_bytes: int, stop) -> Publisher:
-    """SGLang servers receive by torch.distributed NCCL (weightsync/nccl.py, backend="sglang").
-    Each says hello only once its server is healthy, so the wait for them covers its start."""
-    if cfg.weightsync.transport != "nccl":
+    transport's ``backend="sglang"`` mode (``NcclPublisher.from_config``)."""
+    transport = cfg.weightsync.transport
+    if cfg.actor.engine == "sglang" and transport != "nccl":
         raise ValueError(f"actor.engine=sglang receives weights over NCCL: set weightsync.transport=nccl "
-                         f"(got weightsync.transport={cfg.weightsync.transport!r})")
-    from core.net import curve_from_config
-    from weightsync.nccl import NcclPublisher
-
-    return NcclPublisher(
-        run_dir, template, bucket_bytes, world_size=1 + cfg.actor.num_actors, host=cfg.net.host,
-        curve=curve_from_config(cfg.net), backend="sglang", stop=stop,
-        join_timeout_s=300 + cfg.actor.sglang_start_timeout_s,
-    )
+                         f"(got weightsync.transport={transport!r})")
+    return resolve(PUBLISHERS, transport, "weightsync transport").from_config(cfg, run_dir, template, stop=stop)
 
 
 def make_subscriber(cfg, run_dir: str, timeout_s: float = 60, *, stop=None, device=None) -> Subscriber:
     """An actor's subscriber; waits up to ``timeout_s`` for the publisher to exist, or until
     ``stop`` is set (then raises :class:`Stopped`). ``device``: the actor's own (core/placement.py:
     actor_device), where the nccl and cuda_ipc transports put what they receive."""
-    ws = cfg.weightsync
-    if ws.transport == "shm":
-        from weightsync.shm import ShmSubscriber
-
-        return ShmSubscriber(run_dir, timeout_s, stop=stop)
-    if ws.transport == "filesystem":
-        from weightsync.filesystem import FsSubscriber
-
-        return FsSubscriber(run_dir, timeout_s, stop=stop)
-    if ws.transport == "nccl":
-        from core.net import curve_from_config
-        from weightsync.nccl import NcclSubscriber
-
-        return NcclSubscriber(run_dir, timeout_s, curve=curve_from_config(cfg.net), device=device, stop=stop)
-    if ws.transport == "cuda_ipc":
-        from weightsync.cuda_ipc import CudaIpcSubscriber
-
-        return CudaIpcSubscriber(run_dir, timeout_s, device=device, stop=stop)
-    raise ValueError(f"unknown weightsync transport {ws.transport!r}")
+    cls = resolve(SUBSCRIBERS, cfg.weightsync.transport, "weightsync transport")
+    return cls.from_config(cfg, run_dir, timeout_s, stop=stop, device=device)

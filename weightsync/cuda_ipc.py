@@ -5,26 +5,28 @@ When the learner and an actor share a GPU (core/placement.py: one GPU, every rol
 here the publisher keeps ``N`` flat device slots and an actor copies the newest one device to
 device into its own parameters.
 
-Slots and pins are shm's (weightsync/shm.py), unchanged: the publisher owns a small shm region
-whose slot ``s`` holds only a *record* of device slot ``s`` -- a msgspec :class:`IpcSlot` with
-the CUDA IPC handle of that slot's memory (the tuple ``UntypedStorage._share_cuda_()`` returns,
-taken once per slot at start, exactly the arguments ``UntypedStorage._new_shared_cuda`` takes,
-as torch/multiprocessing/reductions.py passes them), and the weight layout. shm's protocol
-publishes the record of a slot only after the device slot is written (and its stream
-synchronised), and a reader *maps* the record, which pins slot ``s`` until its next apply: a
-device slot is never rewritten while an actor may be copying out of it, and an actor never
-sees a half-written version. Every slot is opened once per reader and cached by its handle
-(dropped when a restarted learner's region replaces the old one).
+Which device slot is free is the shm transport's question, answered by its files
+(weightsync/files.py): the publisher keeps a small shm directory whose version files hold only a
+*record* of device slot ``i`` -- a msgspec :class:`IpcSlot` with the CUDA IPC handle of that
+slot's memory (the tuple ``UntypedStorage._share_cuda_()`` returns, taken once per slot at
+start, exactly the arguments ``UntypedStorage._new_shared_cuda`` takes, as
+torch/multiprocessing/reductions.py passes them), and the weight layout. File ``i`` always
+describes device slot ``i``, and a file is reused only when no reader has it open; a reader keeps
+the record's file open until its device copy is done (and synchronised): a device slot is never
+rewritten while an actor copies out of it, and the record is published (renamed into place) only
+after its slot is written and the stream synchronised, so an actor never sees a half-written
+version. Every slot is opened once per reader and cached by its handle (dropped when a restarted
+learner's directory replaces the old one).
 
 Copied, never mapped: an actor that rebound its parameters to the learner's slots would compute
 with freed memory after a learner crash (CUDA IPC memory dies with its exporter, unlike shm's
 file), and the launcher restarts crashed learners. So a version costs two device copies, one
 into a slot (publish) and one out of it (apply): ``gpu_check``'s ``ratio`` is at most ~0.5.
 
-Nothing is pickled: the record is msgspec bytes, length-prefixed in the fixed-size shm slot.
+Nothing is pickled: the record is msgspec bytes, length-prefixed in a fixed-size record file.
 ``share`` / ``opener`` are the two CUDA calls; the unit tests pass in-process stand-ins for
 them to test the records and the slot discipline without a GPU (tests/unit/test_cuda_ipc.py);
-the real path is tests/gpu/test_weightsync_gpu.py and ``python -m weightsync.gpu_check``.
+the real path is tests/gpu/test_weightsync_gpu.py and ``python -m bench.gpu_check``.
 """
 
 from __future__ import annotations
@@ -38,9 +40,9 @@ import torch
 from core.messages import WeightUpdateHeader
 from weightsync import layout
 from weightsync.base import Publisher, Subscriber
-from weightsync.shm import ShmPublisher, ShmSubscriber, _copy_all
+from weightsync.files import ShmPublisher, ShmSubscriber, _copy_all
 
-RECORD = "ipc"  # the one tensor of the control region
+RECORD = "ipc"  # the one tensor of a record file
 _LEN = struct.Struct("<Q")  # the record's length, before its bytes
 
 
@@ -111,25 +113,33 @@ def _sync(device: torch.device) -> None:
 
 
 class _Control(ShmPublisher):
-    """shm's slots and pins, whose slot ``s`` holds the record of device slot ``s``; ``fill(s)``
-    writes device slot ``s`` and returns its record."""
+    """The shm transport's files, file ``i`` holding the record of device slot ``i``; ``fill(i)``
+    writes device slot ``i`` and returns its record. One version stays visible; at most
+    ``max_files`` files, one per device slot."""
 
-    def __init__(self, run_dir: str, capacity: int, fill: Callable[[int], torch.Tensor], **kw):
-        super().__init__(run_dir, {RECORD: torch.zeros(capacity, dtype=torch.uint8)}, **kw)
+    keep = 1
+
+    def __init__(self, run_dir: str, capacity: int, fill: Callable[[int], torch.Tensor], *, max_files: int):
+        super().__init__(run_dir, {RECORD: torch.zeros(capacity, dtype=torch.uint8)}, max_files=max_files)
         self._fill_device = fill
 
-    def _fill(self, s: int, named) -> None:
-        super()._fill(s, {RECORD: self._fill_device(s)})
+    def _fill(self, f, named) -> None:
+        super()._fill(f, {RECORD: self._fill_device(f.index)})
+
+    def _no_leases(self) -> None:
+        # without leases nothing tells when a reader has finished copying out of a device slot
+        raise RuntimeError(f"cuda_ipc needs file leases in {self.dir} to know which device slot is free "
+                           "(fcntl F_SETLEASE); use weightsync.transport=shm")
 
 
 class CudaIpcPublisher(Publisher):
-    """Learner side: ``slots`` device copies (default ``2 + max_readers``: a publish never
-    waits) on the template's device."""
+    """Learner side: ``slots`` device copies (default ``2 + max_readers``: one visible, one being
+    written, one per reader copying; a publish never waits) on the template's device."""
 
     transport = "cuda_ipc"
 
     def __init__(self, run_dir: str, template: Mapping[str, torch.Tensor], bucket_bytes: int = 64 << 20, *,
-                 max_readers: int = 4, slots: int | None = None, wait_s: float = 0.1, share=share_cuda):
+                 max_readers: int = 4, slots: int | None = None, share=share_cuda):
         super().__init__(layout.header_for(-1, template, bucket_bytes))
         self.device = next(iter(template.values())).device
         n_slots = 2 + max_readers if slots is None else slots
@@ -140,9 +150,13 @@ class CudaIpcPublisher(Publisher):
         capacity = _LEN.size + max(len(_encoder.encode(r)) for r in records)
         self._records = [encode_record(r, capacity) for r in records]
         self._named: Mapping[str, torch.Tensor] = {}
-        self._control = _Control(run_dir, capacity, self._fill_slot, max_readers=max_readers, slots=n_slots,
-                                 wait_s=wait_s)
+        self._control = _Control(run_dir, capacity, self._fill_slot, max_files=n_slots)
         self._template = {RECORD: self._records[0]}
+
+    @classmethod
+    def from_config(cls, cfg, run_dir: str, template: Mapping[str, torch.Tensor], *, stop=None) -> "CudaIpcPublisher":
+        # one reader per actor plus a spare (a restarted actor, a debugging reader)
+        return cls(run_dir, template, cfg.weightsync.bucket_mb << 20, max_readers=cfg.actor.num_actors + 1)
 
     def _fill_slot(self, s: int) -> torch.Tensor:
         _copy_all(self._views[s], [self._named[n] for n in self.header.names])
@@ -174,11 +188,14 @@ class CudaIpcSubscriber(Subscriber):
     def __init__(self, run_dir: str, timeout_s: float = 60, *, device=None, stop=None, opener=open_cuda):
         super().__init__()
         self.device = torch.device(device if device is not None else "cuda")
-        self._control = ShmSubscriber(run_dir, timeout_s, stop=stop)  # maps (and so pins) records
+        self._control = ShmSubscriber(run_dir, timeout_s, stop=stop)  # reads the records
         self._opener = opener
         self._opened: dict[tuple[bytes | None, int], torch.Tensor] = {}
-        self._opened_from = self._control.path
-        self._record = torch.zeros(0, dtype=torch.uint8)
+        self._opened_from = self._control.dir
+
+    @classmethod
+    def from_config(cls, cfg, run_dir: str, timeout_s: float = 60, *, stop=None, device=None) -> "CudaIpcSubscriber":
+        return cls(run_dir, timeout_s, device=device, stop=stop)
 
     def latest_version(self) -> int:
         return self._control.latest_version()
@@ -187,30 +204,23 @@ class CudaIpcSubscriber(Subscriber):
     def publisher_closed(self) -> bool:
         return self._control.publisher_closed
 
-    def _record_target(self) -> dict[str, torch.Tensor]:
-        # the record's size is the current region's (a restarted learner's may differ)
-        want = self._control.header.shapes[0][0]
-        if self._record.numel() != want:
-            self._record = torch.zeros(want, dtype=torch.uint8)
-        return {RECORD: self._record}
-
     def _apply(self, named: Mapping[str, torch.Tensor], after: int) -> tuple[int, int] | None:
-        target = self._record_target()
-        version = self._control.apply(target)  # maps the record: its slot stays pinned
-        if version is None:
+        got = self._control.open_newest(after)
+        if got is None:
             return None
-        rec = decode_record(target[RECORD])
-        layout.check_targets(rec.layout, named, role="cuda_ipc subscriber")
-        views = layout.views(rec.layout, self._open(rec)[: layout.total_nbytes(rec.layout)])
-        _copy_all([named[n] for n in rec.layout.names], [views[n] for n in rec.layout.names])
-        _sync(self.device)  # honest apply_s, and done before the pin can move
-        return version, layout.payload_nbytes(rec.layout)
+        with got:  # the record's file stays open, so its device slot is not reused, until the copy is done
+            rec = decode_record(got.copy_out()[RECORD])
+            layout.check_targets(rec.layout, named, role="cuda_ipc subscriber")
+            views = layout.views(rec.layout, self._open(rec)[: layout.total_nbytes(rec.layout)])
+            _copy_all([named[n] for n in rec.layout.names], [views[n] for n in rec.layout.names])
+            _sync(self.device)  # honest apply_s, and done before the file is let go
+        return got.version, layout.payload_nbytes(rec.layout)
 
     def _open(self, rec: IpcSlot) -> torch.Tensor:
-        if self._control.path != self._opened_from:
-            # a restarted learner's region: the old handles point at a dead process's memory
+        if self._control.dir != self._opened_from:
+            # a restarted learner's directory: the old handles point at a dead process's memory
             self._opened.clear()
-            self._opened_from = self._control.path
+            self._opened_from = self._control.dir
         key = (rec.handle, rec.offset_bytes)
         if key not in self._opened:
             self._opened[key] = self._opener(rec)

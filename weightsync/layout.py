@@ -141,11 +141,17 @@ def payload_nbytes(header: WeightUpdateHeader) -> int:
 
 
 def torch_dtype(name: str) -> "torch.dtype":
-    import torch
+    got = _TORCH_DTYPES.get(name)
+    if got is None:
+        import torch
 
-    if name not in ITEMSIZE:
-        raise LayoutError(f"unsupported dtype {name!r}")
-    return getattr(torch, name)
+        if name not in ITEMSIZE:
+            raise LayoutError(f"unsupported dtype {name!r}")
+        got = _TORCH_DTYPES[name] = getattr(torch, name)
+    return got
+
+
+_TORCH_DTYPES: dict[str, "torch.dtype"] = {}
 
 
 def dtype_name(dtype: "torch.dtype") -> str:
@@ -209,6 +215,6 @@ def check_targets(
             raise LayoutError(f"{role}: tensor {name!r} has shape {got}, published layout has {shape}")
     if same_dtype:
         for name, dtype in zip(header.names, header.dtypes):
-            got = dtype_name(named[name].dtype)
-            if got != dtype:
+            if named[name].dtype is not torch_dtype(dtype):  # per publish: no string building
+                got = dtype_name(named[name].dtype)
                 raise LayoutError(f"{role}: tensor {name!r} has dtype {got}, published layout has {dtype}")

@@ -72,7 +72,7 @@ from core.messages import SCHEMA_VERSION, Hello, Shutdown, WeightUpdateHeader, d
 from weightsync import layout
 from core.files import atomic_write, read_json
 from weightsync.base import Publisher, Stopped, Subscriber, stop_check, wait_until
-from weightsync.filesystem import weights_dir
+from weightsync.files import weights_dir
 
 STOP_POLL_S = 0.1  # how often a blocked join looks at its stop flag
 SGLANG_GROUP = "driftrl_weights"  # the group (and PrefixStore) name both sides of backend="sglang" use
@@ -300,6 +300,17 @@ class NcclPublisher(Publisher):
             self._close_sockets()
             raise
 
+    @classmethod
+    def from_config(cls, cfg, run_dir: str, template: Mapping[str, torch.Tensor], *, stop=None) -> "NcclPublisher":
+        """Rank 0 for the run's actors. With ``actor.engine=sglang`` the subscribers are SGLang
+        servers receiving by torch.distributed (``backend="sglang"``); each says hello only once its
+        server is healthy, so the wait for them covers its start."""
+        kw = {"world_size": 1 + cfg.actor.num_actors, "host": cfg.net.host, "curve": net.curve_from_config(cfg.net),
+              "stop": stop}
+        if cfg.actor.engine == "sglang":
+            kw.update(backend="sglang", join_timeout_s=300 + cfg.actor.sglang_start_timeout_s)
+        return cls(run_dir, template, cfg.weightsync.bucket_mb << 20, **kw)
+
     def _gather_peers(self, timeout_s: float) -> list[bytes]:
         peers: list[bytes] = []
         self._claims: list[RankDevice | None] = []
@@ -479,6 +490,10 @@ class NcclSubscriber(Subscriber):
             self._ctx.term()
             raise
         self._pending: deque[WeightUpdateHeader] = deque()
+
+    @classmethod
+    def from_config(cls, cfg, run_dir: str, timeout_s: float = 60, *, stop=None, device=None) -> "NcclSubscriber":
+        return cls(run_dir, timeout_s, curve=net.curve_from_config(cfg.net), device=device, stop=stop)
 
     def _await_init(self, timeout_s: float) -> CollectiveInit:
         deadline = time.monotonic() + timeout_s

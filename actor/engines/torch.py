@@ -47,7 +47,7 @@ import torch
 
 from actor.engines import Engine, EngineStopped, Sample, budgets
 from core import placement, precision
-from model.decoder import DTYPES
+from model.attention import DTYPES
 from model.hf import load_pretrained
 from model.kvcache import KVCache
 from model.sampling import SamplingSpec, sampling_logprobs

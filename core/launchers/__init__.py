@@ -1,9 +1,11 @@
 """The ``Launcher`` seam: start every role, watch them, restart what crashed, stop them all.
 
 :meth:`Launcher.run` is the same for every launcher: prepare the run directory (ports, resolved
-config), start the buffer, the learner and the actors, feed the live view from the metrics
-collector, restart a crashed role (an actor or the buffer: accepted data survives in the spool
-and the segment log; the learner: from its newest checkpoint and journal) up to
+config), start the buffer, the learner and the actors, feed the live view from the roles'
+metrics files (core/metrics.py: one follower, read at the view's refresh rate and at least once
+a second, which also merges them into ``metrics.jsonl``), restart a crashed role (an actor or
+the buffer: accepted data survives in the spool and the segment log; the learner: from its
+newest checkpoint and journal) up to
 ``run.max_restarts`` times each, and stop the roles in order when the learner has finished its budget
 (learner first, so it checkpoints; then actors; the buffer last, so in-flight acknowledgements
 land). A role whose heartbeat file stops moving for ``run.heartbeat_timeout_s`` is hung: it is
@@ -36,6 +38,7 @@ import msgspec
 from core import config as C
 from core import heartbeat, net
 from core.files import atomic_write
+from core.metrics import METRICS_DIR, MetricsWriter, follower_for, read_all
 from core.proc import EXIT_CORRUPT_LOG, EXIT_WRITE_FAILED
 from core.registry import resolve
 
@@ -99,10 +102,11 @@ def prepare(cfg: C.Config, run_dir: str | None = None) -> tuple[C.Config, str]:
     run_dir = os.path.abspath(run_dir or cfg.run.run_dir or new_run_dir())
     os.makedirs(os.path.join(run_dir, "logs"), mode=0o700, exist_ok=True)
     os.chmod(run_dir, 0o700)  # it holds CURVE keys and weights; also a run dir made before this rule
-    net.create_run_secret(run_dir)  # every role presents it to the buffer and the metrics collector
+    os.makedirs(os.path.join(run_dir, METRICS_DIR), mode=0o700, exist_ok=True)  # each role's metrics file
+    net.create_run_secret(run_dir)  # every role presents it to the buffer
     host = cfg.net.host
     ports = {k: getattr(cfg.net, k) or net.free_port(host if net.is_loopback(host) else "0.0.0.0")
-             for k in ("buffer_actor_port", "buffer_learner_port", "metrics_port")}
+             for k in ("buffer_actor_port", "buffer_learner_port")}
     cfg = msgspec.structs.replace(cfg, run=msgspec.structs.replace(cfg.run, run_dir=run_dir),
                                   net=msgspec.structs.replace(cfg.net, **ports))
     atomic_write(os.path.join(run_dir, "config.json"), C.to_json(cfg), mode=0o600)  # may hold CURVE secrets
@@ -161,6 +165,8 @@ def _cause(code: int) -> str:
 
 
 HUNG_KILL_WAIT_S = 30.0  # a SIGKILLed role is gone at once; a Ray host may take a moment to tell
+WATCH_TICK_S = 0.2  # one turn of the watch loop: roles polled, restarts started, the view fed
+FEED_MAX_S = 1.0  # the metrics files are read at least this often (a bench silences the view)
 
 
 class Launcher(abc.ABC):
@@ -170,6 +176,7 @@ class Launcher(abc.ABC):
         self.cfg = cfg
         self._beats: dict[str, heartbeat.Watch] = {}  # role name -> its heartbeat, launcher clock
         self._due: dict[str, float] = {}  # role name -> when its scheduled restart starts it
+        self._next_feed = 0.0  # when the watch loop next reads the metrics files
 
     # ---- what an implementation provides ------------------------------------------------------
 
@@ -221,7 +228,7 @@ class Launcher(abc.ABC):
         pids = {"launcher": os.getpid(), **{r.name: r.pid for r in procs if r.pid}}
         atomic_write(os.path.join(run_dir, "pids.json"), json.dumps(pids).encode(), durable=False)
 
-    def _restart(self, role: Role, run_dir: str, restarts: collections.Counter, sink, cause: str = "") -> None:
+    def _restart(self, role: Role, run_dir: str, restarts: collections.Counter, metrics, cause: str = "") -> None:
         """Schedule the restart of a crashed role, at most ``run.max_restarts`` times each: an actor
         or the buffer (accepted data survives in the spool and the segment log), or the learner
         (from its newest intact checkpoint and journal, learner/loop.py), after the backoff. Each
@@ -236,7 +243,7 @@ class Launcher(abc.ABC):
         delay = heartbeat.backoff_s(self.cfg.run.restart_backoff_s, restarts[role.name])
         log.warning("%s %s (last log line: %s); restarting (%d/%d) in %.1fs", role.name, cause,
                     _last_line(role.log_path), restarts[role.name], limit, delay)
-        sink.emit(-1, {f"run/restarts/{role.name}": float(restarts[role.name])})
+        metrics.emit(-1, {f"run/restarts/{role.name}": float(restarts[role.name])})
         self._due[role.name] = time.monotonic() + delay
 
     def _start_due(self, role: Role, procs: list[Role], run_dir: str) -> None:
@@ -260,7 +267,7 @@ class Launcher(abc.ABC):
         while self.returncode(role) is None and time.monotonic() < deadline:
             time.sleep(0.05)
 
-    def _check_role(self, role: Role, learner: Role, run_dir: str, restarts, sink) -> bool:
+    def _check_role(self, role: Role, learner: Role, run_dir: str, restarts, metrics) -> bool:
         """One role's turn of the watch: restart it if it crashed or hung; True when it is the
         learner and it has finished its budget."""
         code = self.returncode(role)
@@ -271,33 +278,41 @@ class Launcher(abc.ABC):
             return True
         if cause:
             self._kill(role)
-        self._restart(role, run_dir, restarts, sink, cause)
+        self._restart(role, run_dir, restarts, metrics, cause)
         return False
 
-    def _watch(self, procs: list[Role], run_dir: str, monitor, collector, sink) -> None:
+    def _feed(self, monitor, follower) -> None:
+        """Read the roles' metrics files into the view at its refresh rate (and at least every
+        FEED_MAX_S, so metrics.jsonl keeps up), then redraw it if due."""
+        now = time.monotonic()
+        if now >= self._next_feed:
+            self._next_feed = now + min(self.cfg.monitor.refresh_s, FEED_MAX_S)
+            monitor.update(follower.read())
+        monitor.refresh()
+
+    def _watch(self, procs: list[Role], run_dir: str, monitor, follower, metrics) -> None:
         """Until the learner finishes its budget: feed the view, restart crashed or hung roles."""
         restarts: collections.Counter = collections.Counter()
         learner = next(r for r in procs if r.name == "learner")
         while True:
             Interrupt.check()
-            monitor.update(collector.poll(timeout_ms=200))
-            monitor.refresh()
+            self._feed(monitor, follower)
             for role in procs:
                 if role.name in self._due:
                     self._start_due(role, procs, run_dir)
-                elif self._check_role(role, learner, run_dir, restarts, sink):
+                elif self._check_role(role, learner, run_dir, restarts, metrics):
                     return
+            time.sleep(WATCH_TICK_S)
 
     def run(self, run_dir: str | None = None, monitor=None, on_ready=None) -> RunResult:
         """Prepare, start, watch until the learner finishes its budget, then stop everything."""
-        from core.metrics import collector_for, sink_for
         from core.monitor import Monitor
 
         t0 = time.time()
         cfg, run_dir = self.prepare(run_dir)
         self.cfg = cfg
-        collector = collector_for(cfg, run_dir)
-        sink = sink_for(cfg, run_dir, "launcher", "launcher")  # its own records: run/restarts/<role>
+        follower = follower_for(cfg, run_dir)
+        metrics = MetricsWriter(run_dir, "launcher", "launcher")  # its own records: run/restarts/<role>
         monitor = monitor or Monitor(cfg)
         procs = roles(cfg, run_dir, time.time())
         by_name = {r.name: r for r in procs}
@@ -310,19 +325,19 @@ class Launcher(abc.ABC):
             if on_ready:
                 on_ready(run_dir, procs)
             with monitor:
-                self._watch(procs, run_dir, monitor, collector, sink)
+                self._watch(procs, run_dir, monitor, follower, metrics)
                 self.stop_all(actors + [by_name["buffer"]])
-                monitor.update(collector.poll(timeout_ms=200))
+                monitor.update(read_all(follower))
                 monitor.refresh(force=True)
         except KeyboardInterrupt:
             result.interrupted = True
         finally:
             self.stop_all([by_name["learner"], *actors, by_name["buffer"]])
             try:
-                sink.close()
-                monitor.update(collector.poll(timeout_ms=100))
+                metrics.close()
+                monitor.update(read_all(follower))
             finally:
-                collector.close()
+                follower.close()
                 self.close()
             result.returncodes = {r.name: (self.returncode(r) if r.handle else None) for r in procs}
             result.wall_s = time.time() - t0

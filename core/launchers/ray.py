@@ -10,16 +10,16 @@ with its host (core/proc.py), and a host Ray reports dead counts as the role kil
 shared ones of :class:`~core.launchers.Launcher`.
 
 Addresses are discovered, not configured: the hosts are placed before ``config.json`` is written;
-when every role shares the launcher's node the sockets stay on ``net.host`` (127.0.0.1), otherwise
+when every role shares the buffer's node the sockets stay on ``net.host`` (127.0.0.1), otherwise
 they bind the buffer node's IP, on ports that node reports free -- and off loopback CURVE keys are
-required (``net.curve_*``). The metrics collector lives in the launcher and binds the same
-``net.host``, so the buffer must be on the launcher's node (pin it with ``ray.buffer_resources``).
-Roles on another node than the learner cannot map its shared memory (``shm``, ``cuda_ipc``): use
+required (``net.curve_*``). The buffer may sit on any node: the launcher opens no socket, it
+reads the roles' metrics files in the run directory (core/metrics.py). Roles on another node
+than the learner cannot map its shared memory (``shm``, ``cuda_ipc``): use
 ``weightsync.transport=filesystem`` (or ``nccl`` on GPUs).
 
 ``run.run_dir`` must be on a file system every node sees at the same path (config.json, the
-secret, checkpoints, the actors' spool, logs, heartbeats, filesystem weights), and the checkout at
-the same path too: the hosts import ``core`` and start ``python -m <role>`` from it.
+secret, checkpoints, the actors' spool, logs, heartbeats, metrics files, filesystem weights), and
+the checkout at the same path too: the hosts import ``core`` and start ``python -m <role>`` from it.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ RPC_TIMEOUT_S = 30.0  # one answer of a host actor; a busy 2-core node answers i
 OBJECT_STORE_BYTES = 100 << 20  # nothing large travels through Ray: trajectories go over ZeroMQ
 CLOSE_WAIT_S = 10.0
 NODE_LOCAL_TRANSPORTS = ("shm", "cuda_ipc")  # shared memory / CUDA IPC handles: one host only
-BUFFER_PORTS = ("buffer_actor_port", "buffer_learner_port", "metrics_port")
+BUFFER_PORTS = ("buffer_actor_port", "buffer_learner_port")
 
 
 class RoleHost:
@@ -121,7 +121,7 @@ def local_resources(bs: list[dict[str, float]]) -> dict:
             "resources": total}
 
 
-def check_placement(cfg: C.Config, places: dict[str, dict], driver_node: str) -> None:
+def check_placement(cfg: C.Config, places: dict[str, dict]) -> None:
     """Refuse a layout the roles could not run in, naming the setting to change."""
     learner = places["learner"]["node_id"]
     apart = sorted(n for n, p in places.items() if p["node_id"] != learner)
@@ -129,23 +129,19 @@ def check_placement(cfg: C.Config, places: dict[str, dict], driver_node: str) ->
         raise C.ConfigError(f"{', '.join(apart)} placed on another node than the learner: "
                             f"`$.weightsync.transport` = {cfg.weightsync.transport!r} works on one node only; "
                             "use 'filesystem' (with a run_dir every node sees) or 'nccl'")
-    if places["buffer"]["node_id"] != driver_node:
-        raise C.ConfigError(f"the buffer was placed on node {places['buffer']['ip']}, not the launcher's: the "
-                            "metrics collector binds `$.net.host` in the launcher; pin the buffer to the "
-                            "launcher's node with `$.ray.buffer_resources`")
 
 
-def bind_host(cfg: C.Config, places: dict[str, dict], driver_node: str) -> str:
-    """``net.host`` while every role is on the launcher's node (or the user chose a routable
-    one), else the buffer node's IP."""
-    one_node = all(p["node_id"] == driver_node for p in places.values())
+def bind_host(cfg: C.Config, places: dict[str, dict]) -> str:
+    """``net.host`` while every role is on the buffer's node (only they talk over sockets), or
+    the user chose a routable one; else the buffer node's IP."""
+    one_node = all(p["node_id"] == places["buffer"]["node_id"] for p in places.values())
     return cfg.net.host if one_node or not net.is_loopback(cfg.net.host) else places["buffer"]["ip"]
 
 
-def resolve_net(cfg: C.Config, places: dict[str, dict], driver_node: str, ports: list[int]) -> C.Config:
+def resolve_net(cfg: C.Config, places: dict[str, dict], ports: list[int]) -> C.Config:
     """The ``net`` section the roles will use: :func:`bind_host`, and ``ports`` (free on the
     buffer's node) where the config left 0. Off loopback CURVE is required (``C.validate``)."""
-    host = bind_host(cfg, places, driver_node)
+    host = bind_host(cfg, places)
     filled = {k: getattr(cfg.net, k) or port for k, port in zip(BUFFER_PORTS, ports)}
     out = msgspec.structs.replace(cfg, net=msgspec.structs.replace(cfg.net, host=host, **filled))
     C.validate(out)
@@ -239,11 +235,10 @@ class RayLauncher(Launcher):
             procs = roles(self.cfg, run_dir or "")
             self._place(procs)
             places = {r.name: self._where(r.name) for r in procs}
-            driver = ray.get_runtime_context().get_node_id()
-            check_placement(self.cfg, places, driver)
-            ports = self._call("buffer", "free_ports", bind_host(self.cfg, places, driver), len(BUFFER_PORTS))
+            check_placement(self.cfg, places)
+            ports = self._call("buffer", "free_ports", bind_host(self.cfg, places), len(BUFFER_PORTS))
             self.places = places
-            return prepare(resolve_net(self.cfg, places, driver, ports), run_dir)
+            return prepare(resolve_net(self.cfg, places, ports), run_dir)
         except BaseException:
             self.close()
             raise

@@ -50,7 +50,8 @@ import torch.nn.functional as F
 
 from core import precision
 from learner.backends.torch import TorchBackend, _as_oserror
-from model.decoder import DTYPES, ArchConfig, Decoder, body_autocast
+from model.attention import DTYPES, body_autocast
+from model.decoder import ArchConfig, Decoder
 from model.hf import load_pretrained, save_pretrained, tokenizer_files
 from model.rope import inv_freq
 
@@ -140,7 +141,7 @@ def _rotary(arch: ArchConfig) -> megatron_cpu.HostRotaryEmbedding:
 
 
 class IslandDotProductAttention(DotProductAttention):
-    """megatron's attention with DESIGN §4's island when ``attention_softmax_in_fp32``.
+    """megatron's attention with the FP32 softmax island (ARCHITECTURE.md: Precision and the ratio) when ``attention_softmax_in_fp32``.
 
     megatron's own flag upcasts scores that its BF16 ``baddbmm`` has already rounded, which buys
     nothing (that rounding is the error the island removes; measured: no log-prob changed). Here

@@ -20,6 +20,7 @@ import os
 import re
 from dataclasses import replace
 
+import msgspec
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
@@ -27,11 +28,11 @@ from safetensors.torch import load_file, save_file
 from core import placement, precision
 from learner.advantages import group_advantages
 from learner.backends import Backend, NonFiniteError
-from learner.batching import Batch, micro_batches
+from learner.batching import Batch, by_length, micro_batches
 from learner.logprobs import token_logprobs
 from learner.losses import LossInputs, make_loss
 from learner.ratio_metrics import ratio_metrics
-from model.decoder import DTYPES, body_autocast
+from model.attention import DTYPES, body_autocast
 from model.hf import load_pretrained, save_pretrained, tokenizer_files
 from model.sampling import SamplingSpec
 
@@ -77,7 +78,7 @@ class TorchBackend(Backend):
             self.ref = self._frozen_copy()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lc.lr, betas=tuple(lc.betas),
                                      weight_decay=lc.weight_decay)
-        self.loss_fn = make_loss(lc.loss, eps_high=lc.eps_high, eps_clip=lc.eps_clip)
+        self.loss_fn = make_loss(lc.loss, **msgspec.structs.asdict(lc))
         # constant divisor of the token-level loss: the most tokens one step can hold
         self.token_divisor = float(lc.groups_per_step * cfg.actor.group_size * cfg.actor.max_new_tokens)
         self.sampling = SamplingSpec.of(cfg.actor)
@@ -155,17 +156,20 @@ class TorchBackend(Backend):
         gradients add up to the full-batch one as they are; sample normalisation scales each
         micro-batch's mean by its share of the rows."""
         lc = self.cfg.learner
-        adv = group_advantages(batch.rewards).reshape(-1)
+        rows, order = by_length(batch)  # length buckets: less padding (learner/batching.py)
+        adv = group_advantages(batch.rewards).reshape(-1)[order]
         n = batch.ids.shape[0]
-        logp_all = torch.zeros(batch.mask.shape)
+        logp_sorted = torch.zeros(batch.mask.shape)
         entropies, parts = [], []
-        for start, stop in micro_batches(batch, lc.micro_batch_tokens):
-            micro = batch.rows(start, stop)
+        for start, stop in micro_batches(rows, lc.micro_batch_tokens):
+            micro = rows.rows(start, stop)
             share = (stop - start) / n if lc.norm == "sample" else 1.0
             logp, ent, metrics = self._micro_step(micro, adv[start:stop], share)
-            logp_all[start:stop, : logp.shape[1]] = logp
+            logp_sorted[start:stop, : logp.shape[1]] = logp
             entropies.append(ent.reshape(-1))
             parts.append((micro.num_tokens, metrics))
+        logp_all = torch.empty_like(logp_sorted)
+        logp_all[order] = logp_sorted  # back in the batch's row order
         self.last_logp = logp_all  # the step's numerator for learner/tail.py (filled from detached parts)
         metrics = _combine(parts)
         metrics.update(ratio_metrics(logp_all, batch.behaviour_logp, batch.mask, batch.staleness, lc.eps_high))

@@ -4,7 +4,7 @@ Shared here: the input struct, masking, the two normalisations and the KL-to-ref
 each loss file holds only its per-token formula. The trainer picks a loss once with
 :func:`make_loss` (no string branches scattered over the trainer).
 
-Normalisation (DESIGN §4):
+Normalisation (ARCHITECTURE.md: Precision and the ratio):
 
 * ``"token"`` -- sum of per-token terms over all response tokens, divided by a **constant**
   ``token_norm_divisor``. The trainer passes ``groups_per_step * group_size * max_new_tokens``:
@@ -16,13 +16,15 @@ Normalisation (DESIGN §4):
   ``B`` rows of this call. When micro-batching, split by whole samples and scale each
   micro-batch loss by ``B_micro / B_step``.
 
-Metrics use DESIGN §6 names: ``learner/loss``, ``learner/kl_ref`` (masked token mean of the
-chosen estimator, present when ``ref_logp`` is given) and ``ratio/clip_frac`` (the loss's own
-clipped/truncated token fraction; see each loss).
+Metrics use the names of ARCHITECTURE.md (Metric vocabulary): ``learner/loss``, ``learner/kl_ref`` (masked token mean of the
+chosen estimator, present when ``ref_logp`` is given) and ``loss/clip_frac`` (the loss's own
+clipped/truncated token fraction; see each loss), never a ``ratio/*`` name, which
+learner/ratio_metrics.py owns.
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable
@@ -30,6 +32,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from core.registry import resolve
 from learner.kl import ESTIMATORS, kl_per_token
 
 NORMS = ("token", "sample")
@@ -126,15 +129,14 @@ def finish(pg_token: Tensor, c: Clean, inp: LossInputs, stats: dict[str, Tensor]
 LossFn = Callable[[LossInputs], "tuple[Tensor, dict[str, float]]"]
 
 
-def make_loss(name: str, eps_high: float = 2.0, eps_clip: float = 0.2) -> LossFn:
-    """The loss called ``name`` (``learner.loss`` in the config) with its parameters bound."""
-    from learner.losses import ppo_clip, ring_zero, tis
+# learner.loss -> "module:function"; a loss's parameters are the learner.* fields it names
+LOSSES = {"ring_zero": "learner.losses.ring_zero:ring_zero_loss", "ppo_clip": "learner.losses.ppo_clip:ppo_clip_loss",
+          "tis": "learner.losses.tis:tis_loss"}
 
-    table = {
-        "ring_zero": partial(ring_zero.ring_zero_loss, eps_high=eps_high),
-        "ppo_clip": partial(ppo_clip.ppo_clip_loss, eps_clip=eps_clip),
-        "tis": partial(tis.tis_loss, cap=eps_high, eps_clip=eps_clip),
-    }
-    if name not in table:
-        raise ValueError(f"unknown loss {name!r}; expected one of {sorted(table)}")
-    return table[name]
+
+def make_loss(name: str, **params) -> LossFn:
+    """The loss registered as ``name`` (``learner.loss``) with the ``params`` its function names
+    bound by name (e.g. ``eps_high``, ``eps_clip``: pass every learner field, each takes its own)."""
+    fn = resolve(LOSSES, name, "loss")
+    wanted = inspect.signature(fn).parameters
+    return partial(fn, **{k: v for k, v in params.items() if k in wanted})

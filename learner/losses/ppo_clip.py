@@ -6,9 +6,8 @@
 Where the clipped branch is the smaller one (A > 0 and r > 1 + eps, or A < 0 and r < 1 - eps)
 the token's gradient is exactly zero: the baseline against which Ring-Zero keeps every token.
 
-Metrics: ``ratio/clip_frac`` = fraction of response tokens on that active, zero-gradient side.
-Note this differs from learner.ratio_metrics' ``ratio/clip_frac`` (rho > eps_high); the
-trainer should let the ratio_metrics value win when both are logged under PPO.
+Metrics: ``loss/clip_frac`` = fraction of response tokens on that active, zero-gradient side;
+it differs from learner.ratio_metrics' ``ratio/clip_frac`` (rho > eps_high), and both are logged.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ def ppo_clip_loss(inp: LossInputs, eps_clip: float = 0.2) -> tuple[Tensor, dict[
     c = clean(inp)
     ratio = torch.exp(c.logp - c.behaviour_logp)
     per_token, clipped = clipped_surrogate(ratio, c.advantages, eps_clip)
-    stats = {"ratio/clip_frac": masked_mean(clipped.to(ratio.dtype), c.m)}
+    stats = {"loss/clip_frac": masked_mean(clipped.to(ratio.dtype), c.m)}
     return finish(per_token, c, inp, stats)
 
 

@@ -1,4 +1,4 @@
-"""Ring-Zero policy loss (DESIGN §4): truncated importance weight, no lower bound, no clipping.
+"""Ring-Zero policy loss (ARCHITECTURE.md: Precision and the ratio): truncated importance weight, no lower bound, no clipping.
 
     rho     = exp(logp - behaviour_logp)      from the *detached* learner log-prob
     rho_hat = min(rho, eps_high)
@@ -9,7 +9,7 @@ The weight is a constant in backward, so the gradient on every response token is
 tokens outside its trust region. Truncation at ``eps_high`` bounds the variance that a rare
 learner-favoured token would otherwise inject.
 
-Metrics: ``ratio/clip_frac`` = fraction of response tokens with rho > eps_high (same definition
+Metrics: ``loss/clip_frac`` = fraction of response tokens with rho > eps_high (same definition
 as learner.ratio_metrics).
 """
 
@@ -28,5 +28,5 @@ def ring_zero_loss(inp: LossInputs, eps_high: float = 2.0) -> tuple[Tensor, dict
     rho = torch.exp(c.logp.detach() - c.behaviour_logp)
     rho_hat = rho.clamp(max=eps_high)
     per_token = -rho_hat * c.advantages * c.logp
-    stats = {"ratio/clip_frac": masked_mean((rho > eps_high).to(rho.dtype), c.m)}
+    stats = {"loss/clip_frac": masked_mean((rho > eps_high).to(rho.dtype), c.m)}
     return finish(per_token, c, inp, stats)

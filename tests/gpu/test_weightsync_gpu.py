@@ -55,7 +55,7 @@ def _subscriber_proc(run_dir: str, out_path: str) -> None:
 
 
 def test_gpu_check_script(tmp_path):
-    from weightsync.gpu_check import main
+    from bench.gpu_check import main
 
     log = tmp_path / "gpu_check.log"
     rc = main([str(log), "--device", "cuda"])
@@ -65,7 +65,7 @@ def test_gpu_check_script(tmp_path):
 
 
 def test_cuda_ipc_between_two_processes_is_bit_exact():
-    from weightsync.gpu_check import step_cuda_ipc
+    from bench.gpu_check import step_cuda_ipc
 
     status, detail = step_cuda_ipc(torch.device("cuda:0"), {"ipc_mb": 32})
     assert status == "OK", detail

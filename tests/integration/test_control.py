@@ -14,7 +14,7 @@ import re
 import pytest
 
 from core import config as C
-import run
+import jobs
 from tests.support.runs import TINY_RUN, alive, lines
 
 pytestmark = pytest.mark.slow
@@ -30,7 +30,7 @@ def cache_dir(tmp_path_factory):
 def _train(tmp_path, cache_dir, monkeypatch, skew: str, *overrides):
     monkeypatch.setenv(SKEW, skew)  # inherited by the roles the launcher starts
     cfg = C.load(None, TINY_RUN + [f"model.cache_dir={cache_dir}", "run.max_time_s=80", *overrides])
-    result = run.train(cfg, str(tmp_path / "run"))
+    result = jobs.train(cfg, str(tmp_path / "run"))
     assert not result.interrupted and result.returncodes["learner"] == 0
     return result.run_dir
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from actor.evaluate import pass_at
-from run import resolve_checkpoint
+from jobs import resolve_checkpoint
 from tests.support.runs import ROOT
 from tests.support.tiny import tiny_model_dir
 

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from core import config as C
-import run
+import jobs
 from tests.support.runs import alive
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -36,7 +36,7 @@ def _records(run_dir):
 def test_run_end_to_end(tmp_path, cache_dir, staleness):
     cfg = C.load(None, TINY + [f"model.cache_dir={cache_dir}", f"buffer.max_staleness={staleness}",
                                "run.max_steps=8", "run.max_time_s=120"])
-    result = run.train(cfg, str(tmp_path / "run"))
+    result = jobs.train(cfg, str(tmp_path / "run"))
     assert not result.interrupted
     recs = _records(result.run_dir)
     learner = [r for r in recs if r["role"] == "learner"]

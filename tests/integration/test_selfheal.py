@@ -20,7 +20,7 @@ from buffer.store import SeenKeys
 from core import config as C
 from core import heartbeat
 from core.messages import group_key
-import run
+import jobs
 from tests.support.runs import TINY_RUN, alive, lines
 
 KILLS = ("actor0", "buffer", "learner")  # in this order, each after PROGRESS more trained steps
@@ -156,7 +156,7 @@ def test_actor_buffer_and_learner_killed_in_turn_all_heal(tmp_path, cache_dir, l
     def on_ready(run_dir, procs):
         threading.Thread(target=_kill_in_turn, args=(run_dir, procs, back), daemon=True).start()
 
-    result = run.train(cfg, str(tmp_path / "run"), on_ready=on_ready)
+    result = jobs.train(cfg, str(tmp_path / "run"), on_ready=on_ready)
     rd = result.run_dir
     assert set(back) == set(KILLS), f"the run did not progress past each kill: {back}"
     assert all(s is not None for s in back.values()), f"not back within {BACK_S}s: {back}"
@@ -200,7 +200,7 @@ def test_a_hung_actor_is_killed_and_restarted(tmp_path, cache_dir, caplog):
         threading.Thread(target=work, daemon=True).start()
 
     with caplog.at_level(logging.WARNING, logger="driftrl.launch"):
-        result = run.train(cfg, str(tmp_path / "run"), on_ready=on_ready)
+        result = jobs.train(cfg, str(tmp_path / "run"), on_ready=on_ready)
     assert "back_s" in stopped, f"the stopped actor was not replaced: {stopped}"
     # not before the timeout (less the beat that may have come just before the stop), well within 40 s
     assert 6.0 - heartbeat.BEAT_EVERY_S - 0.5 <= stopped["back_s"] < 40.0, stopped

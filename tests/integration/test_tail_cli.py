@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-import run
+import jobs
 from core import config as C
 from learner.tail import RECORD_FIELDS, TAIL_FILE
 from tests.support.runs import ROOT, TINY_RUN, lines
@@ -22,7 +22,7 @@ def run_dir(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tail")
     cfg = C.load(None, TINY_RUN + [f"model.cache_dir={tmp / 'models'}", "buffer.max_staleness=1",
                                    f"run.max_steps={STEPS}", "run.max_time_s=60", f"learner.tail_k={K}"])
-    result = run.train(cfg, str(tmp / "run"))
+    result = jobs.train(cfg, str(tmp / "run"))
     assert not result.interrupted
     return result.run_dir
 

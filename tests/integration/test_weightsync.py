@@ -1,13 +1,15 @@
-"""weightsync: layout, shared memory (zero-copy and copying readers, pins, dead readers, a
-multi-process torn-read hunt, an engine driven through it), filesystem, and the NCCL transport's
-protocol over Gloo on CPU."""
+"""weightsync: layout; weights as versioned files (weightsync/files.py: the shm and filesystem
+transports -- bit-exact for every dtype, mapped and copying readers, files reused only when no
+reader has them open, unlink-while-mapped, damaged files refused, a multi-process torn-read hunt,
+an engine driven through it); and the NCCL transport's protocol over Gloo on CPU."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import multiprocessing as mp
 import os
+import pickle
+import signal
 import threading
 import time
 
@@ -16,9 +18,9 @@ import torch
 
 from core.config import load
 from core.messages import WeightUpdateHeader, decoder, encode
-from weightsync import layout, shm
+from weightsync import files, layout
 from weightsync.base import make_publisher, make_subscriber
-from weightsync.filesystem import FsPublisher, FsSubscriber, versions_on_disk
+from weightsync.files import DamagedFile, FsPublisher, FsSubscriber, ShmPublisher, ShmSubscriber
 from weightsync.layout import ALIGN, LayoutError
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int8, torch.uint8,
@@ -43,19 +45,19 @@ def _same_bits(a, b):
 
 
 @pytest.fixture(autouse=True)
-def _no_region_left(tmp_path):
-    """A failing test must not leave its region in /dev/shm."""
+def _no_directory_left(tmp_path):
+    """A failing test must not leave its directory in /dev/shm."""
     yield
     for run_dir in (tmp_path, tmp_path / "run"):
-        with contextlib.suppress(OSError):
-            path = shm.region_path(str(run_dir))
-            for p in (path, f"{path}.tmp") if path else ():
-                if os.path.exists(p):
-                    os.unlink(p)
+        files.remove_dead_region(str(run_dir))
 
 
 def _cfg(transport):
     return load(None, [f'weightsync.transport="{transport}"'])
+
+
+def _versions(directory) -> list[int]:
+    return sorted(int(n[1:]) for n in os.listdir(directory) if files._VERSION.fullmatch(n))
 
 
 # ---- layout ---------------------------------------------------------------------------------
@@ -139,7 +141,7 @@ def test_layout_rejects_bad_input():
         layout.check_targets(h, {"b": torch.zeros(4)}, role="t")
 
 
-# ---- shared memory, one process ----------------------------------------------------------------
+# ---- versioned files, one process -----------------------------------------------------------------
 
 
 def _model(seed=0):
@@ -148,11 +150,39 @@ def _model(seed=0):
             "steps": torch.arange(5), "ln": torch.randn(16, generator=g).half()}
 
 
+@pytest.mark.parametrize("transport", ["shm", "filesystem"])
+def test_every_dtype_arrives_bit_exact_mapped_copied_and_converted(tmp_path, transport):
+    gen = torch.Generator().manual_seed(1)
+    shapes = [(33, 7), (5,), (), (0, 3), (300,)]
+    state = {f"{d}.{i}".replace("torch.", ""): _random_bits(d, s, gen) for d in DTYPES for i, s in enumerate(shapes)}
+    pub = make_publisher(_cfg(transport), str(tmp_path), state)
+    pub.publish(0, state)
+    same = {k: torch.zeros_like(v) for k, v in state.items()}
+    strided = {k: torch.zeros(v.shape[::-1], dtype=v.dtype).permute(tuple(range(v.dim() - 1, -1, -1)))
+               for k, v in state.items()}  # column-major: read through the staging buffer
+    for zero_copy, targets in ((True, same), (False, strided)):
+        sub = (ShmSubscriber if transport == "shm" else FsSubscriber)(str(tmp_path), 5, zero_copy=zero_copy)
+        assert sub.apply(targets) == 0
+        bad = [k for k in state if not _same_bits(targets[k].contiguous(), state[k])]
+        assert bad == [], bad
+        assert sub.stats.mapped == (len(state) if zero_copy else 0)  # CPU, published dtype: all mapped
+        sub.close()
+    wide = {k: torch.zeros(v.shape, dtype=torch.float64) for k, v in state.items()}
+    sub = make_subscriber(_cfg(transport), str(tmp_path), timeout_s=5)  # shm maps, filesystem copies
+    doubles = len([v for v in state.values() if v.dtype == torch.float64])
+    assert sub.apply(wide) == 0 and sub.stats.mapped == (doubles if transport == "shm" else 0)
+    bad = [k for k, v in state.items() if not _same_bits(wide[k], v.double())]  # as copy_ converts
+    assert bad == [], bad
+    sub.close()
+    pub.close()
+
+
 def test_shm_publish_apply_in_one_process(tmp_path):
     run_dir = str(tmp_path)
     params = _model()
     pub = make_publisher(_cfg("shm"), run_dir, params)
     sub = make_subscriber(_cfg("shm"), run_dir, timeout_s=5)
+    assert isinstance(pub, ShmPublisher) and isinstance(sub, ShmSubscriber)
     target = {k: torch.zeros_like(v) for k, v in params.items()}
     assert sub.latest_version() == -1 and sub.apply(target) is None
 
@@ -183,124 +213,175 @@ def test_shm_publish_apply_in_one_process(tmp_path):
 
     with pytest.raises(ValueError, match="increase"):
         pub.publish(3, params)
-    changed = dict(params, w=torch.zeros(64, 34))
     with pytest.raises(LayoutError, match="'w'"):
-        pub.publish(4, changed)
+        pub.publish(4, dict(params, w=torch.zeros(64, 34)))
     with pytest.raises(LayoutError, match="dtype"):
         pub.publish(4, dict(params, w=params["w"].double()))
     with pytest.raises(LayoutError, match="missing"):
         sub.apply({k: v for k, v in target.items() if k != "ln"})
 
-    path = pub.path
+    directory = pub.dir
     pub.close()
     pub.close()  # idempotent
-    assert not os.path.exists(path)
-    assert sub.publisher_closed and sub.latest_version() == 3
-    assert _same_bits(target["w"], later["w"])  # mapped weights outlive the unlinked region
+    assert not os.path.exists(directory) and not os.path.exists(os.path.join(run_dir, files.RECORD))
+    assert sub.publisher_closed and sub.latest_version() == 3 and sub.apply(target) is None
+    assert _same_bits(target["w"], later["w"])  # mapped weights outlive their unlinked file
     for s in (sub, sub2):
         s.close()
         s.close()
-    # a closed subscriber no longer pins, but the memory stays mapped while tensors use it
     assert _same_bits(target["w"], later["w"])
 
 
-def test_shm_pinned_slots_are_never_overwritten(tmp_path, monkeypatch):
-    """Two slots, one reader: while it holds a slot (mapped, or mid-copy) the writer must skip
-    rather than write into it; a mapped reader's weights stay put until it applies again."""
-    v0, v1, v2 = _model(0), _model(1), _model(2)
-    pub = shm.ShmPublisher(str(tmp_path), v0, max_readers=1, slots=2, wait_s=0.01)
-    mapper = shm.ShmSubscriber(str(tmp_path), timeout_s=5)
-    with pytest.raises(RuntimeError, match="reader entries"):
-        shm.ShmSubscriber(str(tmp_path), timeout_s=5)  # the table holds max_readers
-    pub.publish(0, v0)
-    held = {k: torch.zeros_like(v) for k, v in v0.items()}
-    assert mapper.apply(held) == 0 and pub.readers() == [(os.getpid(), 0)]
-    assert pub.publish(1, v1).version == 1  # slot 1
-    assert pub.publish(2, v2) is None  # slot 0 pinned, slot 1 current: skipped, not overwritten
-    assert pub.skipped == 1 and pub.metrics()["weightsync/publishes_skipped"] == 1
-    assert all(_same_bits(held[k], v0[k]) for k in v0)
-    assert mapper.apply(held) == 1 and all(_same_bits(held[k], v1[k]) for k in v0)
-    assert pub.readers() == [(os.getpid(), 1)]  # the pin moved with the mapping
-    assert pub.publish(3, v2).version == 3  # slot 0 is free again
+def _inode(pub, version: int) -> int:
+    return os.stat(os.path.join(pub.dir, f"v{version}")).st_ino
+
+
+def test_a_mapped_version_is_never_reused_and_a_released_one_is(tmp_path):
+    """The publisher reuses a retired file only when no reader has it open: a mapped reader's
+    weights stay put however far the publisher moves on, and files do not pile up."""
+    pub = ShmPublisher(str(tmp_path), _model(0))
+    mapper = ShmSubscriber(str(tmp_path), timeout_s=5)
+    pub.publish(0, _model(0))
+    held = {k: torch.zeros_like(v) for k, v in _model(0).items()}
+    assert mapper.apply(held) == 0 and mapper.stats.mapped == len(held)
+    first = _inode(pub, 0)
+    inodes = set()
+    for v in range(1, 12):
+        pub.publish(v, _model(v))
+        inodes.add(_inode(pub, v))
+    assert first not in inodes  # never rewritten while mapped...
+    assert all(_same_bits(held[k], _model(0)[k]) for k in held)  # ...so the weights never changed
+    assert len(inodes) <= pub.keep + 2, "retired files nobody has open must be reused, not piled up"
+    assert mapper.apply(held) == 11 and all(_same_bits(held[k], _model(11)[k]) for k in held)
+    for v in range(12, 16):  # the version 0 file is free now: it is reused
+        pub.publish(v, _model(v))
+        inodes.add(_inode(pub, v))
+    assert first in inodes and pub.skipped == 0
     mapper.close()
-    assert pub.readers() == []
+    pub.close()
 
-    # a copying reader pins its slot for the length of the copy: two publishes land mid-copy
-    copier = shm.ShmSubscriber(str(tmp_path), timeout_s=5, zero_copy=False)
-    real_copy, armed = shm._copy_all, [True]
 
-    def copy_while_publishing(dst, src):
-        if armed and armed.pop():
-            assert pub.publish(4, v0).version == 4  # into the free slot
-            assert pub.publish(5, v1) is None  # the other one is being copied from
-        real_copy(dst, src)
+def test_a_copying_reader_keeps_its_version_while_the_publisher_moves_on(tmp_path, monkeypatch):
+    pub = ShmPublisher(str(tmp_path), _model(0))
+    copier = ShmSubscriber(str(tmp_path), timeout_s=5, zero_copy=False)
+    pub.publish(0, _model(0))
+    opened = _inode(pub, 0)
+    real_read, armed, during = files.Version._read, [True], []
 
-    monkeypatch.setattr(shm, "_copy_all", copy_while_publishing)
-    got = {k: torch.zeros_like(v) for k, v in v0.items()}
-    assert copier.apply(got) == 3 and copier.stats.mapped == 0
-    assert all(_same_bits(got[k], v2[k]) for k in v0)
-    assert pub.readers() == [(os.getpid(), -1)]  # released after the copy
-    assert copier.apply(got) == 4 and all(_same_bits(got[k], v0[k]) for k in v0)
+    def read_while_publishing(self, *args):
+        if armed and armed.pop():  # mid-copy: enough publishes to reuse every other file twice
+            for v in range(1, 3 * (pub.keep + 2)):
+                pub.publish(v, _model(v))
+                during.append(_inode(pub, v))
+        real_read(self, *args)
+
+    monkeypatch.setattr(files.Version, "_read", read_while_publishing)
+    got = {k: torch.zeros_like(v) for k, v in _model(0).items()}
+    assert copier.apply(got) == 0 and copier.stats.mapped == 0
+    assert all(_same_bits(got[k], _model(0)[k]) for k in got)  # the version it opened, whole
+    assert opened not in during
+    newest = 3 * (pub.keep + 2) - 1
+    assert copier.apply(got) == newest and all(_same_bits(got[k], _model(newest)[k]) for k in got)
     copier.close()
     pub.close()
 
 
-def _pinning_reader(run_dir: str, ready: str, linger_s: float) -> None:
-    """Maps the newest weights, says so, then lingers (to be killed) or exits without close()."""
-    torch.set_num_threads(1)
-    sub = shm.ShmSubscriber(run_dir, timeout_s=30)
-    target = {k: torch.zeros_like(v) for k, v in _model().items()}
-    assert sub.apply(target) is not None and sub.stats.mapped == len(target)
-    open(ready, "w").close()
-    time.sleep(linger_s)
+def test_unlink_while_mapped_keeps_the_readers_weights(tmp_path):
+    """A reader's mapped weights survive the publisher unlinking their file: on close, on a
+    SIGKILLed publisher's cleanup (remove_dead_region), or by hand."""
+    run_dir = str(tmp_path)
+    pub = ShmPublisher(run_dir, _model(0))
+    pub.publish(7, _model(7))
+    a = ShmSubscriber(run_dir, 5)
+    mapped = {k: torch.zeros_like(v) for k, v in _model(0).items()}
+    assert a.apply(mapped) == 7 and a.stats.mapped == len(mapped)
+    os.unlink(os.path.join(pub.dir, "v7"))  # by hand
+    assert all(_same_bits(mapped[k], _model(7)[k]) for k in mapped)
+    pub.publish(8, _model(8))
+    assert a.apply(mapped) == 8
+    directory = pub.dir
+    pub._finalizer.detach()  # as if SIGKILLed: nothing cleaned up, the lock dropped with the fd
+    os.close(pub._store.lock_fd)
+    assert os.path.isdir(directory)
+    assert files.remove_dead_region(run_dir) >= 1
+    assert not os.path.exists(directory) and not os.path.exists(os.path.join(run_dir, files.RECORD))
+    assert all(_same_bits(mapped[k], _model(8)[k]) for k in mapped)
+    torch.manual_seed(0)
+    for _ in range(3):  # the pages stay valid for computation, not just for one read
+        assert torch.equal(mapped["w"] @ torch.ones(33), _model(8)["w"] @ torch.ones(33))
+    a.close()
 
 
-def test_shm_dead_readers_release_their_pins(tmp_path, procs):
-    run_dir = str(tmp_path / "run")
-    pub = shm.ShmPublisher(run_dir, _model(), max_readers=1, slots=2, wait_s=0.05)
-    pub.publish(0, _model())
-    ctx = mp.get_context("spawn")
-
-    def start(name, linger_s):
-        ready = str(tmp_path / name)
-        p = ctx.Process(target=_pinning_reader, args=(run_dir, ready, linger_s), daemon=True)
-        p.start()
-        procs.append(p)
-        deadline = time.monotonic() + 60
-        while not os.path.exists(ready):
-            assert time.monotonic() < deadline and p.is_alive(), "reader did not start"
-            time.sleep(0.05)
-        return p
-
-    # a reader that exits without close() frees its entry at interpreter exit
-    quitter = start("quitter", 0)
-    quitter.join(30)
-    assert quitter.exitcode == 0 and pub.readers() == []
-
-    victim = start("victim", 60)
-    assert pub.readers() == [(victim.pid, 0)]
-    assert pub.publish(1, _model(1)).version == 1
-    assert pub.publish(2, _model(2)) is None  # slot 0 pinned by the live reader
-    victim.kill()  # SIGKILL: no finalizer runs
-    os.waitid(os.P_PID, victim.pid, os.WEXITED | os.WNOWAIT)  # dead but not reaped: a zombie
-    assert pub.publish(3, _model(3)).version == 3  # the dead reader's pin was reclaimed
-    assert pub.readers() == [] and pub.skipped == 1
-    late = shm.ShmSubscriber(run_dir, timeout_s=5)  # and so was its table entry
-    target = {k: torch.zeros_like(v) for k, v in _model().items()}
-    assert late.apply(target) == 3 and _same_bits(target["w"], _model(3)["w"])
-    late.close()
+def test_damaged_or_truncated_files_are_refused_by_name(tmp_path):
+    run_dir = str(tmp_path)
+    pub = FsPublisher(run_dir, _model(0))
+    target = {k: torch.zeros_like(v) for k, v in _model(0).items()}
+    sub = FsSubscriber(run_dir, 5, poll_s=0)
+    for v, damage in enumerate(["truncate", "payload", "header", "version", "magic"]):
+        pub.publish(v, _model(v))
+        path = os.path.join(pub.dir, f"v{v}")
+        with open(path, "r+b") as f:
+            data = bytearray(f.read())
+            if damage == "truncate":
+                f.truncate(len(data) - 100)
+            else:
+                at = {"payload": len(data) - 10, "header": files._PREFIX.size + 3, "version": 8, "magic": 0}[damage]
+                data[at] ^= 0x40
+                f.seek(0)
+                f.write(data)
+        before = {k: t.clone() for k, t in target.items()}
+        with pytest.raises(DamagedFile, match=f"v{v}"):
+            sub.apply(target)
+        assert all(torch.equal(target[k], before[k]) for k in target), f"{damage}: bytes applied anyway"
+    # shm files carry no payload checksum, but a truncated one is refused all the same
+    shm_pub = ShmPublisher(str(tmp_path / "run"), _model(0))
+    shm_pub.publish(0, _model(0))
+    os.truncate(os.path.join(shm_pub.dir, "v0"), files.PAGE)
+    shm_sub = ShmSubscriber(str(tmp_path / "run"), 5)
+    with pytest.raises(DamagedFile, match="truncated or damaged"):
+        shm_sub.apply(target)
+    # LATEST must name a version file (shm: a symlink, read and never followed; filesystem: a file)
+    os.unlink(os.path.join(shm_pub.dir, files.LATEST))
+    os.symlink("../../etc/passwd", os.path.join(shm_pub.dir, files.LATEST))
+    with pytest.raises(DamagedFile, match="not a version file"):
+        shm_sub.latest_version()
+    with open(os.path.join(pub.dir, files.LATEST), "w") as f:
+        f.write("../../etc/passwd\n")
+    with pytest.raises(DamagedFile, match="not a version file"):
+        sub.latest_version()
+    shm_sub.close()
+    shm_pub.close()
     pub.close()
+    sub.close()
+
+
+def test_nothing_is_pickled(tmp_path, monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("pickle used")
+
+    for name in ("dumps", "loads", "dump", "load"):
+        monkeypatch.setattr(pickle, name, refuse)
+    for transport, sub_cls in (("shm", ShmSubscriber), ("filesystem", FsSubscriber)):
+        run_dir = str(tmp_path / transport)
+        pub = make_publisher(_cfg(transport), run_dir, _model(0))
+        pub.publish(0, _model(1))
+        target = {k: torch.zeros_like(v) for k, v in _model(0).items()}
+        assert sub_cls(run_dir, 5).apply(target) == 0 and _same_bits(target["emb"], _model(1)["emb"])
+        with open(os.path.join(pub.dir, "v0"), "rb") as f:
+            head = f.read(files.PAGE)
+        assert head.startswith(files.MAGIC) and b"ws_file" in head  # a msgspec header
+        pub.close()
 
 
 def test_shm_subscriber_waits_for_publisher(tmp_path):
     with pytest.raises(TimeoutError, match=str(tmp_path)):
-        shm.ShmSubscriber(str(tmp_path), timeout_s=0.2)
+        ShmSubscriber(str(tmp_path), timeout_s=0.2)
     got = {}
-    t = threading.Thread(target=lambda: got.setdefault("sub", shm.ShmSubscriber(str(tmp_path), timeout_s=20)))
+    t = threading.Thread(target=lambda: got.setdefault("sub", ShmSubscriber(str(tmp_path), timeout_s=20)))
     t.start()
     time.sleep(0.2)
     assert "sub" not in got  # still waiting
-    pub = shm.ShmPublisher(str(tmp_path), _model())
+    pub = ShmPublisher(str(tmp_path), _model())
     t.join(20)
     pub.publish(5, _model())
     assert got["sub"].latest_version() == 5
@@ -308,26 +389,26 @@ def test_shm_subscriber_waits_for_publisher(tmp_path):
     pub.close()
 
 
-def test_shm_second_live_publisher_refused_and_restart_reattaches(tmp_path):
+def test_shm_second_live_publisher_refused_and_restart_followed(tmp_path):
     params = _model()
-    pub = shm.ShmPublisher(str(tmp_path), params)
+    pub = ShmPublisher(str(tmp_path), params)
     with pytest.raises(RuntimeError, match="already live"):
-        shm.ShmPublisher(str(tmp_path), params)
-    sub = shm.ShmSubscriber(str(tmp_path), timeout_s=5)
+        ShmPublisher(str(tmp_path), params)
+    sub = ShmSubscriber(str(tmp_path), timeout_s=5)
     pub.publish(0, params)
     pub.close()
-    # a restarted learner: the reader moves to the new region
-    pub2 = shm.ShmPublisher(str(tmp_path), params)
+    # a restarted learner: a new directory, which the reader finds through run_dir
+    pub2 = ShmPublisher(str(tmp_path), params)
     pub2.publish(10, _model(seed=3))
-    sub._next_reattach = 0.0
-    assert sub.latest_version() == 10
+    sub._next_find = 0.0
+    assert sub.latest_version() == 10 and sub.dir == pub2.dir
     target = {k: torch.zeros_like(v) for k, v in params.items()}
     assert sub.apply(target) == 10 and _same_bits(target["w"], _model(seed=3)["w"])
     pub2.close()
     # a restart with another model: the reader's tensors no longer fit, and it says so
-    pub3 = shm.ShmPublisher(str(tmp_path), dict(params, w=torch.zeros(64, 34)))
+    pub3 = ShmPublisher(str(tmp_path), dict(params, w=torch.zeros(64, 34)))
     pub3.publish(11, dict(params, w=torch.ones(64, 34)))
-    sub._next_reattach = 0.0
+    sub._next_find = 0.0
     assert sub.latest_version() == 11
     with pytest.raises(LayoutError, match="'w' has shape"):
         sub.apply(target)
@@ -335,26 +416,54 @@ def test_shm_second_live_publisher_refused_and_restart_reattaches(tmp_path):
     sub.close()
 
 
-def test_shm_publisher_dropped_without_close_retires_region(tmp_path):
-    pub = shm.ShmPublisher(str(tmp_path), _model())
-    sub = shm.ShmSubscriber(str(tmp_path), timeout_s=5)
-    path = pub.path
+def test_shm_publisher_dropped_without_close_leaves_nothing(tmp_path):
+    pub = ShmPublisher(str(tmp_path), _model())
+    pub.publish(0, _model())
+    sub = ShmSubscriber(str(tmp_path), timeout_s=5)
+    directory = pub.dir
     del pub  # e.g. a learner that exits without close()
-    assert not os.path.exists(path)
+    assert not os.path.exists(directory) and os.listdir(tmp_path) == []
     assert sub.publisher_closed
     sub.close()
 
 
-def test_shm_reader_liveness_rules():
-    import subprocess
+def _holding_reader(run_dir: str, ready: str) -> None:
+    """Maps the newest weights, says so, then waits to be killed."""
+    torch.set_num_threads(1)
+    sub = ShmSubscriber(run_dir, timeout_s=30)
+    target = {k: torch.zeros_like(v) for k, v in _model().items()}
+    assert sub.apply(target) is not None and sub.stats.mapped == len(target)
+    open(ready, "w").close()
+    time.sleep(120)
 
-    me, start, ns = shm._me()
-    assert shm._alive(me, start, ns) and shm._alive(me, 0, ns)  # 0: start time unknown
-    assert not shm._alive(me, start + 1, ns)  # same pid, another process: the pid was reused
-    gone = subprocess.Popen(["true"])
-    gone.wait()
-    assert not shm._alive(gone.pid, 0, ns)
-    assert shm._alive(gone.pid, 0, ns + 1)  # another pid namespace: never presumed dead
+
+def test_a_killed_readers_file_is_reused(tmp_path, procs):
+    """Nothing to reclaim: the kernel closes a SIGKILLed reader's files, and the publisher's
+    next check finds the file free."""
+    run_dir = str(tmp_path / "run")
+    pub = ShmPublisher(run_dir, _model())
+    pub.publish(0, _model())
+    first = _inode(pub, 0)
+    ready = str(tmp_path / "ready")
+    p = mp.get_context("spawn").Process(target=_holding_reader, args=(run_dir, ready), daemon=True)
+    p.start()
+    procs.append(p)
+    deadline = time.monotonic() + 60
+    while not os.path.exists(ready):
+        assert time.monotonic() < deadline and p.is_alive(), "reader did not start"
+        time.sleep(0.05)
+    seen = set()
+    for v in range(1, 8):
+        pub.publish(v, _model(v))
+        seen.add(_inode(pub, v))
+    assert first not in seen  # held by the live reader
+    os.kill(p.pid, signal.SIGKILL)
+    p.join(30)
+    for v in range(8, 12):
+        pub.publish(v, _model(v))
+        seen.add(_inode(pub, v))
+    assert first in seen and pub.skipped == 0
+    pub.close()
 
 
 def _qwen3(seed: int):
@@ -379,9 +488,9 @@ def test_shm_drives_a_real_engine(tmp_path, dtype):
 
     learner = _qwen3(seed=1)
     weights = {k: v.detach() for k, v in learner.state_dict().items()}
-    pub = shm.ShmPublisher(str(tmp_path), weights, max_readers=1)
+    pub = ShmPublisher(str(tmp_path), weights)
     with torch.inference_mode():  # as if (re)attached mid-generation: its views must stay normal
-        sub = shm.ShmSubscriber(str(tmp_path), timeout_s=5)
+        sub = ShmSubscriber(str(tmp_path), timeout_s=5)
     actor = engine(_qwen3(seed=2), sub)  # other initial weights: the update must reach the module
     params = actor.params()
     assert all(p is q for p, q in zip(params.values(), actor.model.parameters()))
@@ -406,7 +515,7 @@ def test_shm_drives_a_real_engine(tmp_path, dtype):
     pub.close()
 
 
-# ---- shared memory, several processes ----------------------------------------------------------
+# ---- shm, several processes ----------------------------------------------------------------------
 
 N_VERSIONS = 1500
 _PATTERN = (torch.arange(512 * 512, dtype=torch.float32) % 251).reshape(512, 512) * 1024
@@ -436,7 +545,7 @@ def _holds(target, version: int) -> bool:
 def _reader_proc(kind: str, run_dir: str, out_path: str, n_versions: int, wide: bool) -> None:
     torch.set_num_threads(1)
     if kind == "shm":
-        sub = shm.ShmSubscriber(run_dir, timeout_s=30)
+        sub = files.ShmSubscriber(run_dir, timeout_s=30)
     else:
         from weightsync.nccl import NcclSubscriber
 
@@ -463,9 +572,9 @@ def _reader_proc(kind: str, run_dir: str, out_path: str, n_versions: int, wide: 
         if not _holds(target, v):
             bad.append(v)
         if sub.stats.mapped and len(applied) % 3 == 1 and v < n_versions - 1:
-            # keep computing with version v while the publisher moves on: the slot it is
-            # mapped from is pinned, so it must not change (a writer blind to pins reuses it
-            # within two publishes)
+            # keep computing with version v while the publisher moves on: the file it is
+            # mapped from is open here, so it must not be reused (a writer blind to readers
+            # would reuse it within three publishes)
             until = min(v + 4, n_versions - 1)
             while sub.latest_version() < until and time.monotonic() < deadline:
                 time.sleep(0)
@@ -517,7 +626,7 @@ def _check_readers(procs, outs):
 def test_shm_concurrent_readers_never_see_torn_versions(tmp_path, procs):
     run_dir = str(tmp_path / "run")
     torch.set_num_threads(1)
-    pub = shm.ShmPublisher(run_dir, _versioned(0), max_readers=2)
+    pub = files.ShmPublisher(run_dir, _versioned(0))
     outs = _start_readers(procs, "shm", run_dir, tmp_path)
     deadline = time.monotonic() + 60
     while not all(os.path.exists(o + ".ready") for o in outs):
@@ -529,10 +638,10 @@ def test_shm_concurrent_readers_never_see_torn_versions(tmp_path, procs):
     results = _check_readers(procs, outs)
     skipped = pub.skipped
     pub.close()
-    assert skipped == 0  # 2 + max_readers slots: a publish never has to skip
+    assert skipped == 0  # a publish never has to skip: a new file when every spare is held
     mapper, copier = results
     assert mapper["mapped"] == len(state) and copier["mapped"] == 0  # both modes ran
-    assert mapper["changed"] == [], f"mapped weights changed while pinned: {mapper['changed'][:5]}"
+    assert mapper["changed"] == [], f"mapped weights changed while held: {mapper['changed'][:5]}"
     assert mapper["held"] and max(mapper["held"]) >= 2, "the publisher never moved on during a hold"
     assert all(len(r["applied"]) >= 2 for r in results)
     print("applies per reader:", [len(r["applied"]) for r in results], "publishes during holds:", mapper["held"])
@@ -541,30 +650,32 @@ def test_shm_concurrent_readers_never_see_torn_versions(tmp_path, procs):
 # ---- filesystem ---------------------------------------------------------------------------------
 
 
-def test_filesystem_roundtrip_keeps_newest_two(tmp_path):
+def test_filesystem_roundtrip_keeps_newest_three(tmp_path):
     run_dir = str(tmp_path)
     params = _model()
     params["tied"] = params["w"]  # shared storage, as tied embeddings are
     pub = make_publisher(_cfg("filesystem"), run_dir, params)
+    assert isinstance(pub, FsPublisher) and pub.dir == files.weights_dir(run_dir)
     made = make_subscriber(_cfg("filesystem"), run_dir, timeout_s=5)
     assert isinstance(made, FsSubscriber)
     made.close()
     sub = FsSubscriber(run_dir, timeout_s=5, poll_s=0)  # no re-read interval: deterministic test
     target = {k: torch.zeros_like(v) for k, v in params.items()}
     assert sub.latest_version() == -1 and sub.apply(target) is None
-    for v in range(4):
-        pub.publish(v, params if v < 3 else _model(seed=v) | {"tied": _model(seed=v)["w"]})
-    assert versions_on_disk(run_dir) == [2, 3]
-    with open(os.path.join(run_dir, "weights", "LATEST")) as f:
-        assert f.read().strip() == "3"
-    assert sub.latest_version() == 3
-    assert sub.apply(target) == 3
-    assert all(_same_bits(target[k], _model(seed=3)[k]) for k in _model())
+    for v in range(5):
+        pub.publish(v, params if v < 4 else _model(seed=v) | {"tied": _model(seed=v)["w"]})
+    assert _versions(pub.dir) == [2, 3, 4]
+    with open(os.path.join(pub.dir, files.LATEST)) as f:
+        assert f.read() == "v4\n"
+    assert sub.latest_version() == 4
+    assert sub.apply(target) == 4 and sub.stats.mapped == 0  # a network file system: copied
+    assert all(_same_bits(target[k], _model(seed=4)[k]) for k in _model())
     assert sub.apply(target) is None
-    pub.publish(4, params)
-    assert sub.latest_version() == 4 and sub.apply(target) == 4
+    pub.publish(5, params)
+    assert sub.latest_version() == 5 and sub.apply(target) == 5
     assert _same_bits(target["emb"], params["emb"])
-    assert not any(".tmp" in n for n in os.listdir(os.path.join(run_dir, "weights")))
+    assert sorted(os.listdir(pub.dir)) == ["LATEST", "v3", "v4", "v5"]  # no temporary left
+    assert os.stat(pub.dir).st_mode & 0o777 == 0o700
     pub.close()
     pub.close()
     sub.close()
@@ -572,7 +683,7 @@ def test_filesystem_roundtrip_keeps_newest_two(tmp_path):
 
 def test_filesystem_late_joiner(tmp_path):
     run_dir = str(tmp_path)
-    with pytest.raises(TimeoutError, match="LAYOUT"):
+    with pytest.raises(TimeoutError, match="weights"):
         FsSubscriber(run_dir, timeout_s=0.2)
     pub = FsPublisher(run_dir, _versioned(0))
     for v in range(5):
@@ -586,6 +697,9 @@ def test_filesystem_late_joiner(tmp_path):
     assert torch.equal(target["emb"], _versioned(4)["emb"].float())
     assert late.stats.versions_skipped == 0  # not behind: it joined late
     late.close()
+    restarted = FsPublisher(run_dir, _versioned(0))  # a restarted learner starts from a clean directory
+    assert _versions(restarted.dir) == []
+    restarted.close()
 
 
 # ---- NCCL transport protocol, run over Gloo on CPU ------------------------------------------------

@@ -1,13 +1,14 @@
 """Weight sync among strangers on one host, and waits that honour stop.
 
-/dev/shm is shared by every user: a region's name must be unpredictable, created exclusively,
-private (0600, this uid), and refused by a subscriber otherwise. A SIGKILLed publisher's region
-is removed by the next one. Every wait for a publisher (or for subscribers) ends on ``stop``.
+/dev/shm is shared by every user: the shm transport's directory must have an unpredictable name,
+be created exclusively, be private (0700, this uid; its run_dir record 0600), and be refused by a
+subscriber otherwise. A SIGKILLed publisher's directory is removed by the next one, and by
+``remove_dead_region`` once the run is over. Every wait for a publisher (or for subscribers) ends
+on ``stop``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -22,8 +23,9 @@ import pytest
 import torch
 import zmq
 
-from weightsync import shm
+from weightsync import files
 from weightsync.base import Stopped, make_subscriber
+from weightsync.files import ShmPublisher, ShmSubscriber, UnsafeDirectory
 
 NOBODY = 65534
 
@@ -33,65 +35,80 @@ def _model(seed: int = 0) -> dict[str, torch.Tensor]:
     return {"w": torch.randn(16, 8, generator=g), "b": torch.randn(8, generator=g)}
 
 
-def _regions() -> set[str]:
-    return {n for n in os.listdir(shm._shm_dir()) if n.startswith("driftrl-weights-")}
+def _ours() -> set[str]:
+    return {n for n in os.listdir(files._shm_root("/")) if n.startswith("driftrl-weights-")}
 
 
 @pytest.fixture
 def run_dir(tmp_path):
     d = str(tmp_path / "run")
     yield d
-    with contextlib.suppress(OSError):
-        path = shm.region_path(d)
-        for p in (path, f"{path}.tmp") if path else ():
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(p)
+    files.remove_dead_region(d)
 
 
 # ---- names, records, modes ------------------------------------------------------------------
 
 
-def test_region_name_is_random_recorded_and_private(run_dir):
-    pub = shm.ShmPublisher(run_dir, _model())
-    first = pub.path
-    record = os.path.join(run_dir, shm.RECORD)
-    assert shm.region_path(run_dir) == first
-    for p in (first, record):
+def test_directory_name_is_random_recorded_and_private(run_dir):
+    pub = ShmPublisher(run_dir, _model())
+    pub.publish(0, _model())
+    first = pub.dir
+    record = os.path.join(run_dir, files.RECORD)
+    assert files.recorded_dir(run_dir) == first
+    for p, mode in ((first, 0o700), (record, 0o600), (os.path.join(first, "v0"), 0o600)):
         st = os.stat(p)
-        assert st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) == 0o600, (p, oct(st.st_mode))
+        assert st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) == mode, (p, oct(st.st_mode))
     pub.close()
-    pub2 = shm.ShmPublisher(run_dir, _model())  # same run_dir, a fresh name: nothing to predict
-    assert pub2.path != first and os.path.dirname(pub2.path) == os.path.dirname(first)
-    assert len(os.path.basename(pub2.path)) - len("driftrl-weights-") == 32
+    pub2 = ShmPublisher(run_dir, _model())  # same run_dir, a fresh name: nothing to predict
+    assert pub2.dir != first and os.path.dirname(pub2.dir) == os.path.dirname(first)
+    assert len(os.path.basename(pub2.dir)) - len("driftrl-weights-") == 32
     pub2.close()
 
 
-@pytest.mark.parametrize("which", ["region", "record"])
-def test_subscriber_refuses_a_region_others_may_write(run_dir, which):
-    pub = shm.ShmPublisher(run_dir, _model())
+@pytest.mark.parametrize("which", ["directory", "record"])
+def test_subscriber_refuses_a_directory_others_may_use(run_dir, which):
+    pub = ShmPublisher(run_dir, _model())
     pub.publish(0, _model())
-    target = pub.path if which == "region" else os.path.join(run_dir, shm.RECORD)
-    os.chmod(target, 0o644)
-    with pytest.raises(shm.UnsafeRegion, match="mode 0644"):
-        shm.ShmSubscriber(run_dir, timeout_s=5)
-    os.chmod(target, 0o600)  # back to private: accepted
-    sub = shm.ShmSubscriber(run_dir, timeout_s=5)
+    target, mode = (pub.dir, 0o755) if which == "directory" else (os.path.join(run_dir, files.RECORD), 0o644)
+    private = stat.S_IMODE(os.stat(target).st_mode)
+    os.chmod(target, mode)
+    with pytest.raises(UnsafeDirectory, match=f"mode {mode:04o}"):
+        ShmSubscriber(run_dir, timeout_s=5)
+    os.chmod(target, private)  # back to private: accepted
+    sub = ShmSubscriber(run_dir, timeout_s=5)
     assert sub.latest_version() == 0
     sub.close()
     pub.close()
 
 
-def test_subscriber_refuses_a_recorded_name_that_is_not_a_region(run_dir, tmp_path):
+def test_filesystem_subscriber_refuses_a_directory_others_may_use(tmp_path):
+    pub = files.FsPublisher(str(tmp_path), _model())
+    assert stat.S_IMODE(os.stat(pub.dir).st_mode) == 0o700
+    os.chmod(pub.dir, 0o777)
+    with pytest.raises(UnsafeDirectory, match="mode 0777"):
+        files.FsSubscriber(str(tmp_path), timeout_s=5)
+    pub.close()
+
+
+def test_subscriber_refuses_a_recorded_name_that_is_not_a_weights_directory(run_dir, tmp_path):
     os.makedirs(run_dir)
-    victim = tmp_path / "precious.txt"
-    victim.write_bytes(b"keep me")
-    os.chmod(victim, 0o600)
+    victim = tmp_path / "precious"
+    victim.mkdir(mode=0o700)
     from core.files import atomic_write
 
-    atomic_write(os.path.join(run_dir, shm.RECORD), f"{victim}\n".encode(), mode=0o600)
-    with pytest.raises(shm.UnsafeRegion, match="not a driftrl weight region name"):
-        shm.ShmSubscriber(run_dir, timeout_s=5)
-    assert victim.read_bytes() == b"keep me"  # never opened for writing
+    atomic_write(os.path.join(run_dir, files.RECORD), f"{victim}\n".encode(), mode=0o600)
+    with pytest.raises(UnsafeDirectory, match="not a driftrl weights directory name"):
+        ShmSubscriber(run_dir, timeout_s=5)
+    # a symlink where the directory should be is refused, never followed
+    fake = os.path.join(files._shm_root(run_dir), f"driftrl-weights-{'ab' * 16}")
+    os.symlink(str(victim), fake)
+    try:
+        atomic_write(os.path.join(run_dir, files.RECORD), f"{fake}\n".encode(), mode=0o600)
+        with pytest.raises(UnsafeDirectory, match="not a directory"):
+            ShmSubscriber(run_dir, timeout_s=5)
+        assert files.remove_dead_region(run_dir) == 0 and os.path.islink(fake)  # not touched either
+    finally:
+        os.unlink(fake)
 
 
 def _root_only():
@@ -99,14 +116,14 @@ def _root_only():
         pytest.skip("needs root to own files as, or become, another uid")
 
 
-def test_subscriber_refuses_a_region_another_uid_owns(run_dir):
+def test_subscriber_refuses_a_directory_another_uid_owns(run_dir):
     _root_only()
-    pub = shm.ShmPublisher(run_dir, _model())
+    pub = ShmPublisher(run_dir, _model())
     pub.publish(0, _model())
-    os.chown(pub.path, NOBODY, -1)
-    with pytest.raises(shm.UnsafeRegion, match=f"owned by uid {NOBODY}"):
-        shm.ShmSubscriber(run_dir, timeout_s=5)
-    os.chown(pub.path, 0, -1)
+    os.chown(pub.dir, NOBODY, -1)
+    with pytest.raises(UnsafeDirectory, match=f"owned by uid {NOBODY}"):
+        ShmSubscriber(run_dir, timeout_s=5)
+    os.chown(pub.dir, 0, -1)
     pub.close()
 
 
@@ -142,95 +159,105 @@ def _try(fn) -> str:
     return "ok"
 
 
-def test_a_second_user_cannot_open_or_precreate_the_runs_shared_memory(monkeypatch):
+def test_a_second_user_cannot_read_plant_or_precreate_the_runs_weights(monkeypatch):
     _root_only()
     run_dir = tempfile.mkdtemp(prefix="driftrl-victim-")
-    os.chmod(run_dir, 0o755)  # even a readable run_dir does not give the region away
-    pub = shm.ShmPublisher(run_dir, _model())
+    os.chmod(run_dir, 0o755)  # even a readable run_dir does not give the weights away
+    pub = ShmPublisher(run_dir, _model())
     pub.publish(0, _model())
-    record = os.path.join(run_dir, shm.RECORD)
+    record = os.path.join(run_dir, files.RECORD)
+    version = os.path.join(pub.dir, "v0")
+    guess = os.path.join(files._shm_root(run_dir), f"driftrl-weights-{'cd' * 16}")
     try:
         # the stranger learns the name anyway (ls /dev/shm) and tries everything
         got = _as_nobody(lambda: {
-            "read_region": _try(lambda: os.close(os.open(pub.path, os.O_RDONLY))),
-            "write_region": _try(lambda: os.close(os.open(pub.path, os.O_RDWR))),
+            "list_dir": _try(lambda: os.listdir(pub.dir)),
+            "read_version": _try(lambda: os.close(os.open(version, os.O_RDONLY))),
+            "plant_file": _try(lambda: os.close(os.open(os.path.join(pub.dir, "v9"), os.O_WRONLY | os.O_CREAT))),
             "read_record": _try(lambda: open(record, "rb").close()),
             "replace_record": _try(lambda: open(record + ".x", "wb").close()),
-            "subscribe": _try(lambda: shm.ShmSubscriber(run_dir, timeout_s=0.5)),
+            "subscribe": _try(lambda: ShmSubscriber(run_dir, timeout_s=0.5)),
         })
-        assert got == {"read_region": "PermissionError", "write_region": "PermissionError",
-                       "read_record": "PermissionError", "replace_record": "PermissionError",
-                       "subscribe": "UnsafeRegion"}, got
+        assert got == {"list_dir": "PermissionError", "read_version": "PermissionError",
+                       "plant_file": "PermissionError", "read_record": "PermissionError",
+                       "replace_record": "PermissionError", "subscribe": "UnsafeDirectory"}, got
         pub.close()
 
-        # pre-creation: a stranger who guessed the next name holds it first, with forged bytes
-        guess = shm._new_region_path()
-        forged = b"DRFTWS02" + b"\0" * 4088
-        assert _as_nobody(lambda: {"made": _try(lambda: _make(guess, forged))}) == {"made": "ok"}
-        monkeypatch.setattr(shm, "_new_region_path", lambda: guess)
-        with pytest.raises(shm.UnsafeRegion, match="someone else created this name"):
-            shm.ShmPublisher(run_dir, _model())
-        # the record now names the stranger's file: the victim's actor refuses it
-        assert shm.region_path(run_dir) == guess
-        with pytest.raises(shm.UnsafeRegion, match=f"owned by uid {NOBODY}"):
-            shm.ShmSubscriber(run_dir, timeout_s=5)
-        with open(guess, "rb") as f:
-            assert f.read() == forged  # never written to by the victim
+        # pre-creation: a stranger who guessed the next name holds it first
+        assert _as_nobody(lambda: {"made": _try(lambda: os.mkdir(guess, 0o777))}) == {"made": "ok"}
+        monkeypatch.setattr(files.secrets, "token_hex", lambda n: "cd" * n)
+        with pytest.raises(UnsafeDirectory, match="someone else created this name"):
+            ShmPublisher(run_dir, _model())
+        # the record now names the stranger's directory: the victim's actor refuses it
+        assert files.recorded_dir(run_dir) == guess
+        with pytest.raises(UnsafeDirectory, match=f"owned by uid {NOBODY}"):
+            ShmSubscriber(run_dir, timeout_s=5)
+        assert files.remove_dead_region(run_dir) == 0 and os.path.isdir(guess)  # not the victim's to remove
     finally:
-        with contextlib.suppress(OSError, NameError):
-            os.unlink(guess)
+        if os.path.isdir(guess):
+            os.rmdir(guess)
         subprocess.run(["rm", "-rf", run_dir], check=False)
-
-
-def _make(path: str, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    os.write(fd, data)
-    os.close(fd)
 
 
 # ---- dead publishers ---------------------------------------------------------------------------
 
 _LEARNER = """
 import sys, time, torch
-from weightsync import shm
-pub = shm.ShmPublisher(sys.argv[1], {"w": torch.ones(16, 8), "b": torch.ones(8)})
+from weightsync.files import ShmPublisher
+pub = ShmPublisher(sys.argv[1], {"w": torch.ones(16, 8), "b": torch.ones(8)})
 pub.publish(0, {"w": torch.ones(16, 8), "b": torch.ones(8)})
-print(pub.path, flush=True)
+print(pub.dir, flush=True)
 time.sleep(600)
 """
 
 
-def test_sigkilled_publisher_leaves_no_orphan_region_after_the_next_start(run_dir):
-    before = _regions()
+def _start_learner(run_dir: str) -> tuple[subprocess.Popen, str]:
     learner = subprocess.Popen([sys.executable, "-c", _LEARNER, run_dir], stdout=subprocess.PIPE, text=True,
                                cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
-    try:
-        old = learner.stdout.readline().strip()
-        assert old and os.path.exists(old)
-        sub = shm.ShmSubscriber(run_dir, timeout_s=30)
+    return learner, learner.stdout.readline().strip()
+
+
+def _kill(learner: subprocess.Popen) -> None:
+    if learner.poll() is None:
         learner.send_signal(signal.SIGKILL)
-        learner.wait(30)
+    learner.wait(30)
+
+
+def test_sigkilled_publisher_leaves_no_orphan_directory_after_the_next_start(run_dir):
+    before = _ours()
+    learner, old = _start_learner(run_dir)
+    try:
+        assert old and os.path.isdir(old)
+        sub = ShmSubscriber(run_dir, timeout_s=30)
+        got = {k: torch.zeros_like(v) for k, v in _model().items()}
+        assert sub.apply(got) == 0  # mapped from the learner's file
+        with pytest.raises(RuntimeError, match="already live"):
+            ShmPublisher(run_dir, _model(1))  # the kernel still holds the learner's lock
     finally:
-        if learner.poll() is None:
-            learner.kill()
-            learner.wait()
-    assert os.path.exists(old)  # SIGKILL ran no finalizer: the region is still there
-    pub = shm.ShmPublisher(run_dir, _model(1))  # the restarted learner
-    assert not os.path.exists(old) and not os.path.exists(f"{old}.tmp")
+        _kill(learner)
+    assert os.path.isdir(old)  # SIGKILL ran no finalizer: the directory is still there
+    pub = ShmPublisher(run_dir, _model(1))  # the restarted learner
+    assert not os.path.exists(old)
+    assert torch.equal(got["w"], torch.ones(16, 8))  # the actor's mapped weights outlive the unlink
     pub.publish(1, _model(1))
-    sub._next_reattach = 0.0
-    assert sub.latest_version() == 1  # its reader moved to the new region
+    sub._next_find = 0.0
+    assert sub.latest_version() == 1  # its reader moved to the new directory
     sub.close()
     pub.close()
-    assert _regions() <= before  # nothing of this run is left in /dev/shm
+    assert _ours() <= before  # nothing of this run is left in /dev/shm
 
 
-def test_remove_dead_region_spares_a_live_publisher(run_dir):
-    assert shm.remove_dead_region(run_dir) == 0  # nothing recorded yet
-    pub = shm.ShmPublisher(run_dir, _model())
-    assert shm.remove_dead_region(run_dir) == os.getpid() and os.path.exists(pub.path)
+def test_remove_dead_region_spares_a_live_publisher_and_clears_a_dead_one(run_dir):
+    assert files.remove_dead_region(run_dir) == 0  # nothing recorded yet
+    pub = ShmPublisher(run_dir, _model())
+    pub.publish(0, _model())
+    assert files.remove_dead_region(run_dir) == 0 and os.path.exists(os.path.join(pub.dir, "v0"))
     pub.close()
-    assert shm.remove_dead_region(run_dir) == 0  # recorded, but closed and gone
+    assert files.remove_dead_region(run_dir) == 0  # closed: nothing left to remove
+    learner, old = _start_learner(run_dir)
+    _kill(learner)
+    assert files.remove_dead_region(run_dir) == 2  # v0 and LATEST (jobs.train calls it after every run)
+    assert not os.path.exists(old) and not os.path.exists(os.path.join(run_dir, files.RECORD))
 
 
 # ---- stop ---------------------------------------------------------------------------------------
@@ -246,19 +273,19 @@ def _stopped_within(make, stop_after_s: float = 0.2, deadline_s: float = 120):
     assert time.monotonic() - t0 < deadline_s / 2
 
 
-@pytest.mark.parametrize("transport", ["shm", "filesystem", "nccl"])
+@pytest.mark.parametrize("transport", ["shm", "filesystem", "nccl", "cuda_ipc"])
 def test_waiting_for_the_publisher_honours_stop(tmp_path, transport):
     from core.config import load
 
     cfg = load(None, [f'weightsync.transport="{transport}"'])
-    _stopped_within(lambda ev, t: make_subscriber(cfg, str(tmp_path), timeout_s=t, stop=ev))
+    _stopped_within(lambda ev, t: make_subscriber(cfg, str(tmp_path), timeout_s=t, stop=ev, device="cpu"))
 
 
 def test_stop_may_be_a_callable(tmp_path):
     flag = []
     threading.Timer(0.2, flag.append, args=[1]).start()
     with pytest.raises(Stopped, match="stopped while waiting"):
-        shm.ShmSubscriber(str(tmp_path), timeout_s=120, stop=lambda: bool(flag))
+        ShmSubscriber(str(tmp_path), timeout_s=120, stop=lambda: bool(flag))
 
 
 def test_nccl_joins_honour_stop(tmp_path):

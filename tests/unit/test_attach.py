@@ -1,5 +1,6 @@
-"""run.py monitor: the metrics.jsonl follower, the job-alive check, replay and follow, the view's
-restart line, and that the command never imports torch."""
+"""run.py monitor: following the roles' metrics files (or an older run's metrics.jsonl), the
+job-alive check, replay and follow, the view's restart line, and that the command never imports
+torch."""
 
 from __future__ import annotations
 
@@ -16,10 +17,10 @@ import pytest
 from rich.console import Console
 
 from core import attach
-from core.attach import JsonlFollower, job_running
+from core.attach import job_running
 from core.config import Config
 from core.messages import MetricRecords
-from core.metrics import record_from_json, record_to_json
+from core.metrics import FileTail, MetricsFollower, MetricsWriter, record_from_json, record_to_json
 from core.monitor import Monitor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -38,7 +39,7 @@ def append(path, data: bytes) -> None:
 
 def test_follower_keeps_a_partial_line_until_its_newline_arrives(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    f = JsonlFollower(str(path))
+    f = FileTail(str(path))
     assert f.read() == []  # no file yet: nothing, no error
     whole = line(1)
     append(path, line(0) + whole[:10])
@@ -55,22 +56,9 @@ def test_follower_counts_and_skips_lines_that_are_not_records(tmp_path):
     path = tmp_path / "metrics.jsonl"
     garbage = [b"not json", b'{"step": "x", "time": 1, "role": "a", "id": "b"}', b"[1, 2]", b"\xff\xfe"]
     append(path, line(0) + b"\n".join(garbage) + b"\n\n" + line(1))
-    f = JsonlFollower(str(path))
+    f = FileTail(str(path))
     assert [r.step for r in f.read()] == [0, 1]
     assert f.bad_lines == len(garbage)
-
-
-def test_follower_rereads_a_truncated_or_replaced_file_from_its_start(tmp_path):
-    path = tmp_path / "metrics.jsonl"
-    append(path, line(0) + line(1) + line(2))
-    f = JsonlFollower(str(path))
-    assert len(f.read()) == 3
-    path.write_bytes(line(7))  # shorter than what was read: truncated
-    assert [r.step for r in f.read()] == [7] and f.resets == 1
-    other = tmp_path / "new.jsonl"
-    other.write_bytes(line(8) + line(9) + line(10) + line(11))  # longer, but another file
-    os.replace(other, path)
-    assert [r.step for r in f.read()] == [8, 9, 10, 11] and f.resets == 2
 
 
 def test_record_from_json_inverts_record_to_json_with_null_as_nan():
@@ -138,12 +126,48 @@ def test_follow_shows_new_records_and_stops_when_the_launcher_is_gone(tmp_path):
 
     t = threading.Thread(target=job)
     t.start()
-    attach.follow(monitor, JsonlFollower(str(path)), str(tmp_path), keep_waiting=False, poll_s=0.02)
+    attach.follow(monitor, FileTail(str(path)), str(tmp_path), keep_waiting=False, poll_s=0.02)
     t.join()
     monitor.refresh(force=True)
     text = out.getvalue()
     assert "step 1" in text and "step 2" in text and "attached" in text
     assert monitor.get("learner/step") == 3.0 and "the job has ended" in monitor.note
+
+
+def emit(run_dir, role: str, id: str, step: int, **values) -> None:
+    with MetricsWriter(str(run_dir), role, id) as w:
+        w.emit(step, {"learner/step": float(step), "ratio/p99": 1.0 + step / 100, **values})
+
+
+def test_replay_follows_the_role_files_the_launcher_never_merged(tmp_path):
+    for step in (1, 2, 3):
+        emit(tmp_path, "learner", "learner0", step)
+    emit(tmp_path, "actor", "actor0", 3, **{"actor/version": 3.0})
+    console, out = plain_console()
+    assert attach.attach(str(tmp_path), console=console, live="off") == 0  # no metrics.jsonl at all
+    text = out.getvalue()
+    assert "step 3" in text and "p99 1.03" in text and "the job has ended" in text
+    assert sorted(os.listdir(tmp_path)) == ["metrics"]  # nothing written into the run
+
+
+def test_follow_picks_up_a_role_file_that_appears(tmp_path):
+    emit(tmp_path, "learner", "learner0", 1)
+    write_pids(tmp_path, os.getpid())
+    monitor = Monitor(attach.run_config(str(tmp_path)), plain_console()[0], live=False)
+
+    def job():
+        time.sleep(0.3)
+        emit(tmp_path, "actor", "actor0", 2, **{"actor/version": 2.0})  # an actor starts late
+        emit(tmp_path, "learner", "learner0", 3)
+        time.sleep(0.3)
+        os.remove(tmp_path / "pids.json")
+
+    t = threading.Thread(target=job)
+    t.start()
+    attach.follow(monitor, MetricsFollower(str(tmp_path)), str(tmp_path), keep_waiting=False, poll_s=0.02)
+    t.join()
+    assert monitor.get("learner/step") == 3.0 and monitor.actor_versions() == {"actor0": 2}
+    assert monitor.records == 3 and "the job has ended" in monitor.note
 
 
 def test_monitor_cli_errors_exit_2(tmp_path, capsys):

@@ -11,7 +11,7 @@ import torch
 from actor.tasks import Prompt
 from learner.backends import NonFiniteError
 from learner.backends.torch import TorchBackend
-from learner.batching import collate, micro_batches
+from learner.batching import Batch, by_length, collate, micro_batches
 from model.sampling import sampling_logprobs
 from tests.support.tiny import groups_from_samples, make_group, tiny_cfg, tiny_engine, tiny_model, tiny_task
 
@@ -190,16 +190,34 @@ def test_micro_batches_accumulate_the_full_batch_gradient(engine_batch, norm):
     """Gradient accumulation over micro-batches gives the one-shot gradient and the same metrics:
     memory is bounded by the micro-batch without changing what a step computes."""
     grads, metrics = [], []
-    for tokens in (0, 40):  # 40 padded tokens: a few rows per micro-batch
+    for tokens in (0, 40, 8192):  # 40 padded tokens: a few rows per micro-batch; 8192: length buckets
         cfg = tiny_cfg("learner.body_dtype=float32", f"learner.norm={norm}", f"learner.micro_batch_tokens={tokens}")
         trainer = Trainer(cfg, tiny_model())
         rewards = torch.arange(engine_batch.rewards.numel(), dtype=torch.float32).reshape(engine_batch.rewards.shape) % 3
         metrics.append(trainer.forward_backward(dataclasses.replace(engine_batch, rewards=rewards)))
         grads.append(torch.cat([p.grad.reshape(-1) for p in trainer.model.parameters()]))
     assert len(micro_batches(engine_batch, 40)) > 2
-    torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-7)
-    for key in ("learner/loss", "ratio/p99", "learner/entropy"):
-        assert metrics[1][key] == pytest.approx(metrics[0][key], rel=1e-4, abs=1e-7)
+    for other in (1, 2):
+        torch.testing.assert_close(grads[other], grads[0], rtol=1e-4, atol=1e-7)
+        for key in ("learner/loss", "ratio/p99", "learner/entropy"):
+            assert metrics[other][key] == pytest.approx(metrics[0][key], rel=1e-4, abs=1e-7)
+
+
+def test_length_buckets_cut_padding_and_keep_every_row_in_place():
+    """Rows of mixed lengths: sorted and cut into length buckets, they are padded to far fewer
+    tokens than one micro-batch; the order maps every sorted row back to its own."""
+    lengths = [12, 5, 30, 6, 31, 5, 13, 29] * 16  # 128 rows
+    key_mask = torch.arange(32)[None, :] < torch.tensor(lengths)[:, None]
+    batch = Batch(ids=torch.arange(128)[:, None].expand(128, 32).clone(), key_mask=key_mask,
+                  mask=key_mask[:, 1:].float(), behaviour_logp=torch.zeros(128, 31), rewards=torch.zeros(16, 8),
+                  staleness=torch.arange(128), keys=[], num_tokens=0)
+    rows, order = by_length(batch)
+    assert torch.equal(rows.ids[:, 0], order) and torch.equal(rows.staleness, order)  # rows moved whole
+    assert rows.key_mask.sum(1).tolist() == sorted(lengths)
+    ranges = micro_batches(rows, 8192)
+    padded = sum((b - a) * int(rows.key_mask[a:b].sum(1).max()) for a, b in ranges)
+    assert len(ranges) == 3 and padded < 0.7 * 128 * 31  # buckets 5-6, 12-13, 29-31
+    assert micro_batches(rows, 8192, min_tokens=10**9) == [(0, 128)]  # too small to be worth a pass
 
 
 def test_micro_batch_ranges_respect_the_token_budget(engine_batch):
@@ -210,3 +228,17 @@ def test_micro_batch_ranges_respect_the_token_budget(engine_batch):
     for start, stop in ranges:
         assert stop - start == 1 or (stop - start) * int(lengths[start:stop].max()) <= 30
     assert micro_batches(engine_batch, 0) == [(0, engine_batch.ids.shape[0])]
+
+
+def test_ppo_clip_fraction_is_logged_beside_the_ratio_tail_not_over_it(engine_batch):
+    """A loss's own statistic (PPO's clipped-token share) is ``loss/clip_frac``; the backend's
+    ``ratio/clip_frac`` (rho > eps_high) is a different number and must not overwrite it."""
+    trainer = Trainer(tiny_cfg("learner.body_dtype=float32", 'learner.loss="ppo_clip"', "learner.eps_clip=0.0001"),
+                      tiny_model())
+    rewards = torch.zeros_like(engine_batch.rewards)
+    rewards[:, 0] = 1.0  # one rewarded sample per group: its tokens have A > 0
+    batch = dataclasses.replace(engine_batch, rewards=rewards,
+                                behaviour_logp=engine_batch.behaviour_logp - 0.5 * engine_batch.mask)
+    m = trainer.step(batch)
+    assert m["loss/clip_frac"] > 0.1  # ratios ~e^0.5 with A > 0: far outside 1 + 0.0001, clipped
+    assert m["ratio/clip_frac"] == 0.0  # none above eps_high = 2

@@ -55,6 +55,16 @@ def test_summary_averages_actor_idle_over_actors_and_ignores_record_order():
     assert s["learner_idle_frac"] == 0.0
 
 
+def test_time_axis_starts_at_the_first_step_not_at_the_launch():
+    """``time/elapsed_s`` counts from the launch (start-up included); the bench's axis and
+    wall time start where the first step began, as TRL's start at on_train_begin."""
+    recs = [_learner(s, wait=0.1, busy=0.3) for s in (1, 2, 3, 4)]
+    for r in recs:
+        r["time/elapsed_s"] += 7.25  # the learner took 7.25 s to start
+    assert version_times(recs) == pytest.approx({1: 0.4, 2: 0.8, 3: 1.2, 4: 1.6})
+    assert summarize_run(recs, 16, 8)["train_wall_s"] == pytest.approx(1.6)
+
+
 def test_summary_refuses_a_run_without_steps():
     with pytest.raises(ValueError, match="no learner step"):
         summarize_run([_actor("actor0", 1.0, 0.0)], 16, 8)

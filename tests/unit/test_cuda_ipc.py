@@ -1,4 +1,5 @@
-"""cuda_ipc without a GPU: its records (msgspec bytes, never pickle) and its slot discipline.
+"""cuda_ipc without a GPU: its records (msgspec bytes, never pickle) and its slot discipline (a
+device slot is reused only once no reader has its record file open).
 
 The two CUDA calls (``share`` = ``_share_cuda_``, ``opener`` = ``_new_shared_cuda``) are replaced by
 an in-process registry: the "opened" slot is the publisher's own slot tensor, so a reader sees
@@ -8,8 +9,6 @@ path is tests/gpu/test_weightsync_gpu.py.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import secrets
 import time
 
@@ -17,7 +16,7 @@ import pytest
 import torch
 
 from core.config import ConfigError, load
-from weightsync import cuda_ipc, shm
+from weightsync import cuda_ipc, files
 from weightsync.base import make_publisher
 
 
@@ -45,10 +44,7 @@ def _state(version: int) -> dict[str, torch.Tensor]:
 @pytest.fixture
 def run_dir(tmp_path):
     yield str(tmp_path)
-    with contextlib.suppress(OSError):
-        path = shm.region_path(str(tmp_path))
-        if path and os.path.exists(path):
-            os.unlink(path)
+    files.remove_dead_region(str(tmp_path))  # a failing test leaves nothing in /dev/shm
 
 
 def test_record_round_trips_and_refuses_garbage():
@@ -79,20 +75,30 @@ def test_publish_apply_is_bit_exact_and_converts(run_dir):
         s.close()
 
 
-def test_a_slot_a_reader_copies_from_is_never_rewritten(run_dir):
+def test_a_slot_a_reader_copies_from_is_never_rewritten(run_dir, monkeypatch):
     reg = _Registry()
     pub = cuda_ipc.CudaIpcPublisher(run_dir, _state(0), max_readers=1, share=reg.share)
     sub = cuda_ipc.CudaIpcSubscriber(run_dir, 5, device="cpu", opener=reg.open)
     target = {k: torch.zeros_like(v) for k, v in _state(0).items()}
     pub.publish(5, _state(5))
+    real_copy, armed, unchanged = cuda_ipc._copy_all, [True], []
+
+    def copy_while_publishing(dst, src):
+        if armed and armed.pop():  # the reader's device copy: the learner moves on meanwhile
+            (opened,) = sub._opened.values()  # the device slot version 5 is in
+            before = opened.clone()
+            for v in range(6, 6 + 3 * pub.slots):
+                assert pub.publish(v, _state(v)) is not None  # 2 + readers slots: a publish never waits
+            unchanged.append(torch.equal(opened, before))
+        real_copy(dst, src)
+
+    monkeypatch.setattr(cuda_ipc, "_copy_all", copy_while_publishing)
     assert sub.apply(target) == 5
-    (opened,) = sub._opened.values()  # the device slot version 5 came from, still pinned
-    before = opened.clone()
-    for v in range(6, 6 + 3 * pub.slots):
-        assert pub.publish(v, _state(v)) is not None  # 2 + readers slots: a publish never waits
-    assert torch.equal(opened, before)
-    assert sub.latest_version() == 5 + 3 * pub.slots and sub.apply(target) == sub.latest_version()
-    assert all(torch.equal(target[k], v) for k, v in _state(sub.latest_version()).items())
+    assert unchanged == [True]  # its slot was not rewritten under the copy
+    assert all(torch.equal(target[k], v) for k, v in _state(5).items())
+    newest = 5 + 3 * pub.slots
+    assert sub.latest_version() == newest and sub.apply(target) == newest
+    assert all(torch.equal(target[k], v) for k, v in _state(newest).items())
     assert len(sub._opened) >= 2 and sub.stats.versions_skipped > 0
     sub.close()
     pub.close()

@@ -4,7 +4,7 @@ is a FAIL naming the step, and the exit status is 1."""
 import pytest
 import torch
 
-from weightsync import gpu_check
+from bench import gpu_check
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the check may pass")

@@ -100,22 +100,23 @@ def test_one_node_keeps_loopback_two_nodes_need_curve_and_no_shm():
     from core.launchers import ray as R
 
     cfg = C.load(None, [])
-    same = R.resolve_net(cfg, _places(buffer="a", learner="a", actor0="a"), "a", [5001, 5002, 5003])
-    assert same.net.host == "127.0.0.1" and same.net.buffer_actor_port == 5001 and same.net.metrics_port == 5003
+    same = R.resolve_net(cfg, _places(buffer="a", learner="a", actor0="a"), [5001, 5002])
+    assert same.net.host == "127.0.0.1" and (same.net.buffer_actor_port, same.net.buffer_learner_port) == (5001, 5002)
     split = _places(buffer="a", learner="a", actor0="b")
     with pytest.raises(C.ConfigError, match=r"\$\.weightsync\.transport"):
-        R.check_placement(cfg, split, "a")
+        R.check_placement(cfg, split)
     fs = C.load(None, ["weightsync.transport=filesystem"])
-    R.check_placement(fs, split, "a")
+    R.check_placement(fs, split)
     with pytest.raises(C.ConfigError, match=r"curve_server_public"):
-        R.resolve_net(fs, split, "a", [5001, 5002, 5003])
+        R.resolve_net(fs, split, [5001, 5002])
     (spub, ssec), (cpub, csec) = net.make_curve_keys(), net.make_curve_keys()
     keyed = C.load(None, ["weightsync.transport=filesystem", f'net.curve_server_public="{spub}"',
                           f'net.curve_server_secret="{ssec}"', f'net.curve_client_public="{cpub}"',
                           f'net.curve_client_secret="{csec}"'])
-    assert R.resolve_net(keyed, split, "a", [5001, 5002, 5003]).net.host == "10.0.0.1"  # the buffer's node
-    with pytest.raises(C.ConfigError, match=r"buffer_resources"):
-        R.check_placement(fs, _places(buffer="b", learner="b", actor0="a"), "a")
+    assert R.resolve_net(keyed, split, [5001, 5002]).net.host == "10.0.0.1"  # the buffer's node
+    # no role needs the launcher's node (metrics are files): every role on node b keeps loopback
+    R.check_placement(cfg, _places(buffer="b", learner="b", actor0="b"))
+    assert R.bind_host(cfg, _places(buffer="b", learner="b", actor0="b")) == "127.0.0.1"
 
 
 def test_the_default_job_never_imports_ray():

@@ -206,24 +206,16 @@ def test_live_context_renders_and_stops_on_interrupt():
     assert "\x1b[?25h" in out  # cursor shown again
 
 
-def test_monitor_fed_by_real_collector(tmp_path):
-    import time
+def test_monitor_fed_by_the_roles_files(tmp_path):
+    from core.metrics import MetricsFollower, MetricsWriter
 
-    from core.metrics import MetricsCollector, MetricsSink
-
-    col = MetricsCollector(str(tmp_path))
-    sinks = [MetricsSink("127.0.0.1", col.port, role="actor", id=str(i)) for i in range(2)]
-    try:
-        for i, s in enumerate(sinks):
-            s.emit(3, {"actor/tokens_per_s": 100.0 * (i + 1), "actor/version": 3})
-        m = Monitor(Config(), console=recording_console(), live=False)
-        end = time.monotonic() + 10
-        while m.records < 2 and time.monotonic() < end:
-            m.update(col.poll(timeout_ms=100))
-    finally:
-        for s in sinks:
-            s.close()
-        col.close()
+    for i in range(2):
+        with MetricsWriter(str(tmp_path), "actor", str(i)) as w:
+            w.emit(3, {"actor/tokens_per_s": 100.0 * (i + 1), "actor/version": 3})
+    m = Monitor(Config(), console=recording_console(), live=False)
+    with MetricsFollower(str(tmp_path)) as follower:
+        m.update(follower.read())
+    assert m.records == 2
     assert "act 300 tok/s" in m.format_line()
     assert m.actor_versions() == {"0": 3, "1": 3}
 

@@ -53,7 +53,7 @@ def test_ring_zero_hand_values():
     assert loss == pytest.approx(total / 5)
     # d/dlogp = -rho_hat * A / 5; the padded token gets nothing
     _close(grad, [[-0.5 / 5, -2.0 / 5, 0.0], [2.0 / 5, 3.0 / 5, 4.0 / 5]])
-    assert m["ratio/clip_frac"] == pytest.approx(2 / 5)  # ratios 3 and 2.5 exceed 2
+    assert m["loss/clip_frac"] == pytest.approx(2 / 5)  # ratios 3 and 2.5 exceed 2
     assert m["learner/loss"] == pytest.approx(total / 5)
     assert "learner/kl_ref" not in m
 
@@ -74,16 +74,16 @@ def test_ppo_clip_hand_values():
     # unclipped tokens: d(-r A)/dlogp = -r A ; the clipped one (r=3, A>0) exactly 0
     _close(grad, [[-0.5 / 5, 0.0, 0.0], [2.0 / 5, 3.0 / 5, 5.0 / 5]])
     assert grad[0][1] == 0.0
-    assert m["ratio/clip_frac"] == pytest.approx(1 / 5)
+    assert m["loss/clip_frac"] == pytest.approx(1 / 5)
 
 
 def test_tis_hand_values_without_old_logp_is_vanilla_tis():
     # old = logp: r = 1, w = min(rho, 2) = 0.5, 2 | 1, 1.5, 2 ; loss_t = -w * A * 1
     per_token = [-0.5 * 1, -2.0 * 1, -1.0 * -2, -1.5 * -2, -2.0 * -2]
-    loss, grad, m = _grad(tis_loss, _inputs(), cap=2.0, eps_clip=0.2)
+    loss, grad, m = _grad(tis_loss, _inputs(), eps_high=2.0, eps_clip=0.2)
     assert loss == pytest.approx(sum(per_token) / 5)
     _close(grad, [[-0.5 / 5, -2.0 / 5, 0.0], [2.0 / 5, 3.0 / 5, 4.0 / 5]])  # = Ring-Zero's
-    assert m["ratio/clip_frac"] == pytest.approx(2 / 5)
+    assert m["loss/clip_frac"] == pytest.approx(2 / 5)
 
 
 def test_tis_hand_values_with_old_logp():
@@ -92,11 +92,11 @@ def test_tis_hand_values_with_old_logp():
     old = torch.tensor([[-1.0 - LN(1.5), -2.0 + LN(1.1)]], dtype=D)
     beh = old - torch.tensor([[LN(0.5), LN(4.0)]], dtype=D)
     inp = LossInputs(logp, beh, torch.tensor([1.0], dtype=D), torch.ones(1, 2, dtype=D), old_logp=old)
-    loss, grad, m = _grad(tis_loss, inp, cap=2.0, eps_clip=0.2)
+    loss, grad, m = _grad(tis_loss, inp, eps_high=2.0, eps_clip=0.2)
     # tok0: -0.5 * min(1.5, 1.2) = -0.6, clipped -> no gradient ; tok1: -2 * (1/1.1), grad -2/1.1
     assert loss == pytest.approx((-0.6 - 2.0 / 1.1) / 2)
     _close(grad, [[0.0, -2.0 / 1.1 / 2]])
-    assert m["ratio/clip_frac"] == pytest.approx(0.5)
+    assert m["loss/clip_frac"] == pytest.approx(0.5)
 
 
 def test_kl_estimators_hand_values():
@@ -142,7 +142,7 @@ def test_ppo_and_tis_gradients_match_finite_differences(norm):
     kw = dict(norm=norm, ref_logp=ref, kl_beta=0.2)
     for fn in (
         lambda x: ppo_clip_loss(LossInputs(x, beh, adv, mask, **kw), eps_clip=0.2)[0],
-        lambda x: tis_loss(LossInputs(x, beh, adv, mask, old_logp=old, **kw), cap=1.5)[0],
+        lambda x: tis_loss(LossInputs(x, beh, adv, mask, old_logp=old, **kw), eps_high=1.5)[0],
     ):
         assert torch.autograd.gradcheck(fn, (logp.clone().requires_grad_(True),), eps=1e-6, atol=1e-8)
 
@@ -182,7 +182,7 @@ def test_ring_zero_keeps_every_token_where_ppo_zeroes_them():
         loss, m = fn(LossInputs(x, beh, adv, mask))
         loss.backward()
         grads[name] = x.grad
-        assert m["ratio/clip_frac"] == 1.0
+        assert m["loss/clip_frac"] == 1.0
     assert (grads["ring_zero"] != 0).all()
     # exactly -eps_high * A / n_tokens on each token
     assert torch.allclose(grads["ring_zero"], -2.0 * adv[:, None].expand(B, T) / (B * T))
@@ -237,14 +237,17 @@ def test_bad_inputs_raise():
         LossInputs(logp, logp, torch.zeros(2), torch.ones(2, 3), norm="seq")
     with pytest.raises(ValueError, match="token_norm_divisor"):
         LossInputs(logp, logp, torch.zeros(2), torch.ones(2, 3), token_norm_divisor=0.0)
-    with pytest.raises(ValueError, match="unknown loss"):
+    with pytest.raises(ValueError, match="unknown loss 'grpo'; known: ppo_clip, ring_zero, tis"):
         make_loss("grpo")
 
 
 def test_make_loss_binds_parameters():
     inp = _inputs()
-    assert make_loss("ring_zero", eps_high=2.0)(inp)[1]["ratio/clip_frac"] == pytest.approx(2 / 5)
-    assert make_loss("ring_zero", eps_high=10.0)(inp)[1]["ratio/clip_frac"] == 0.0
-    assert make_loss("tis", eps_high=2.6)(inp)[1]["ratio/clip_frac"] == pytest.approx(1 / 5)
+    assert make_loss("ring_zero", eps_high=2.0)(inp)[1]["loss/clip_frac"] == pytest.approx(2 / 5)
+    assert make_loss("ring_zero", eps_high=10.0)(inp)[1]["loss/clip_frac"] == 0.0
+    assert make_loss("tis", eps_high=2.6)(inp)[1]["loss/clip_frac"] == pytest.approx(1 / 5)
     # eps_clip=0.5: the clipped token (r=3, A=1) now contributes -1.5 instead of -1.2
     assert make_loss("ppo_clip", eps_clip=0.5)(inp)[0].item() == pytest.approx((-0.5 - 1.5 + 2 + 3 + 5) / 5)
+    # every learner field may be passed: each loss takes only the parameters it names
+    assert make_loss("ppo_clip", eps_clip=0.5, eps_high=99.0, lr=1.0)(inp)[0].item() == pytest.approx(
+        (-0.5 - 1.5 + 2 + 3 + 5) / 5)

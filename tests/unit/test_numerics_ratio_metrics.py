@@ -1,4 +1,4 @@
-"""learner.ratio_metrics: DESIGN §6 ratio / mismatch metrics on known inputs, against numpy."""
+"""learner.ratio_metrics: the ratio / mismatch metrics (ARCHITECTURE.md: Metric vocabulary) on known inputs, against numpy."""
 
 import math
 

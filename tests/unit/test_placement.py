@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import jobs
+
 from core import placement
 from core.config import ConfigError, load
 
@@ -63,6 +65,16 @@ def test_transports_the_placement_cannot_serve():
     with pytest.raises(ConfigError, match="one CUDA device"):
         placement.check(_cfg('weightsync.transport="cuda_ipc"'), n_gpus=2)  # actor on cuda:1
     assert placement.check(_cfg(), n_gpus=0) == ("cpu", ["cpu"])  # shm serves any placement
+
+
+def test_an_unknown_transport_is_refused_before_anything_starts():
+    import weightsync
+
+    cfg = _cfg('weightsync.transport="carrier-pigeon"')  # a str: loading accepts it, the seam check does not
+    with pytest.raises(ConfigError, match=r"`\$.weightsync.transport` = 'carrier-pigeon' is not one of "
+                                          r"cuda_ipc, filesystem, nccl, shm"):
+        jobs.check_seams(cfg)  # before any role starts
+    assert set(weightsync.PUBLISHERS) == set(weightsync.SUBSCRIBERS)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the roles would start")

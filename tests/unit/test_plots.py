@@ -1,4 +1,4 @@
-"""run.py plot on a synthetic metrics.jsonl, and the collector's optional TensorBoard output
+"""run.py plot on a synthetic metrics.jsonl, and the metrics follower's optional TensorBoard output
 read back from its event files (the other consumer of the same records)."""
 
 from __future__ import annotations
@@ -7,7 +7,6 @@ import json
 import math
 import os
 import struct
-import time
 
 import pytest
 
@@ -97,7 +96,7 @@ def test_plot_of_a_missing_run_exits_2(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
-# ---- TensorBoard: the collector's second output ------------------------------------------------
+# ---- TensorBoard: the follower's third output ---------------------------------------------------
 
 
 def read_events(path: str) -> list:
@@ -126,39 +125,23 @@ def scalars(root: str) -> dict[tuple[str, str, int], float]:
     return out
 
 
-def _poll_until(col, role: str, timeout_s: float = 10.0) -> None:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if any(r.role == role for r in col.poll(timeout_ms=100)):
-            return
-    raise AssertionError(f"no record from {role} within {timeout_s}s")
-
-
 def test_tensorboard_events_carry_the_names_and_values_of_metrics_jsonl(tmp_path):
     pytest.importorskip("tensorboardX")
-    import msgspec
-
     from core import config as C
-    from core.metrics import collector_for, sink_for
-    from core.net import create_run_secret
+    from core.metrics import MetricsWriter, follower_for
 
-    create_run_secret(str(tmp_path))
-    cfg = C.load(None, ["metrics.tensorboard=true"])
-    col = collector_for(cfg, str(tmp_path))
-    cfg = msgspec.structs.replace(cfg, net=msgspec.structs.replace(cfg.net, metrics_port=col.port))
-    sinks = [sink_for(cfg, str(tmp_path), "learner", "learner"), sink_for(cfg, str(tmp_path), "launcher", "launcher")]
+    follower = follower_for(C.load(None, ["metrics.tensorboard=true"]), str(tmp_path))
+    writers = [MetricsWriter(str(tmp_path), "learner", "learner"), MetricsWriter(str(tmp_path), "launcher", "launcher")]
     try:
-        sinks[0].emit(4, {"ratio/p99": 1.25, "ratio/p99_by_staleness/2": 1.5, "staleness/hist": [1, 2],
-                          "learner/loss": math.nan})
-        # the launcher's record once the learner's has arrived (two sockets: arrival order is not
-        # send order under load): it lands at the learner's step
-        _poll_until(col, "learner")
-        sinks[1].emit(-1, {"run/restarts/actor0": 1.0})
-        _poll_until(col, "launcher")
+        writers[0].emit(4, {"ratio/p99": 1.25, "ratio/p99_by_staleness/2": 1.5, "staleness/hist": [1, 2],
+                            "learner/loss": math.nan})
+        assert [r.role for r in follower.read()] == ["learner"]
+        writers[1].emit(-1, {"run/restarts/actor0": 1.0})  # lands at the learner's step
+        assert [r.role for r in follower.read()] == ["launcher"]
     finally:
-        for s in sinks:
-            s.close()
-        col.close()
+        for w in writers:
+            w.close()
+        follower.close()
     jsonl = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
     tb = scalars(str(tmp_path / "tensorboard"))
     expect = {}
@@ -177,9 +160,9 @@ def test_tensorboard_without_the_package_is_a_config_error_naming_the_extra(tmp_
     import sys
 
     from core import config as C
-    from core.metrics import collector_for
+    from core.metrics import follower_for
 
     monkeypatch.setitem(sys.modules, "tensorboardX", None)  # as if not installed
     with pytest.raises(C.ConfigError, match=r"metrics.tensorboard.*pip install -e '\.\[tensorboard\]'"):
-        collector_for(C.load(None, ["metrics.tensorboard=true"]), str(tmp_path))
+        follower_for(C.load(None, ["metrics.tensorboard=true"]), str(tmp_path))
     assert not (tmp_path / "metrics.jsonl").exists()  # raised before anything was opened

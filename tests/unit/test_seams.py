@@ -6,7 +6,7 @@ import random
 import msgspec
 import pytest
 
-import run
+import jobs
 from actor.engines import ENGINES, Engine
 from actor.tasks import TASKS, Prompt, Task, make_task
 from core import config as C
@@ -27,11 +27,12 @@ def test_every_registered_implementation_is_one(registry, base):
 @pytest.mark.parametrize("override,path", [("actor.engine=sglangg", "$.actor.engine"),
                                            ("task.name=gsm8k", "$.task.name"),
                                            ("learner.backend=megatorn", "$.learner.backend"),
+                                           ("learner.loss=grpo", "$.learner.loss"),
                                            ("run.launcher=slurm", "$.run.launcher")])
 def test_unknown_seam_keys_are_refused_by_field_path(override, path):
     with pytest.raises(C.ConfigError, match=path.replace("$", r"\$")):
-        run.check_seams(C.load(None, [override]))
-    run.check_seams(C.load())  # the defaults are all registered
+        jobs.check_seams(C.load(None, [override]))
+    jobs.check_seams(C.load())  # the defaults are all registered
 
 
 def test_make_functions_name_the_known_keys():
@@ -55,7 +56,7 @@ class EchoTask(Task):
 def test_a_new_task_is_one_class_and_one_registry_line(monkeypatch):
     monkeypatch.setitem(TASKS, "echo", f"{__name__}:EchoTask")
     cfg = tiny_cfg("task.name=echo")
-    run.check_seams(cfg)
+    jobs.check_seams(cfg)
     task = make_task(cfg.task, tiny_tokenizer())
     p = task.sample(random.Random(0))
     assert isinstance(task, EchoTask) and task.reward(p, [p.tokens[0]]) == 1.0 and task.reward(p, []) == 0.0
@@ -88,4 +89,4 @@ def test_a_chosen_optional_stack_that_is_not_installed_fails_before_anything_sta
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == module else real(name, *a))
     with pytest.raises(C.ConfigError, match=rf"needs {module}: pip install -e '\.\[{extra}\]'"):
-        run.check_seams(C.load(None, [override]))
+        jobs.check_seams(C.load(None, [override]))

@@ -1,6 +1,6 @@
 """One-GPU check of weightsync's device paths; writes a log and exits 0 only if every step ran.
 
-    python -m weightsync.gpu_check LOG_PATH [--device cuda:N] [--steps default|all|a,b,...] [--ipc-mb MB]
+    python -m bench.gpu_check LOG_PATH [--device cuda:N] [--steps default|all|a,b,...] [--ipc-mb MB]
 
 Each step logs one line, ``OK`` or ``FAIL``; a step that cannot run as asked (no CUDA, no cupy,
 one GPU where it needs two) is a failure, never a skip or a fallback, so ``GPU_CHECK PASS`` means
@@ -20,9 +20,9 @@ every requested step really ran:
                  device-to-device copy of the same bytes: ``ratio`` = copy / (publish + apply),
                  ``apply_ratio`` = copy / apply (a publish is one copy into a slot, an apply one
                  copy out of it: ``ratio`` is at most about 0.5 by construction)
-6. ``shm``       shared-memory publish from device tensors, apply into device tensors
-                 (bit-exact) and into float32 device tensors (dtype conversion)
-7. ``fs``        filesystem publish from device tensors, apply into device tensors
+6. ``shm``       publish from device tensors into a /dev/shm version file, apply into device
+                 tensors (bit-exact) and into float32 device tensors (dtype conversion)
+7. ``fs``        the same through ``run_dir/weights`` (weightsync/files.py, transport filesystem)
 8. ``nccl-2gpu`` (``--steps all`` or named) NcclPublisher on ``cuda:0``, a subscriber process on
                  ``cuda:1``, one version, bit-exact: FAIL on a machine with fewer than 2 GPUs
 
@@ -54,9 +54,11 @@ import traceback
 
 import torch
 
-from core.files import read_json
-from core.messages import WeightUpdateHeader, decoder, encode
-from weightsync import layout
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # python bench/gpu_check.py
+
+from core.files import read_json  # noqa: E402
+from core.messages import WeightUpdateHeader, decoder, encode  # noqa: E402
+from weightsync import layout  # noqa: E402
 
 
 def _tensors(device: torch.device) -> dict[str, torch.Tensor]:
@@ -159,7 +161,7 @@ def step_nccl_publisher(device, ctx):
 
 
 def step_shm(device, ctx):
-    from weightsync.shm import ShmPublisher, ShmSubscriber
+    from weightsync.files import ShmPublisher, ShmSubscriber
 
     named = ctx["named"]
     with tempfile.TemporaryDirectory() as run_dir:
@@ -178,7 +180,7 @@ def step_shm(device, ctx):
 
 
 def step_fs(device, ctx):
-    from weightsync.filesystem import FsPublisher, FsSubscriber
+    from weightsync.files import FsPublisher, FsSubscriber
 
     named = ctx["named"]
     with tempfile.TemporaryDirectory() as run_dir:
@@ -196,7 +198,7 @@ def step_fs(device, ctx):
 # ---- cuda-ipc: publisher here, subscriber in another process on the same device -----------------
 
 IPC_VERSIONS = 4
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/.. : the checkout
 
 
 def _ipc_state(device, version: int, mb: int) -> dict[str, torch.Tensor]:
@@ -237,8 +239,8 @@ def _ipc_reader(run_dir: str, device: str, n_versions: str, mb: str, out_path: s
 
 
 def _spawn(fn: str, *args) -> subprocess.Popen:
-    """``weightsync.gpu_check.<fn>(*args)`` in a fresh interpreter (no pickle, no fork of CUDA)."""
-    code = f"import sys; from weightsync.gpu_check import {fn}; {fn}(*sys.argv[1:])"
+    """``bench.gpu_check.<fn>(*args)`` in a fresh interpreter (no pickle, no fork of CUDA)."""
+    code = f"import sys; from bench.gpu_check import {fn}; {fn}(*sys.argv[1:])"
     return subprocess.Popen([sys.executable, "-c", code, *map(str, args)], cwd=_REPO)
 
 

@@ -1,0 +1,153 @@
+"""The wiring library below the drivers (run.py, pipeline.py, sweep.py, bench/): one job from a
+config to a finished run directory. The only module that wires the actor's and the learner's
+sides together -- it checks the seams' keys, resolves the model and the precision, runs the
+actor-vs-learner contract check and launches the roles -- so the drivers import it and never
+each other's command lines.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import time
+
+import msgspec
+
+from core import config as C
+from core import launchers, placement, precision
+
+log = logging.getLogger("driftrl")
+
+
+def load_config(toml_path, resume_dir, overrides) -> C.Config:
+    if resume_dir is None:
+        return C.load(toml_path, overrides)
+    path = os.path.join(resume_dir, "config.json")
+    if not os.path.exists(path):
+        raise C.ConfigError(f"{resume_dir} has no config.json: not a driftrl run directory")
+    with open(path, "rb") as f:
+        tree = json.loads(f.read())
+    # fresh ports: the old ones may be taken by now
+    tree["net"].update(buffer_actor_port=0, buffer_learner_port=0)
+    tree["net"].pop("metrics_port", None)  # config.json of runs from before metrics were files
+    for item in overrides:
+        C.apply_override(tree, item)
+    return C.from_dict(tree)
+
+
+def check_seams(cfg: C.Config) -> None:
+    """Every seam's config value names a registered implementation (before anything starts)."""
+    from actor.engines import ENGINES
+    from actor.tasks import TASKS
+    from learner.backends import BACKENDS
+    from learner.losses import LOSSES
+    from weightsync import PUBLISHERS
+
+    for path, value, registry in (("actor.engine", cfg.actor.engine, ENGINES), ("task.name", cfg.task.name, TASKS),
+                                  ("learner.backend", cfg.learner.backend, BACKENDS),
+                                  ("learner.loss", cfg.learner.loss, LOSSES),
+                                  ("weightsync.transport", cfg.weightsync.transport, PUBLISHERS),
+                                  ("run.launcher", cfg.run.launcher, launchers.LAUNCHERS)):
+        if value not in registry:
+            raise C.ConfigError(f"`$.{path}` = {value!r} is not one of {', '.join(sorted(registry))}")
+    placement.check(cfg)  # a CUDA device asked for where there is none fails here, not in a role
+    # an optional stack that is chosen but not installed fails here, in a second, with its extra
+    stacks = ((cfg.metrics.tensorboard, "tensorboardX", "`$.metrics.tensorboard` = true", "tensorboard"),
+              (cfg.run.launcher == "ray", "ray", "`$.run.launcher` = 'ray'", "ray"))
+    for chosen, module, what, extra in stacks:
+        if chosen and importlib.util.find_spec(module) is None:
+            raise C.ConfigError(f"{what} needs {module}: pip install -e '.[{extra}]'")
+
+
+def resolve_model(cfg: C.Config) -> C.Config:
+    """``model.path`` set (the built-in task's tiny model, built on first use, when empty) and
+    ``model.vocab_size`` read from its config.json."""
+    path = cfg.model.path
+    if path and not os.path.exists(os.path.join(path, "config.json")):
+        raise C.ConfigError(f"`$.model.path` = {path!r} has no config.json")
+    if not path:
+        from actor.tasks import task_class
+
+        t0 = time.time()
+        try:
+            path = task_class(cfg.task.name).base_model(cfg)
+        except ValueError as e:
+            raise C.ConfigError(f"`$.model.path` is empty: {e}") from None
+        log.info("base model ready in %.1fs: %s", time.time() - t0, path)
+    with open(os.path.join(path, "config.json")) as f:
+        vocab = int(json.load(f)["vocab_size"])
+    return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=path, vocab_size=vocab))
+
+
+def contract_check(cfg: C.Config, run_dir: str | None) -> dict:
+    """Engine and backend, built as the roles build them, score one fixed batch alike
+    (learner/contract.py); the weights are the newest checkpoint's when resuming."""
+    import torch
+
+    from actor.engines import make_engine
+    from actor.tasks import make_task
+    from learner import checkpoint, contract
+    from learner.backends import make_backend
+    from model.sampling import SamplingSpec
+    from model.tokenizer import Tokenizer
+
+    torch.set_num_threads(1)
+    ck = checkpoint.latest(os.path.join(run_dir, "checkpoints")) if run_dir else None
+    model_dir = os.path.join(ck, "model") if ck else cfg.model.path
+    engine = make_engine(cfg.actor, model_dir, seed=cfg.run.seed)
+    task = make_task(cfg.task, Tokenizer.from_dir(model_dir))
+    lc = cfg.learner
+    return contract.check(make_backend(cfg, model_dir), engine, task, SamplingSpec.of(cfg.actor),
+                          lc.contract_max_abs_logp_diff, lc.contract_max_kl_k3)
+
+
+def train(cfg: C.Config, run_dir: str | None = None, monitor=None, on_ready=None) -> launchers.RunResult:
+    """Check the seams, resolve the model, check the contract, run every role to the budget."""
+    from weightsync.files import remove_dead_region
+
+    check_seams(cfg)
+    cfg = resolve_model(cfg)
+    cfg, note = precision.resolve(cfg, *placement.check(cfg))
+    log.info("precision: %s", note)
+    report = contract_check(cfg, run_dir)
+    log.info("contract check passed: %s", report)
+    run_dir = os.path.abspath(run_dir or cfg.run.run_dir or launchers.new_run_dir())
+    try:
+        result = launchers.launch(cfg, run_dir, monitor, on_ready)
+    finally:  # a learner that died for good leaves no shared-memory region behind
+        remove_dead_region(run_dir)
+    result.contract = report
+    return result
+
+
+def first_eval(run_dir: str) -> float | None:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for line in f:
+            rec = json.loads(line)
+            if rec.get("eval/reward") is not None and not rec.get("eval/final"):
+                return rec["eval/reward"]
+    return None
+
+
+def resolve_checkpoint(path: str) -> tuple[str, str | None]:
+    """``(model_dir, run_config_path or None)`` of CKPT: a run directory (its config; its
+    ``final_model``, else its newest intact checkpoint), a checkpoint directory, or a model."""
+    from learner import checkpoint
+
+    path = os.path.abspath(path)
+    if os.path.exists(os.path.join(path, "pipeline.json")):  # a pipeline: its last stage's run
+        path = os.path.join(path, "tiers")
+    run_cfg = os.path.join(path, "config.json")
+    if os.path.isdir(os.path.join(path, "final_model")) or os.path.isdir(os.path.join(path, "checkpoints")):
+        final = os.path.join(path, "final_model")
+        ck = None if os.path.isdir(final) else checkpoint.latest(os.path.join(path, "checkpoints"))
+        if ck is None and not os.path.isdir(final):
+            raise FileNotFoundError(f"run {path} has neither final_model/ nor an intact checkpoint")
+        return (final if ck is None else os.path.join(ck, "model")), run_cfg
+    if os.path.exists(os.path.join(path, "model", "config.json")):
+        return os.path.join(path, "model"), None
+    if os.path.exists(run_cfg):
+        return path, None
+    raise FileNotFoundError(f"{path} is not a run, checkpoint or model directory (no config.json)")

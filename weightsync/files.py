@@ -1,0 +1,832 @@
+"""Weights as versioned files (transports ``shm`` and ``filesystem``).
+
+Why: the kernel already keeps what a hand-built shared-memory allocator had to. ``rename`` makes a
+version appear whole or not at all; a reader that opened or mapped a file keeps it however the
+publisher renames or unlinks it; a dead reader leaves nothing to reclaim; and a write lease
+(``F_SETLEASE``) is granted only when no other process has a file open, so the publisher reuses a
+retired version's file only then. No slots, pins, reader table or liveness checks.
+
+Layout: ``shm`` writes into a private (0700) directory of random name in /dev/shm (the run
+directory where there is none) recorded in ``run_dir/weights.shm``; ``filesystem`` into
+``run_dir/weights``, which every node sees (a new file per version: a lease cannot see a remote
+reader). Inside: ``v<version>`` files and ``LATEST``, naming the newest (shm: a symlink, one
+``readlink`` per ``latest_version()``; filesystem: a file, which NFS revalidates on open). A file is a checksummed prefix and msgpack header (never pickle), then
+the layout's buckets page-aligned (weightsync/layout.py), so a CPU target of the published dtype
+is re-pointed at a read-only view of the mapped file (no byte copied) and any other target is
+read into (``preadv``). A damaged or truncated file is refused with :class:`DamagedFile`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import mmap
+import operator
+import os
+import re
+import secrets
+import stat
+import struct
+import time
+import warnings
+import weakref
+from typing import Mapping
+
+import crc32c
+import msgspec
+import torch
+
+from core.files import atomic_write
+from core.messages import WeightUpdateHeader
+from weightsync import layout
+from weightsync.base import Publisher, Subscriber, wait_until
+
+log = logging.getLogger(__name__)
+
+PAGE = 4096
+MAGIC = b"DRFTWV01"
+# magic, version, payload crc32c (-1: none; filesystem computes it), header length, crc32c of
+# the four fields before it and the header
+_PREFIX = struct.Struct("<8sqqII")
+LATEST = "LATEST"
+RECORD = "weights.shm"  # in run_dir: the path of the shm transport's directory
+_SHM_NAME = re.compile(r"driftrl-weights-[0-9a-f]{32}")
+_OURS = re.compile(r"v\d+|\.?LATEST(-new|\.tmp\d+)?|\.(spare|new)-\d+")  # what a publisher may remove
+_VERSION = re.compile(r"v(\d+)")
+
+
+class FileHeader(msgspec.Struct, frozen=True, array_like=True, tag="ws_file"):
+    layout: WeightUpdateHeader  # version -1
+    payload_at: int  # where the payload starts: a multiple of PAGE
+    file_bytes: int
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(FileHeader)
+
+
+class DamagedFile(ValueError):
+    """A version file (or ``LATEST``) that is truncated, damaged or not a driftrl weights file."""
+
+
+class UnsafeDirectory(PermissionError):
+    """A weights directory (or its run_dir record) that another user owns or could read or write."""
+
+
+# ---- directories ----------------------------------------------------------------------------
+
+
+def weights_dir(run_dir: str) -> str:
+    """``run_dir/weights``: the filesystem transport's directory (and the nccl endpoint's)."""
+    return os.path.join(run_dir, "weights")
+
+
+def _shm_root(run_dir: str) -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else os.path.abspath(run_dir)
+
+
+def _check_private(st: os.stat_result, path: str, is_dir: bool = False) -> None:
+    """Refuse what another uid owns or group/other may use: its bytes, and so the weights, would
+    be theirs to choose."""
+    if not (stat.S_ISDIR if is_dir else stat.S_ISREG)(st.st_mode):
+        raise UnsafeDirectory(f"refusing {path}: not a {'directory' if is_dir else 'regular file'}")
+    if st.st_uid != os.geteuid():
+        raise UnsafeDirectory(f"refusing {path}: owned by uid {st.st_uid}, not by this process's uid {os.geteuid()}")
+    if st.st_mode & 0o077:
+        raise UnsafeDirectory(f"refusing {path}: mode {st.st_mode & 0o777:04o} lets other users in "
+                              f"(driftrl makes it {'0700' if is_dir else '0600'})")
+
+
+def _private_dir(path: str) -> bool:
+    """True if ``path`` is this user's private directory, False if it does not exist (yet)."""
+    try:
+        st = os.lstat(path)  # a symlink is refused, never followed
+    except FileNotFoundError:
+        return False
+    _check_private(st, path, is_dir=True)
+    return True
+
+
+def recorded_dir(run_dir: str) -> str | None:
+    """The shm directory recorded for ``run_dir``; None before the first publisher."""
+    record = os.path.join(run_dir, RECORD)
+    try:
+        fd = os.open(record, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    except OSError as e:  # ELOOP: a symlink someone put there
+        raise UnsafeDirectory(f"refusing {record}: {e.strerror}") from None
+    try:
+        _check_private(os.fstat(fd), record)
+        path = os.read(fd, 4096).decode("utf-8", "replace").strip()
+    finally:
+        os.close(fd)
+    if os.path.dirname(path) != _shm_root(run_dir) or not _SHM_NAME.fullmatch(os.path.basename(path)):
+        raise UnsafeDirectory(f"refusing {record}: {path[:200]!r} is not a driftrl weights directory name")
+    return path
+
+
+def _dir_state(path: str) -> str:
+    """``gone``; ``live`` (a publisher holds its lock); ``dead`` (ours, unheld); ``foreign``."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return "gone"
+    except OSError:  # a symlink, a file, or not ours to open
+        return "foreign"
+    try:
+        _check_private(os.fstat(fd), path, is_dir=True)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except UnsafeDirectory:
+        return "foreign"
+    except BlockingIOError:
+        return "live"
+    finally:
+        os.close(fd)  # and with it our probe's lock
+    return "dead"
+
+
+def _remove_files(path: str, only_ours: bool = False) -> int:
+    """Unlink the files in ``path`` (a reader that maps one keeps its pages); how many."""
+    try:
+        names = os.listdir(path)
+    except FileNotFoundError:
+        return 0
+    names = [n for n in names if not only_ours or _OURS.fullmatch(n)]
+    for name in names:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(path, name))
+    return len(names)
+
+
+def _unlink_record(run_dir: str, path: str) -> None:
+    with contextlib.suppress(OSError):
+        if recorded_dir(run_dir) == path:
+            os.unlink(os.path.join(run_dir, RECORD))
+
+
+def _recorded_or_none(run_dir: str) -> str | None:
+    try:
+        return recorded_dir(run_dir)
+    except UnsafeDirectory as e:
+        log.warning("ignoring the weights record: %s", e)  # the next publisher replaces it
+        return None
+
+
+def remove_dead_region(run_dir: str) -> int:
+    """Remove ``run_dir``'s shm weights directory and its record unless a live publisher holds it;
+    returns how many files went. run.py calls it once the roles are gone, and every shm publisher
+    before it makes its own, so /dev/shm keeps nothing of a crashed or finished run."""
+    path = _recorded_or_none(run_dir)
+    if path is None:
+        return 0
+    state = _dir_state(path)
+    if state == "foreign":
+        log.warning("not touching %s: not this user's private directory", path)
+    if state in ("live", "foreign"):
+        return 0
+    removed = _remove_files(path) if state == "dead" else 0
+    with contextlib.suppress(OSError):
+        os.rmdir(path)
+    _unlink_record(run_dir, path)
+    return removed
+
+
+def _new_shm_dir(run_dir: str) -> str:
+    """A new private directory in /dev/shm, recorded for ``run_dir`` (a dead predecessor's removed)."""
+    old = _recorded_or_none(run_dir)
+    if old is not None and _dir_state(old) == "live":
+        raise RuntimeError(f"a weight publisher is already live for run_dir {run_dir} ({old})")
+    remove_dead_region(run_dir)
+    path = os.path.join(_shm_root(run_dir), f"driftrl-weights-{secrets.token_hex(16)}")
+    os.makedirs(run_dir, exist_ok=True)
+    # recorded before it exists: a publisher killed in between leaves a name the next one removes
+    atomic_write(os.path.join(run_dir, RECORD), f"{path}\n".encode(), durable=False, mode=0o600)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        raise UnsafeDirectory(f"{path} already exists: someone else created this name; refusing to share it") from None
+    os.chmod(path, 0o700)  # whatever the umask
+    return path
+
+
+def _fs_dir(run_dir: str) -> str:
+    path = weights_dir(run_dir)
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.lstat(path)
+    if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid():
+        os.chmod(path, 0o700)  # also one made before this rule (or by the nccl transport)
+    return path
+
+
+def _lock_dir(path: str) -> int:
+    """An fd of ``path`` holding its flock for the publisher's life: a second live publisher is
+    refused, and remove_dead_region spares a live one. The kernel drops it with the process."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        _check_private(os.fstat(fd), path, is_dir=True)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise RuntimeError(f"a weight publisher is already live for {path}") from None
+    except UnsafeDirectory:
+        os.close(fd)
+        raise
+    except OSError as e:  # a file system without flock (some NFS mounts): no guard, said once
+        log.warning("no publisher lock on %s (%s): a second live publisher would go unnoticed", path, e.strerror)
+    return fd
+
+
+# ---- the files --------------------------------------------------------------------------------
+
+
+def _encode_header(header: WeightUpdateHeader) -> tuple[bytes, int]:
+    """(the msgpack FileHeader, where the payload starts) of every version of ``header``."""
+    payload_at = (_PREFIX.size + len(_encoder.encode(FileHeader(header, 2**62, 2**62))) + PAGE - 1) // PAGE * PAGE
+    raw = _encoder.encode(FileHeader(header, payload_at, payload_at + layout.total_nbytes(header)))
+    return raw, payload_at
+
+
+def _prefix(version: int, payload_crc: int, raw: bytes) -> bytes:
+    fields = _PREFIX.pack(MAGIC, version, payload_crc, len(raw), 0)[8:-4]
+    return MAGIC + fields + struct.pack("<I", crc32c.crc32c(raw, crc32c.crc32c(fields)))
+
+
+def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    # one C++ call for all tensors (dtype-converting and strided copies included) instead of a
+    # Python loop of copy_: the loop costs ~1 us per tensor, a visible share for small models
+    if _foreach_copy is not None:
+        # a combination it does not take (e.g. mixed devices) falls back below: copies are idempotent
+        with contextlib.suppress(RuntimeError):
+            _foreach_copy(dst, src)
+            return
+    for d, s in zip(dst, src):
+        d.copy_(s)
+
+
+_foreach_copy = getattr(torch, "_foreach_copy_", None)
+
+
+def _unshared(fd: int) -> bool | None:
+    """Whether no other open file, in any process, refers to ``fd``'s file (a mapping counts):
+    the kernel grants a write lease only then. None where leases are not supported."""
+    if not hasattr(fcntl, "F_SETLEASE"):
+        return None
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
+    except OSError as e:
+        return False if e.errno in (errno.EAGAIN, errno.EBUSY) else None
+    fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+    return True
+
+
+class _File:
+    """A file the publisher made: its fd, its writable mapping, a view per tensor (layout order),
+    its current name and ``index`` (its number among the publisher's files, kept when reused)."""
+
+    def __init__(self, name: str, index: int, fd: int, mm: mmap.mmap, views: list[torch.Tensor]):
+        self.name, self.index, self.fd, self.mm, self.views = name, index, fd, mm, views
+
+    @classmethod
+    def create(cls, directory: str, index: int, header: WeightUpdateHeader, payload_at: int) -> "_File":
+        name, size = f".new-{index}", payload_at + layout.total_nbytes(header)
+        path = os.path.join(directory, name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            _reserve(fd, size, directory)
+            # MAP_POPULATE: one pass over the page tables instead of a fault per page
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        views = layout.views(header, torch.frombuffer(mm, dtype=torch.uint8, count=size - payload_at, offset=payload_at))
+        return cls(name, index, fd, mm, [views[n] for n in header.names])
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            self.views, self.mm = [], None  # the mapping goes with its last view
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _point_latest(directory: str, version: int) -> None:
+    """Replace ``LATEST`` by a symlink to ``v<version>`` (made aside, renamed over it: atomic)."""
+    tmp = os.path.join(directory, ".LATEST-new")
+    try:
+        os.symlink(f"v{version}", tmp)
+    except FileExistsError:  # a crashed publisher's
+        os.unlink(tmp)
+        os.symlink(f"v{version}", tmp)
+    os.replace(tmp, os.path.join(directory, LATEST))
+
+
+def _reserve(fd: int, size: int, directory: str) -> None:
+    """Allocate the file's blocks now: a full /dev/shm (Docker's 64 MB default) is a clear error
+    here, not a SIGBUS in the middle of a copy."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        raise OSError(e.errno, f"cannot reserve {size / 2**20:.0f} MiB for a weight version in {directory} "
+                      f"({e.strerror}); enlarge it (Docker: --shm-size) or use weightsync.transport=filesystem") from None
+
+
+class _Store:
+    """A publisher's directory and files; :meth:`close` is also its finalizer (it holds no
+    reference to the publisher)."""
+
+    def __init__(self, path: str, lock_fd: int, remove_on_close: str | None):
+        self.path, self.lock_fd = path, lock_fd
+        self.remove_on_close = remove_on_close  # the run_dir whose record names ``path`` (shm)
+        self.visible: list[_File] = []  # oldest first
+        self.spares: list[_File] = []
+        self.made = 0
+
+    def close(self) -> None:
+        for f in self.visible + self.spares:
+            f.close()
+        if self.remove_on_close is not None:
+            _remove_files(self.path)
+            with contextlib.suppress(OSError):
+                os.rmdir(self.path)
+            _unlink_record(self.remove_on_close, self.path)
+        else:  # filesystem: the visible versions stay for late joiners
+            for f in self.spares:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(self.path, f.name))
+        self.visible, self.spares = [], []
+        os.close(self.lock_fd)
+
+
+class FilePublisher(Publisher):
+    """Writes each version as a file in ``self.dir`` (see the module docstring). ``keep``:
+    versions left visible after a publish; ``max_files``: files it may hold at once (None: as
+    many as readers keep open); a publish that would need more is skipped."""
+
+    keep = 2
+    recycle = True  # reuse a retired file nobody has open (never across hosts: a lease sees this one)
+    durable = False  # fsync files and renames (another host reads them)
+    checksum = False  # crc32c of the payload in the header: one more pass over the bytes
+
+    def __init__(self, run_dir: str, template: Mapping[str, torch.Tensor], bucket_bytes: int = 64 << 20, *,
+                 max_files: int | None = None):
+        super().__init__(layout.header_for(-1, template, bucket_bytes))
+        self.run_dir, self.max_files = run_dir, max_files
+        self.names = list(self.header.names)
+        self._raw_header, self.payload_at = _encode_header(self.header)
+        self._store = self._open_store(run_dir)
+        # also at interpreter exit or garbage collection, so a finished learner leaves nothing in
+        # /dev/shm (a SIGKILLed one's directory is removed by remove_dead_region)
+        self._finalizer = weakref.finalize(self, self._store.close)
+
+    @classmethod
+    def from_config(cls, cfg, run_dir: str, template: Mapping[str, torch.Tensor], *, stop=None) -> "FilePublisher":
+        return cls(run_dir, template, cfg.weightsync.bucket_mb << 20)
+
+    def _open_store(self, run_dir: str) -> _Store:
+        raise NotImplementedError
+
+    @property
+    def dir(self) -> str:
+        return self._store.path
+
+    def _write(self, version: int, named: Mapping[str, torch.Tensor]) -> int | None:
+        f = self._take()
+        if f is None:
+            log.warning("weight version %d not published: readers hold all %d files", version, self.max_files)
+            return None
+        self._fill(f, named)
+        self._seal(f, version)
+        self._show(f, version)
+        return layout.payload_nbytes(self.header)
+
+    def _take(self) -> _File | None:
+        """A file no reader can reach: a spare nobody has open, else a new one (None past max_files)."""
+        s = self._store
+        for f in (list(s.spares) if self.recycle else ()):
+            free = _unshared(f.fd)
+            if free is None:
+                self._no_leases()
+                break
+            if free:
+                s.spares.remove(f)
+                return f
+        if self.max_files is not None and len(s.visible) + len(s.spares) >= self.max_files:
+            return None
+        s.made += 1
+        return _File.create(s.path, s.made - 1, self.header, self.payload_at)
+
+    def _no_leases(self) -> None:
+        log.warning("%s: this file system grants no leases; every version gets a new file", self.dir)
+        self.recycle = False
+        for f in self._store.spares:
+            self._discard(f)
+        self._store.spares = []
+
+    def _fill(self, f: _File, named: Mapping[str, torch.Tensor]) -> None:
+        """Copy the update into ``f``, which no reader can reach (cuda_ipc writes its record here)."""
+        _copy_all(f.views, [named[n] for n in self.names])
+
+    def _seal(self, f: _File, version: int) -> None:
+        crc = -1
+        if self.checksum:
+            with memoryview(f.mm) as mv:
+                crc = crc32c.crc32c(mv[self.payload_at:])
+        head = _prefix(version, crc, self._raw_header) + self._raw_header
+        f.mm[: len(head)] = head
+        if self.durable:
+            f.mm.flush()
+            os.fsync(f.fd)
+
+    def _show(self, f: _File, version: int) -> None:
+        """Rename ``f`` into place, point LATEST at it, retire what is past ``keep``."""
+        s = self._store
+        os.rename(os.path.join(s.path, f.name), os.path.join(s.path, f"v{version}"))
+        f.name = f"v{version}"
+        s.visible.append(f)
+        self._point(version)
+        while len(s.visible) > self.keep:
+            self._retire(s.visible.pop(0))
+
+    def _point(self, version: int) -> None:
+        _point_latest(self.dir, version)
+
+    def _retire(self, f: _File) -> None:
+        if not self.recycle:
+            self._discard(f)
+            return
+        spare = f".spare-{f.index}"
+        os.rename(os.path.join(self.dir, f.name), os.path.join(self.dir, spare))
+        f.name = spare
+        self._store.spares.append(f)
+
+    def _discard(self, f: _File) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(self.dir, f.name))  # a reader that maps it keeps its pages
+        f.close()
+
+    def _close(self) -> None:
+        self._finalizer()
+
+
+class ShmPublisher(FilePublisher):
+    """Versions in a private directory in /dev/shm, reused files, no fsync, no payload checksum."""
+
+    transport = "shm"
+
+    def _open_store(self, run_dir: str) -> _Store:
+        path = _new_shm_dir(run_dir)
+        return _Store(path, _lock_dir(path), remove_on_close=run_dir)
+
+
+class FsPublisher(FilePublisher):
+    """Versions in ``run_dir/weights`` for readers on other hosts: a new file per version (no
+    lease here sees a remote reader), fsynced, checksummed, three kept; they outlive close()."""
+
+    transport = "filesystem"
+    keep, recycle, durable, checksum = 3, False, True, True
+
+    def _point(self, version: int) -> None:
+        # a file, not a symlink: over NFS only an open revalidates a name another host replaced
+        # (close-to-open); a readlink may see the old one for the attribute cache's 30-60 s
+        atomic_write(os.path.join(self.dir, LATEST), f"v{version}\n".encode(), mode=0o600)  # fsynced
+
+    def _open_store(self, run_dir: str) -> _Store:
+        path = _fs_dir(run_dir)
+        lock = _lock_dir(path)
+        _remove_files(path, only_ours=True)  # a previous publisher's versions
+        return _Store(path, lock, remove_on_close=None)
+
+
+# ---- reading ------------------------------------------------------------------------------------
+
+
+def _read_header(fd: int, path: str, version: int, plans: dict) -> tuple["_Plan", int]:
+    """(the reading plan, the payload crc32c or -1) of an opened version file, checked; its header
+    is decoded once per publisher (``plans``, by its bytes). DamagedFile naming ``path`` otherwise."""
+    size = os.fstat(fd).st_size
+    first = os.pread(fd, min(size, 1 << 16), 0)  # prefix and header at once, mostly
+    if len(first) < _PREFIX.size:
+        raise DamagedFile(f"{path}: truncated to {size} bytes, not even a header")
+    magic, got_version, payload_crc, n, crc = _PREFIX.unpack_from(first)
+    if magic != MAGIC:
+        raise DamagedFile(f"{path}: not a driftrl weights file (magic {magic!r})")
+    end = _PREFIX.size + n
+    raw = first[_PREFIX.size:end] if end <= len(first) else os.pread(fd, min(n, size), _PREFIX.size)
+    if len(raw) != n or crc32c.crc32c(raw, crc32c.crc32c(first[8:_PREFIX.size - 4])) != crc:
+        raise DamagedFile(f"{path}: damaged header (checksum mismatch)")
+    if got_version != version:
+        raise DamagedFile(f"{path}: holds version {got_version}, not {version}")
+    plan = plans.get(raw) or _new_plan(raw, path, _PREFIX.size + n, plans)
+    if size != plan.head.file_bytes:
+        raise DamagedFile(f"{path}: {size} bytes, its header says {plan.head.file_bytes} (truncated or damaged)")
+    return plan, payload_crc
+
+
+def _new_plan(raw: bytes, path: str, header_end: int, plans: dict) -> "_Plan":
+    try:
+        head = _decoder.decode(raw)
+    except msgspec.DecodeError as e:
+        raise DamagedFile(f"{path}: unreadable header: {e}") from None
+    end = head.payload_at + layout.total_nbytes(head.layout)
+    if head.payload_at % PAGE or head.payload_at < header_end or end != head.file_bytes:
+        raise DamagedFile(f"{path}: inconsistent header (payload at {head.payload_at}, {head.file_bytes} bytes)")
+    plans.clear()  # one publisher's at a time
+    plans[raw] = plan = _Plan(head)
+    return plan
+
+
+def _strides(shape: list[int]) -> tuple[int, ...]:
+    out, step = [], 1
+    for d in reversed(shape):
+        out.append(step)
+        step *= max(d, 1)
+    return tuple(reversed(out))
+
+
+class _Plan:
+    """What a reader derives once per layout: each tensor's dtype and its place in the file
+    (``tensors``: name, file offset, bytes, shape, contiguous strides, element offset in the
+    payload; in payload order)."""
+
+    def __init__(self, head: FileHeader):
+        h = self.layout = head.layout
+        self.head = head
+        self.dtypes = {n: layout.torch_dtype(d) for n, d in zip(h.names, h.dtypes)}
+        shapes = dict(zip(h.names, h.shapes))
+        self.tensors = []
+        for start, b in zip(layout.bucket_starts(h), h.buckets):
+            for n, off in zip(b.names, b.offsets):
+                at, shape = start + off, shapes[n]  # at: a multiple of layout.ALIGN, so of every item size
+                self.tensors.append((n, head.payload_at + at, layout.tensor_nbytes(b.dtype, shape), shape,
+                                     _strides(shape), at // layout.ITEMSIZE[b.dtype]))
+
+
+class _Binding:
+    """How one dict of targets takes one layout, checked once and reused while the dict holds the
+    same tensor objects: which are mapped (``zero_copy``, on the CPU, of the published dtype) and
+    which are read into."""
+
+    def __init__(self, plan: _Plan, named: Mapping[str, torch.Tensor], zero_copy: bool, role: str):
+        layout.check_targets(plan.layout, named, role=role)
+        self.plan, self.named, self.values = plan, named, list(named.values())
+        self.targets = [named[n] for n, *_ in plan.tensors]
+        self.maps = [zero_copy and t.device.type == "cpu" and t.dtype == plan.dtypes[n]
+                     for t, (n, *_) in zip(self.targets, plan.tensors)]
+
+    def fits(self, plan: _Plan, named: Mapping[str, torch.Tensor]) -> bool:
+        return (plan is self.plan and named is self.named and len(named) == len(self.values)
+                and all(map(operator.is_, named.values(), self.values)))
+
+
+def _writable_bytes(t: torch.Tensor):
+    """A writable buffer over the bytes of the contiguous CPU tensor ``t``."""
+    return t.detach().reshape(-1).view(torch.uint8).numpy()
+
+
+class Version:
+    """One opened, checked version file. While it is open (``with``), the publisher cannot reuse
+    the file; tensors :meth:`apply` mapped keep it afterwards."""
+
+    def __init__(self, path: str, fd: int, version: int, plan: _Plan, payload_crc: int):
+        self.path, self.fd, self.version, self.plan, self.payload_crc = path, fd, version, plan, payload_crc
+
+    @classmethod
+    def open(cls, path: str, version: int, plans: dict | None = None) -> "Version | None":
+        """The checked version at ``path``; None if it is gone (retired: a newer one exists)."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        try:
+            return cls(path, fd, version, *_read_header(fd, path, version, {} if plans is None else plans))
+        except BaseException:
+            os.close(fd)
+            raise
+
+    @property
+    def layout(self) -> WeightUpdateHeader:
+        return self.plan.layout
+
+    def verify(self, scratch) -> None:
+        """Check the payload against its crc32c (when the file carries one) before any byte is used."""
+        if self.payload_crc < 0:
+            return
+        head = self.plan.head
+        buf, crc, pos = scratch(min(head.file_bytes - head.payload_at, 1 << 24)).numpy(), 0, head.payload_at
+        while pos < head.file_bytes:
+            n = os.preadv(self.fd, [buf[: head.file_bytes - pos]], pos)
+            if n <= 0:
+                raise DamagedFile(f"{self.path}: short read at byte {pos}")
+            crc, pos = crc32c.crc32c(buf[:n], crc), pos + n
+        if crc != self.payload_crc:
+            raise DamagedFile(f"{self.path}: payload checksum mismatch (damaged)")
+
+    def apply(self, bound: _Binding, scratch) -> int:
+        """Read every target of ``bound`` that is not mapped, then point the mapped ones at a
+        read-only mapping of the file (``set_``: no byte copied); how many were mapped."""
+        plan = bound.plan
+        for t, mapped, (n, off, nbytes, *_) in zip(bound.targets, bound.maps, plan.tensors):
+            if not mapped and nbytes:
+                self._read(t, plan.dtypes[n], off, nbytes, scratch)
+        n_mapped = sum(bound.maps)
+        if n_mapped:
+            self._map(bound)
+        return n_mapped
+
+    def _read(self, t: torch.Tensor, dtype: torch.dtype, off: int, nbytes: int, scratch) -> None:
+        direct = t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous()
+        stage = None if direct else scratch(nbytes)[:nbytes]
+        if os.preadv(self.fd, [_writable_bytes(t) if direct else stage.numpy()], off) != nbytes:
+            raise DamagedFile(f"{self.path}: short read at byte {off}")
+        if stage is not None:
+            t.copy_(stage.view(dtype).view(t.shape))
+
+    def _map(self, bound: _Binding) -> None:
+        head = self.plan.head
+        mm = mmap.mmap(self.fd, head.file_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        # the targets stay normal tensors inside the engine's inference_mode (a parameter made an
+        # inference tensor could not be used outside it)
+        with warnings.catch_warnings(), torch.inference_mode(False), torch.no_grad():
+            warnings.simplefilter("ignore")  # read-only memory: an in-place write faults, never corrupts
+            storage = torch.frombuffer(mm, dtype=torch.uint8, count=head.file_bytes - head.payload_at,
+                                       offset=head.payload_at).untyped_storage()
+            for t, mapped, (_, _, _, shape, strides, at) in zip(bound.targets, bound.maps, self.plan.tensors):
+                if mapped:
+                    t.set_(storage, at, shape, strides)
+
+    def copy_out(self) -> dict[str, torch.Tensor]:
+        """Every tensor as a new CPU tensor of its published dtype (read straight into it)."""
+        h = self.layout
+        out = {n: torch.empty(s, dtype=layout.torch_dtype(d)) for n, d, s in zip(h.names, h.dtypes, h.shapes)}
+        self.apply(_Binding(self.plan, out, False, "copy_out"), lambda n: torch.empty(n, dtype=torch.uint8))
+        return out
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)  # a mapping made by apply() keeps the file on its own
+            self.fd = -1
+
+    def __enter__(self) -> "Version":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class FileSubscriber(Subscriber):
+    """Reads the newest version of ``self.dir``; waits up to ``timeout_s`` for the directory (or
+    until ``stop`` is set: :class:`weightsync.base.Stopped`). ``zero_copy``: map same-dtype CPU
+    targets (rebinding the given tensor objects: pass the model's own Parameters, not
+    ``state_dict()`` aliases); ``poll_s``: ``latest_version()`` reads ``LATEST`` at most this often.
+    A directory another user owns or may use is refused with :class:`UnsafeDirectory`."""
+
+    zero_copy, poll_s = True, 0.0
+
+    def __init__(self, run_dir: str, timeout_s: float = 60, *, zero_copy: bool | None = None,
+                 poll_s: float | None = None, apply_timeout_s: float = 30, stop=None):
+        super().__init__()
+        self.run_dir, self.apply_timeout_s = run_dir, apply_timeout_s
+        self.zero_copy = self.zero_copy if zero_copy is None else zero_copy
+        self.poll_s = self.poll_s if poll_s is None else poll_s
+        self._latest, self._checked_at = -1, -float("inf")
+        self._staging = torch.empty(0, dtype=torch.uint8)
+        self._plans: dict[bytes, _Plan] = {}
+        self._bound: _Binding | None = None
+        self.dir = wait_until(self._find, timeout_s, f"the weight publisher of run_dir {run_dir!r} "
+                              f"({self._where()}); is the learner up?", stop=stop)
+
+    @classmethod
+    def from_config(cls, cfg, run_dir: str, timeout_s: float = 60, *, stop=None, device=None) -> "FileSubscriber":
+        return cls(run_dir, timeout_s, stop=stop)
+
+    def _find(self) -> str | None:
+        raise NotImplementedError
+
+    def _where(self) -> str:
+        raise NotImplementedError
+
+    def _moved(self) -> bool:
+        """Called when ``LATEST`` is missing: whether ``self.dir`` moved to a successor's (shm)."""
+        return False
+
+    @staticmethod
+    def _pointer(path: str) -> str:
+        """``LATEST``'s target (``v<version>``): a symlink read, never followed (one syscall)."""
+        return os.readlink(path)
+
+    @property
+    def publisher_closed(self) -> bool:
+        return not os.path.isdir(self.dir)
+
+    def latest_version(self) -> int:
+        now = time.monotonic()
+        if now - self._checked_at >= self.poll_s:
+            self._checked_at = now
+            got = self._read_latest()
+            self._latest = self._latest if got is None else got
+        return self._latest
+
+    def _read_latest(self) -> int | None:
+        path = os.path.join(self.dir, LATEST)
+        try:
+            target = self._pointer(path)
+        except FileNotFoundError:  # nothing published yet, or the publisher closed
+            return self._read_latest() if self._moved() else None
+        except OSError as e:
+            raise DamagedFile(f"{path}: not the pointer a publisher makes ({e.strerror})") from None
+        m = _VERSION.fullmatch(target.strip())
+        if m is None:
+            raise DamagedFile(f"{path}: points at {target[:60]!r}, not a version file")
+        return int(m.group(1))
+
+    def open_newest(self, after: int) -> Version | None:
+        """The newest version if newer than ``after``, opened and checked; None if there is none.
+        While it is open the publisher cannot reuse its file."""
+        deadline = time.monotonic() + self.apply_timeout_s
+        while True:
+            version = self._read_latest()
+            if version is None or version <= after:
+                return None
+            self._latest = version
+            got = Version.open(os.path.join(self.dir, f"v{version}"), version, self._plans)
+            if got is not None:
+                return got
+            if time.monotonic() > deadline:  # retired between reading LATEST and opening it, again and again
+                raise TimeoutError(f"{self.transport} subscriber: v{version} in {self.dir} vanished repeatedly")
+
+    def _scratch(self, nbytes: int) -> torch.Tensor:
+        if self._staging.numel() < nbytes:
+            self._staging = torch.empty(nbytes, dtype=torch.uint8)
+        return self._staging
+
+    def _apply(self, named: Mapping[str, torch.Tensor], after: int) -> tuple[int, int] | None:
+        got = self.open_newest(after)
+        if got is None:
+            if self._plans:  # nothing newer, but tensors that cannot take the layout are an error now
+                self._bind(next(iter(self._plans.values())), named)
+            return None
+        with got:
+            bound = self._bind(got.plan, named)
+            got.verify(self._scratch)
+            self.stats.mapped = got.apply(bound, self._scratch)
+        return got.version, layout.payload_nbytes(got.layout)
+
+    def _bind(self, plan: _Plan, named: Mapping[str, torch.Tensor]) -> _Binding:
+        if self._bound is None or not self._bound.fits(plan, named):
+            self._bound = _Binding(plan, named, self.zero_copy, f"{self.transport} subscriber")
+        return self._bound
+
+    def _close(self) -> None:
+        self._staging, self._bound = torch.empty(0, dtype=torch.uint8), None
+
+
+class ShmSubscriber(FileSubscriber):
+    """The shm transport's reader; after its publisher closed it follows a successor (a
+    restarted learner's new directory, found through ``run_dir/weights.shm``)."""
+
+    transport = "shm"
+    _next_find = 0.0
+
+    def _find(self) -> str | None:
+        path = recorded_dir(self.run_dir)
+        return path if path is not None and _private_dir(path) else None
+
+    def _where(self) -> str:
+        return f"a directory in /dev/shm recorded in {RECORD}"
+
+    def _moved(self) -> bool:
+        now = time.monotonic()
+        if now < self._next_find or os.path.isdir(self.dir):
+            return False
+        self._next_find = now + 0.5  # the publisher is gone: look for a successor, gently
+        path = self._find()
+        if path is None or path == self.dir:
+            return False
+        self.dir = path
+        return True
+
+
+class FsSubscriber(FileSubscriber):
+    """The filesystem transport's reader: copies (a mapping of a file on a network file system
+    could fault once its publisher unlinks it) and reads ``LATEST`` at most every 20 ms."""
+
+    transport = "filesystem"
+    zero_copy, poll_s = False, 0.02
+
+    @staticmethod
+    def _pointer(path: str) -> str:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)  # an open: NFS revalidates the name
+        try:
+            return os.read(fd, 64).decode("ascii", "replace")
+        finally:
+            os.close(fd)
+
+    def _find(self) -> str | None:
+        path = weights_dir(self.run_dir)
+        return path if _private_dir(path) else None
+
+    def _where(self) -> str:
+        return f"no {weights_dir(self.run_dir)} yet"
