@@ -1,7 +1,7 @@
 """The live terminal view of a run.
 
 ``Monitor`` is fed the MetricRecords the launcher's :class:`core.metrics.MetricsFollower`
-reads from the roles' metrics files, keeps the latest value of every metric (DESIGN §6 names)
+reads from the roles' metrics files, keeps the latest value of every metric (the names of ARCHITECTURE.md)
 plus a short history, and shows them either as a rich ``Live`` dashboard (a TTY, or
 ``monitor.live = "on"``) or as one plain line at most every ``monitor.plain_every_s`` seconds
 (pipes, CI logs, ``monitor.live = "off"``).

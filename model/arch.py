@@ -74,12 +74,12 @@ def family(model_type) -> Family:
 @dataclass
 class ArchConfig:
     vocab_size: int
-    hidden_size: int = 128
-    intermediate_size: int = 384
-    num_hidden_layers: int = 4
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    head_dim: int = 32
+    hidden_size: int  # the sizes have no defaults: from_hf reads them, the tiny builder passes them
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
     max_position_embeddings: int = 128
     rope_theta: float = 10000.0  # the top-level key; a theta inside rope_scaling/rope_parameters wins
     rms_norm_eps: float = 1e-6

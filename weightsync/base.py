@@ -52,7 +52,28 @@ class SubscriberStats:
     mapped: int = 0  # tensors the last apply mapped from the version file instead of copying (shm)
 
 
-class Publisher:
+class _Closable:
+    """``close()`` once (idempotent; ``_close`` is the transport's part) and ``with`` support."""
+
+    _closed = False
+
+    def close(self) -> None:
+        """Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._close()
+
+    def _close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class Publisher(_Closable):
     """Learner side. Subclasses implement ``_write(version, named) -> payload bytes``, or None
     when the transport dropped that version (cuda_ipc with every device slot in use): ``publish``
     then returns None and ``skipped`` counts it."""
@@ -71,7 +92,7 @@ class Publisher:
             raise RuntimeError(f"{self.transport} publisher is closed")
         if version < 0 or version <= self._last_version:
             raise ValueError(
-                f"versions must increase: got {version} after {self._last_version} (DESIGN §2: "
+                f"versions must increase: got {version} after {self._last_version} (ARCHITECTURE.md, Versions and staleness: "
                 "a version is published once, after the optimiser step that made it)"
             )
         layout.check_targets(self.header, named, role=f"{self.transport} publisher", same_dtype=True)
@@ -101,23 +122,9 @@ class Publisher:
             "weightsync/publishes_skipped": float(self.skipped),
         }
 
-    def close(self) -> None:
-        """Idempotent."""
-        if not self._closed:
-            self._closed = True
-            self._close()
-
-    def _close(self) -> None:
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
-class Subscriber:
+class Subscriber(_Closable):
     """Actor side. Subclasses implement ``latest_version()`` and
     ``_apply(named, after) -> (version, payload bytes) | None`` (copy, or map, the newest
     complete version newer than ``after`` into ``named``)."""
@@ -167,20 +174,6 @@ class Subscriber:
             "weightsync/versions_skipped": float(s.versions_skipped),
         }
 
-    def close(self) -> None:
-        """Idempotent."""
-        if not self._closed:
-            self._closed = True
-            self._close()
-
-    def _close(self) -> None:
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 class Stopped(RuntimeError):

@@ -2,7 +2,7 @@
 
 Ray decides *where* (per-role CPUs, GPUs and custom resources, ``ray.*``, one bundle per role in
 one placement group, ``ray.placement_strategy``); driftrl's own ZeroMQ data plane still carries
-every trajectory (DESIGN §1). Each role runs the same entry point as under the local launcher
+every trajectory (ARCHITECTURE.md: Dataflow). Each role runs the same entry point as under the local launcher
 (``roles()``), started by a :class:`RoleHost` actor on its node with the local launcher's
 environment rules, except that ``DRIFTRL_LAUNCHER_PID`` is the host actor's pid: the role dies
 with its host (core/proc.py), and a host Ray reports dead counts as the role killed by SIGKILL

@@ -177,14 +177,16 @@ def test_two_sglang_links_receive_two_versions_bit_exact(tmp_path):
     run_dir = str(tmp_path / "run")
     outs = [str(tmp_path / f"r{i}.safetensors") for i in range(2)]
     children = [_receiver(run_dir, out, f"actor-{i}", [[1, 2]]) for i, out in enumerate(outs)]
+    pub = None
     try:
         pub = _publisher(run_dir, 3)
         for v in (1, 2):
             stats = pub.publish(v, _weights(v))
             assert stats.bytes == layout.payload_nbytes(pub.header)
         _wait(children)
-        pub.close()
-    finally:
+    finally:  # closed on a failure too: an open socket's context would block the GC forever
+        if pub is not None:
+            pub.close()
         for c in children:
             c.kill()
     bodies = [_check(out, [1, 2])[0] for out in outs]
@@ -199,6 +201,7 @@ def test_a_repeat_hello_gets_a_rebuilt_group(tmp_path):
     group (a new store), and the version after the restart arrives bit-exact through it."""
     run_dir, out = str(tmp_path / "run"), str(tmp_path / "r.safetensors")
     child = _receiver(run_dir, out, "actor-0", [[1], [2], [3]], new_link_at=2)
+    pub = None
     try:
         pub = _publisher(run_dir, 2)
         pub.publish(1, _weights(1))
@@ -210,8 +213,9 @@ def test_a_repeat_hello_gets_a_rebuilt_group(tmp_path):
             pub.publish(v, _weights(v))
         _wait([child])
         assert pub.rebuilds == 2 and pub.bad_frames == 0
-        pub.close()
-    finally:
+    finally:  # as above: never leave an open socket to the GC
+        if pub is not None:
+            pub.close()
         child.kill()
     joins = _check(out, [1, 2, 3])
     assert [j["rank_offset"] for j in joins] == [1, 1, 1]
