@@ -99,6 +99,18 @@ def _dealer(ctx: zmq.Context, cfg, port: int, role: str, name: str) -> zmq.Socke
     return s
 
 
+def _drain(sock, timeout_ms: int):
+    """Every message waiting on ``sock`` (its frames), after waiting up to ``timeout_ms`` for the
+    first; never blocks past that."""
+    if timeout_ms and not sock.poll(timeout_ms):
+        return
+    while True:
+        try:
+            yield sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return
+
+
 def _try_send(sock: zmq.Socket, payload: bytes) -> bool:
     try:
         sock.send(payload, zmq.NOBLOCK, copy=len(payload) < 65536)
@@ -357,16 +369,10 @@ class ActorClient:
         self._due = due
 
     def _receive(self, timeout_ms: int) -> None:
-        if timeout_ms and not self._sock.poll(timeout_ms):
-            return
-        while True:
-            try:
-                frame = self._sock.recv(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
+        for frames in _drain(self._sock, timeout_ms):
             self._heard_at = time.monotonic()
             try:
-                msg = self._dec.decode(frame.buffer)
+                msg = self._dec.decode(frames[0].buffer)  # answers are one frame
             except msgspec.DecodeError:  # not an answer of this schema: nothing to act on
                 continue
             if isinstance(msg, Acks) and msg.max_staleness >= 0:
@@ -523,13 +529,7 @@ class LearnerClient:
                 self._sent_at = now
 
     def _receive(self, timeout_ms: int) -> None:
-        if timeout_ms and not self._sock.poll(timeout_ms):
-            return
-        while True:
-            try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
+        for frames in _drain(self._sock, timeout_ms):
             msg = self._dec.decode(frames[0].buffer)  # the buffer is trusted; a failure is a bug
             if isinstance(msg, Ack):
                 self._on_ack(msg)
