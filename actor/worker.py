@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from actor.curriculum import LengthCurriculum, prompt_limit, state_path
-from actor.engines import EngineStopped, make_engine
+from actor.engines import EngineStopped, engine_class, make_engine
 from actor.evaluate import evaluate
 from actor.tasks import make_task
 from buffer.client import ActorClient, Stopped as BufferStopped
@@ -48,7 +48,7 @@ from core.admission import Admission
 from core.metrics import MetricsWriter
 from core.proc import die_with_parent, setup_logging, stop_event
 from model.tokenizer import Tokenizer
-from weightsync.base import Stopped, make_subscriber
+from weightsync.base import Stopped
 
 log = logging.getLogger("driftrl.actor")
 SKEW_ENV = "DRIFTRL_TEST_SKEW_TEMPERATURE"
@@ -101,13 +101,8 @@ class RolloutWorker:
         self.eval_set = self.task.eval_set(cfg.run.eval_prompts) if index == 0 and cfg.run.eval_every else []
 
     def _weights(self, cfg: C.Config, run_dir: str, stop):
-        """The engine's weight source: a weightsync subscriber, or, for an SGLang server that
-        receives by NCCL itself, the link that only follows the learner's publisher."""
-        if cfg.actor.engine == "sglang":
-            from actor.engines.sglang import link_from_config
-
-            return link_from_config(cfg, run_dir, self.actor_id, stop=stop)
-        return make_subscriber(cfg, run_dir, stop=stop, device=self.device)
+        """The engine's weight source, as its engine declares (``Engine.weight_source``)."""
+        return engine_class(cfg.actor.engine).weight_source(cfg, run_dir, self.actor_id, stop=stop, device=self.device)
 
     @property
     def version(self) -> int:

@@ -115,6 +115,18 @@ class TaskSection(_Section):
     reward_timeout_s: PosFloat = 10.0
 
 
+class SGLangSection(_Section):
+    """``actor.engine = "sglang"`` (actor/engines/sglang.py): the interpreter of the separate venv
+    SGLang is installed in (it pins its own torch), the server's static GPU memory fraction, and
+    the deadlines of its start (health check), of one request, and of one weight update."""
+
+    python: str = ""
+    mem_fraction: Annotated[float, Meta(gt=0, lt=1)] = 0.8
+    start_timeout_s: PosFloat = 600.0
+    request_timeout_s: PosFloat = 600.0
+    update_timeout_s: PosFloat = 300.0
+
+
 class ActorSection(_Section):
     num_actors: PosInt = 1
     engine: str = "torch"  # actor/engines/ ENGINES: "torch" (embedded) or "sglang" (a server, GPU)
@@ -144,14 +156,7 @@ class ActorSection(_Section):
     threads: PosInt = 1
     # one value for every actor, or a list with one per actor (core/placement.py)
     device: Device | list[Device] = "auto"
-    # engine=sglang (actor/engines/sglang.py): the interpreter of the separate venv SGLang is
-    # installed in (it pins its own torch), the server's static GPU memory fraction, and the
-    # deadlines of its start (health check), of one request, and of one weight update
-    sglang_python: str = ""
-    sglang_mem_fraction: Annotated[float, Meta(gt=0, lt=1)] = 0.8
-    sglang_start_timeout_s: PosFloat = 600.0
-    sglang_request_timeout_s: PosFloat = 600.0
-    sglang_update_timeout_s: PosFloat = 300.0
+    sglang: SGLangSection = msgspec.field(default_factory=lambda: SGLangSection())  # [actor.sglang]
 
 
 class BufferSection(_Section):

@@ -308,7 +308,7 @@ class NcclPublisher(Publisher):
         kw = {"world_size": 1 + cfg.actor.num_actors, "host": cfg.net.host, "curve": net.curve_from_config(cfg.net),
               "stop": stop}
         if cfg.actor.engine == "sglang":
-            kw.update(backend="sglang", join_timeout_s=300 + cfg.actor.sglang_start_timeout_s)
+            kw.update(backend="sglang", join_timeout_s=300 + cfg.actor.sglang.start_timeout_s)
         return cls(run_dir, template, cfg.weightsync.bucket_mb << 20, **kw)
 
     def _gather_peers(self, timeout_s: float) -> list[bytes]:

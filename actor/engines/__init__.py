@@ -87,6 +87,15 @@ class Engine(abc.ABC):
     def from_config(cls, actor_cfg, model_dir: str, weights=None, seed: int = 0) -> "Engine":
         """Build from ``cfg.actor`` and an HF-format model directory (weights and tokenizer)."""
 
+    @classmethod
+    def weight_source(cls, cfg, run_dir: str, actor_id: str, *, stop=None, device=None):
+        """How this engine receives the learner's weights: by default a subscriber of
+        ``weightsync.transport`` (weightsync/base.py); a server engine that receives them itself
+        (SGLang over NCCL) returns its own link. The worker asks, and names no engine."""
+        from weightsync.base import make_subscriber
+
+        return make_subscriber(cfg, run_dir, stop=stop, device=device)
+
     @abc.abstractmethod
     def stream(self, prompts: list[list[int]], *, max_new_tokens: int | Sequence[int] | None = None,
                greedy: bool = False) -> Iterator[tuple[int, Sample]]:
@@ -126,5 +135,9 @@ class Engine(abc.ABC):
 ENGINES = {"torch": "actor.engines.torch:TorchEngine", "sglang": "actor.engines.sglang:SGLangEngine"}
 
 
+def engine_class(name: str) -> type[Engine]:
+    return resolve(ENGINES, name, "engine")
+
+
 def make_engine(actor_cfg, model_dir: str, weights=None, seed: int = 0) -> Engine:
-    return resolve(ENGINES, actor_cfg.engine, "engine").from_config(actor_cfg, model_dir, weights, seed)
+    return engine_class(actor_cfg.engine).from_config(actor_cfg, model_dir, weights, seed)

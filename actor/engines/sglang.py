@@ -2,12 +2,12 @@
 
 Why a server: on GPUs SGLang is the generation engine users expect (paged KV cache, CUDA graphs,
 radix prefix cache). It pins its own torch, so it lives in its own venv, never driftrl's CPU
-default: ``actor.sglang_python`` names that venv's interpreter and the engine starts
-``<sglang_python> -m sglang.launch_server`` as a child process. Setting the venv up on a GPU host::
+default: ``actor.sglang.python`` names that venv's interpreter and the engine starts
+``<actor.sglang.python> -m sglang.launch_server`` as a child process. Setting the venv up on a GPU host::
 
     python3 -m venv .venv-sglang-gpu
     .venv-sglang-gpu/bin/pip install "sglang[all]==0.5.23"   # its own CUDA torch, ~11 GB
-    python run.py actor.engine=sglang actor.sglang_python=$PWD/.venv-sglang-gpu/bin/python \\
+    python run.py actor.engine=sglang actor.sglang.python=$PWD/.venv-sglang-gpu/bin/python \\
         weightsync.transport=nccl
 
 On CPU, ``.ci/sglang-contract`` builds a light venv (``--no-deps`` plus what SGLang's request
@@ -22,7 +22,7 @@ Lifecycle (every wait has a deadline; each request and response shape is read fr
                    --enable-fp32-lm-head --skip-tokenizer-init --weight-version V
                    [--base-gpu-id N, from actor.device cuda:N]
             GET /health_generate until 200 (it runs one real token; 503 while loading), at most
-            actor.sglang_start_timeout_s; the server's stdout/stderr is the actor's log
+            actor.sglang.start_timeout_s; the server's stdout/stderr is the actor's log
     join    POST /init_weights_update_group {master_address, master_port, rank_offset,
             world_size, group_name, backend}                                   (once)
     update  POST /pause_generation {mode: "retract"} -> /begin_weight_update {} -> per bucket
@@ -78,7 +78,7 @@ batches; both venvs' NCCL builds must be wire-compatible. ``update_weights_from_
 (SGLang's path on one shared GPU) was not chosen: its payload is a pickled tensor handle
 (``MultiprocessingSerializer``), and driftrl never pickles on its own sockets.
 
-Poisoning. A weight update that fails or times out (``actor.sglang_update_timeout_s``) may have
+Poisoning. A weight update that fails or times out (``actor.sglang.update_timeout_s``) may have
 left the server with half-written weights, so the engine is marked poisoned and generates
 nothing until it is healed: the server is restarted from the model directory, joins a fresh
 group, and the next published version -- every version carries the whole weights, so one pull
@@ -144,7 +144,7 @@ def launch_argv(python: str, model_dir: str, port: int, *, dtype: str, mem_fract
                 max_running: int, seed: int, version: int, gpu: int | None = None) -> list[str]:
     """The server's command line (flag names from 0.5.23's ``arg_groups/fields``)."""
     if not python:
-        raise ValueError("actor.sglang_python is empty: set it to the interpreter of the venv SGLang is "
+        raise ValueError("actor.sglang.python is empty: set it to the interpreter of the venv SGLang is "
                          "installed in (see actor/engines/sglang.py)")
     argv = [python, "-m", "sglang.launch_server", "--model-path", model_dir, "--host", "127.0.0.1",
             "--port", str(port), "--dtype", dtype, "--mem-fraction-static", repr(float(mem_fraction)),
@@ -308,7 +308,7 @@ class SGLangServer:
                 raise EngineStopped("stopped while the SGLang server was starting")
             if time.monotonic() > deadline:
                 raise SGLangError(f"the SGLang server was not healthy within {timeout_s:.0f}s "
-                                  "(actor.sglang_start_timeout_s)")
+                                  "(actor.sglang.start_timeout_s)")
             time.sleep(POLL_S)
 
     def _healthy(self) -> bool:
@@ -472,6 +472,11 @@ class SGLangEngine(Engine):
 
     name = "sglang"
 
+    @classmethod
+    def weight_source(cls, cfg, run_dir: str, actor_id: str, *, stop=None, device=None) -> "SGLangLink":
+        """The server receives by NCCL itself: the worker gets the link that follows the publisher."""
+        return link_from_config(cfg, run_dir, actor_id, stop=stop)
+
     def __init__(self, server: SGLangServer, spec: SamplingSpec, *, eos_ids, max_new_tokens: int = 16,
                  max_batch: int = 256, weights=None, start_timeout_s: float = 600.0,
                  update_timeout_s: float = 300.0, restart=None):
@@ -494,15 +499,15 @@ class SGLangEngine(Engine):
 
         def fresh() -> SGLangServer:
             port = net.free_port()
-            argv = launch_argv(actor_cfg.sglang_python, model_dir, port, dtype=precision.dtype_name(actor_cfg.dtype, "cuda"),
-                               mem_fraction=actor_cfg.sglang_mem_fraction, max_running=actor_cfg.max_batch,
+            argv = launch_argv(actor_cfg.sglang.python, model_dir, port, dtype=precision.dtype_name(actor_cfg.dtype, "cuda"),
+                               mem_fraction=actor_cfg.sglang.mem_fraction, max_running=actor_cfg.max_batch,
                                seed=seed, version=0 if weights is None else -1, gpu=gpu)
-            return SGLangServer(argv, port, request_timeout_s=actor_cfg.sglang_request_timeout_s)
+            return SGLangServer(argv, port, request_timeout_s=actor_cfg.sglang.request_timeout_s)
 
         engine = cls(fresh(), SamplingSpec.of(actor_cfg), eos_ids=Tokenizer.from_dir(model_dir).eos_ids,
                      max_new_tokens=actor_cfg.max_new_tokens, max_batch=actor_cfg.max_batch, weights=weights,
-                     start_timeout_s=actor_cfg.sglang_start_timeout_s,
-                     update_timeout_s=actor_cfg.sglang_update_timeout_s, restart=fresh)
+                     start_timeout_s=actor_cfg.sglang.start_timeout_s,
+                     update_timeout_s=actor_cfg.sglang.update_timeout_s, restart=fresh)
         try:
             engine.boot()
         except BaseException:

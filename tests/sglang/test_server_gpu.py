@@ -19,8 +19,8 @@ SGLANG_PYTHON = os.environ.get("DRIFTRL_SGLANG_PYTHON", "")
 @pytest.mark.slow
 @pytest.mark.skipif(not SGLANG_PYTHON, reason="DRIFTRL_SGLANG_PYTHON (a full SGLang venv's python) is not set")
 def test_real_server_generates_samples_with_logprobs_and_versions():
-    cfg = tiny_cfg("actor.engine=sglang", f"actor.sglang_python={SGLANG_PYTHON}", "actor.max_new_tokens=6",
-                   "actor.sglang_mem_fraction=0.3", "actor.sglang_start_timeout_s=900")
+    cfg = tiny_cfg("actor.engine=sglang", f"actor.sglang.python={SGLANG_PYTHON}", "actor.max_new_tokens=6",
+                   "actor.sglang.mem_fraction=0.3", "actor.sglang.start_timeout_s=900")
     engine = make_engine(cfg.actor, cfg.model.path, weights=None, seed=1)
     try:
         prompts = [[1, 5, 7], [1, 9], [1, 4, 4, 4], [1, 3]]

@@ -1,6 +1,7 @@
 """The seams: every registry entry is a real implementation of its base class, unknown keys are
 refused before anything starts, and a new implementation is one class plus one registry line."""
 
+import os
 import random
 
 import msgspec
@@ -90,3 +91,15 @@ def test_a_chosen_optional_stack_that_is_not_installed_fails_before_anything_sta
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == module else real(name, *a))
     with pytest.raises(C.ConfigError, match=rf"needs {module}: pip install -e '\.\[{extra}\]'"):
         jobs.check_seams(C.load(None, [override]))
+
+
+def test_an_engine_declares_how_it_receives_weights_and_the_worker_names_none():
+    """A new server engine is its file and its registry line: the worker asks the engine class
+    for its weight source (a weightsync subscriber by default, SGLang's own NCCL link)."""
+    from actor.engines import Engine, engine_class
+
+    assert engine_class("torch").weight_source.__func__ is Engine.weight_source.__func__
+    assert engine_class("sglang").weight_source.__func__ is not Engine.weight_source.__func__
+    with open(os.path.join(os.path.dirname(jobs.__file__), "actor", "worker.py")) as f:
+        worker = f.read()
+    assert "sglang" not in worker.lower()

@@ -74,7 +74,7 @@ def test_init_group_body_and_launch_argv_refuse_bad_values():
     assert body["rank_offset"] == 1 and body["world_size"] == 2 and body["backend"] == "nccl"
     with pytest.raises(ValueError, match="rank_offset"):
         S.init_group_body("h", 1, 0, 2)
-    with pytest.raises(ValueError, match="actor.sglang_python"):
+    with pytest.raises(ValueError, match="actor.sglang.python"):
         S.launch_argv("", "/m", 1, dtype="bfloat16", mem_fraction=0.5, max_running=4, seed=0, version=0)
     argv = S.launch_argv("/v/bin/python", "/m", 31, dtype="bfloat16", mem_fraction=0.5, max_running=4, seed=2,
                          version=-1)
@@ -223,12 +223,12 @@ def test_poisoned_without_restart_fails_loudly():
 
 
 def test_registry_and_config_reach_the_sglang_engine(tmp_path):
-    cfg = C.load(None, ["actor.engine=sglang", "actor.sglang_python=/nonexistent/python"])
-    assert cfg.actor.sglang_mem_fraction == 0.8
+    cfg = C.load(None, ["actor.engine=sglang", "actor.sglang.python=/nonexistent/python"])
+    assert cfg.actor.sglang.mem_fraction == 0.8
     with pytest.raises(ValueError, match="SGLangLink"):
         make_engine(cfg.actor, str(tmp_path), weights=object())
-    with pytest.raises(C.ConfigError, match="sglang_mem_fraction"):
-        C.load(None, ["actor.sglang_mem_fraction=1.5"])
+    with pytest.raises(C.ConfigError, match=r"\$\.actor\.sglang\.mem_fraction"):
+        C.load(None, ["actor.sglang.mem_fraction=1.5"])
 
 
 # ---- the HTTP client and the server process (real loopback sockets and processes)
