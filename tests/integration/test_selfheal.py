@@ -25,6 +25,7 @@ from tests.support.runs import TINY_RUN, alive, lines
 
 KILLS = ("actor0", "buffer", "learner")  # in this order, each after PROGRESS more trained steps
 PROGRESS = 3
+STEPS = 40  # the kill-in-turn run's step budget
 BACK_S = 60.0  # a killed role must be running (new pid) and beating again within this
 RESUMED = re.compile(r"resumed from (\S+) at step (\d+) version (\d+) \(checkpoint version (\d+)\)")
 
@@ -149,7 +150,9 @@ def _config(cache_dir: str, launcher: str, *extra: str) -> C.Config:
 def test_actor_buffer_and_learner_killed_in_turn_all_heal(tmp_path, cache_dir, launcher):
     if launcher == "ray":
         pytest.importorskip("ray")
-    cfg = _config(cache_dir, launcher, "buffer.max_staleness=1", "run.ckpt_every=3", "run.max_steps=14",
+    # enough steps that the last kill lands mid-run, not in the final save: the learner steps of
+    # this tiny model take ~0.1 s, and a run that ends before the killed role is back is no test
+    cfg = _config(cache_dir, launcher, "buffer.max_staleness=1", "run.ckpt_every=3", f"run.max_steps={STEPS}",
                   "run.max_time_s=200")
     back: dict = {}
 
@@ -168,7 +171,7 @@ def test_actor_buffer_and_learner_killed_in_turn_all_heal(tmp_path, cache_dir, l
         counts = [r[f"run/restarts/{name}"] for r in recs if f"run/restarts/{name}" in r]
         assert counts == [1.0], (name, counts)
     steps = lines(os.path.join(rd, "trained_keys.jsonl"))
-    assert [s["step"] for s in steps] == list(range(1, 15))
+    assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
     trained = [tuple(k) for s in steps for k in s["keys"]]
     assert len(trained) == len(set(trained))  # no key trained twice
     versions = [s["version"] for s in steps]
