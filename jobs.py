@@ -1,8 +1,5 @@
 """The wiring library below the drivers (run.py, pipeline.py, sweep.py, bench/): one job from a
-config to a finished run directory. The only module that wires the actor's and the learner's
-sides together -- it checks the seams' keys, resolves the model and the precision, runs the
-actor-vs-learner contract check and launches the roles -- so the drivers import it and never
-each other's command lines.
+config to a finished run directory, the one place both the actor's and the learner's sides meet.
 """
 
 from __future__ import annotations
@@ -29,9 +26,9 @@ def load_config(toml_path, resume_dir, overrides) -> C.Config:
         raise C.ConfigError(f"{resume_dir} has no config.json: not a driftrl run directory")
     with open(path, "rb") as f:
         tree = json.loads(f.read())
-    # fresh ports: the old ones may be taken by now
-    tree["net"].update(buffer_actor_port=0, buffer_learner_port=0)
+    tree["net"].update(buffer_actor_port=0, buffer_learner_port=0)  # the old ones may be taken by now
     tree["net"].pop("metrics_port", None)  # config.json of runs from before metrics were files
+    tree["buffer"].pop("segment_bytes", None)  # ... and before the buffer's store was SQLite
     for item in overrides:
         C.apply_override(tree, item)
     return C.from_dict(tree)
@@ -39,11 +36,11 @@ def load_config(toml_path, resume_dir, overrides) -> C.Config:
 
 def check_seams(cfg: C.Config) -> None:
     """Every seam's config value names a registered implementation (before anything starts)."""
-    from actor.engines import ENGINES
+    from actor.engines import ENGINES, engine_class
     from actor.tasks import TASKS
     from learner.backends import BACKENDS
     from learner.losses import LOSSES
-    from weightsync import PUBLISHERS
+    from weightsync import DELIVERS, PUBLISHERS
 
     for path, value, registry in (("actor.engine", cfg.actor.engine, ENGINES), ("task.name", cfg.task.name, TASKS),
                                   ("learner.backend", cfg.learner.backend, BACKENDS),
@@ -52,6 +49,11 @@ def check_seams(cfg: C.Config) -> None:
                                   ("run.launcher", cfg.run.launcher, launchers.LAUNCHERS)):
         if value not in registry:
             raise C.ConfigError(f"`$.{path}` = {value!r} is not one of {', '.join(sorted(registry))}")
+    receives, transport = engine_class(cfg.actor.engine).receives, cfg.weightsync.transport
+    if transport not in DELIVERS[receives]:
+        raise C.ConfigError(f"`$.actor.engine` = {cfg.actor.engine!r} receives weights as {receives!r}, which "
+                            f"`$.weightsync.transport` = {transport!r} does not deliver: set it to "
+                            f"{' or '.join(map(repr, DELIVERS[receives]))}")
     placement.check(cfg)  # a CUDA device asked for where there is none fails here, not in a role
     # an optional stack that is chosen but not installed fails here, in a second, with its extra
     stacks = ((cfg.metrics.tensorboard, "tensorboardX", "`$.metrics.tensorboard` = true", "tensorboard"),
@@ -62,8 +64,7 @@ def check_seams(cfg: C.Config) -> None:
 
 
 def resolve_model(cfg: C.Config) -> C.Config:
-    """``model.path`` set (the built-in task's tiny model, built on first use, when empty) and
-    ``model.vocab_size`` read from its config.json."""
+    """``model.path`` set (empty: the task's tiny model, built on first use), ``model.vocab_size``."""
     path = cfg.model.path
     if path and not os.path.exists(os.path.join(path, "config.json")):
         raise C.ConfigError(f"`$.model.path` = {path!r} has no config.json")
@@ -82,8 +83,8 @@ def resolve_model(cfg: C.Config) -> C.Config:
 
 
 def contract_check(cfg: C.Config, run_dir: str | None) -> dict:
-    """Engine and backend, built as the roles build them, score one fixed batch alike
-    (learner/contract.py); the weights are the newest checkpoint's when resuming."""
+    """Engine and backend, built as the roles build them, score one fixed batch alike (the newest
+    checkpoint's weights when resuming)."""
     import torch
 
     from actor.engines import make_engine
@@ -104,22 +105,19 @@ def contract_check(cfg: C.Config, run_dir: str | None) -> dict:
 
 
 def train(cfg: C.Config, run_dir: str | None = None, monitor=None, on_ready=None) -> launchers.RunResult:
-    """Check the seams, resolve the model, check the contract, run every role to the budget."""
+    """Check the seams, resolve the model and precision, check the contract, run every role."""
     from weightsync.files import remove_dead_region
 
     check_seams(cfg)
     cfg = resolve_model(cfg)
     cfg, note = precision.resolve(cfg, *placement.check(cfg))
     log.info("precision: %s", note)
-    report = contract_check(cfg, run_dir)
-    log.info("contract check passed: %s", report)
+    log.info("contract check passed: %s", contract_check(cfg, run_dir))
     run_dir = os.path.abspath(run_dir or cfg.run.run_dir or launchers.new_run_dir())
     try:
-        result = launchers.launch(cfg, run_dir, monitor, on_ready)
+        return launchers.launch(cfg, run_dir, monitor, on_ready)
     finally:  # a learner that died for good leaves no shared-memory region behind
         remove_dead_region(run_dir)
-    result.contract = report
-    return result
 
 
 def first_eval(run_dir: str) -> float | None:
@@ -132,12 +130,12 @@ def first_eval(run_dir: str) -> float | None:
 
 
 def resolve_checkpoint(path: str) -> tuple[str, str | None]:
-    """``(model_dir, run_config_path or None)`` of CKPT: a run directory (its config; its
-    ``final_model``, else its newest intact checkpoint), a checkpoint directory, or a model."""
+    """``(model_dir, run config path or None)`` of a run (its ``final_model``, else its newest
+    intact checkpoint), a pipeline (its last stage), a checkpoint or a model directory."""
     from learner import checkpoint
 
     path = os.path.abspath(path)
-    if os.path.exists(os.path.join(path, "pipeline.json")):  # a pipeline: its last stage's run
+    if os.path.exists(os.path.join(path, "pipeline.json")):
         path = os.path.join(path, "tiers")
     run_cfg = os.path.join(path, "config.json")
     if os.path.isdir(os.path.join(path, "final_model")) or os.path.isdir(os.path.join(path, "checkpoints")):

@@ -3,34 +3,20 @@
     python run.py pipeline [--config FILE] [section.key=value ...] [--out DIR] [--k K]
     python run.py pipeline --resume DIR
 
-Without ``--config`` the pipeline is :data:`DEFAULT_CONFIG` (configs/pipeline.toml: the built-in
-reasoning task, sized for 2 CPU cores); a file given replaces it (copy it to start yours).
-
-Zero RL from a base model is staged because it must be: stage 1's token-level loss elicits
-reasoning but lets length (and with it the train/inference gap) grow; a self-distillation resets
-both; stage 2 goes on with sample-level normalisation and no KL; the tiers stage teaches the
-model to spend reasoning in proportion to difficulty, each tier with its own system prompt and
-length limit, so that at inference the user picks Low, Medium or High::
+Without ``--config`` the pipeline is :data:`DEFAULT_CONFIG` (configs/pipeline.toml, sized for 2
+CPU cores); a file given replaces it. Stages (ARCHITECTURE.md: the staged recipe)::
 
     base ──rl1──▶ rl1/final_model ──distill──▶ distill/model ──rl2──▶ rl2/final_model ──tiers──▶ tiers/final_model
           token norm, KL k3,        K samples per prompt, the       sample norm,         tier prompts and
           length curriculum         shortest correct; SFT of base   no KL                length limits
 
-Each RL stage is an ordinary run (``jobs.train``: its own run directory, checkpoints, metrics,
-live view titled with the stage) whose config is the pipeline's config, then the recipe's own
-settings for that stage (:data:`RECIPE`), then the user's ``[pipeline.<stage>]`` table. Every
-stage's config is built and validated before anything runs.
-
-``DIR/`` holds ``config.json`` (the resolved base config), ``pipeline.json`` (what is done: each
-stage's model, its held-out evaluation, its seconds), one directory per stage and ``eval.json``
-(the final tier table, also the last stdout line). Resuming never re-runs a finished stage; an RL
-stage that was interrupted resumes from its newest checkpoint (as ``run.py resume``: its step
-budget is the same, a time budget starts afresh), the distillation from the corpus it wrote.
-
-Every model is evaluated the same way (``actor/evaluate.py``: the held-out set, sampled as the
-actors sample, ``--k`` samples per prompt, no tier prompts, the run's ``actor.max_new_tokens``),
-so the stages' accuracies and lengths compare; the final model is then evaluated per tier with
-the tier prompts and limits of the tiers stage (:func:`tier_report`, also ``run.py eval CKPT --tiers``).
+Each RL stage is an ordinary run (``jobs.train``) whose config is the pipeline's, then
+:data:`RECIPE`'s for that stage, then ``[pipeline.<stage>]``; every stage's config is validated
+before anything runs. ``DIR/pipeline.json`` records what is done; resuming never re-runs a
+finished stage, an interrupted RL stage resumes from its newest checkpoint (its step budget the
+same, a time budget afresh), the distillation from its corpus. Every model gets the same held-out
+evaluation (no tier prompts, ``--k`` samples per prompt), so the stages compare; the final model
+is then evaluated per tier (:func:`tier_report`, also ``run.py eval CKPT --tiers``).
 """
 
 from __future__ import annotations
@@ -51,7 +37,6 @@ from core.files import atomic_write, read_json
 
 log = logging.getLogger("driftrl.pipeline")
 STAGES = ("rl1", "distill", "rl2", "tiers")
-RL_STAGES = ("rl1", "rl2", "tiers")
 # the recipe's settings per RL stage; the user's [pipeline.<stage>] tables go on top
 RECIPE = {
     "rl1": {"learner": {"norm": "token", "kl_beta": 0.01, "kl_estimator": "k3"},
@@ -68,18 +53,10 @@ class Interrupted(Exception):
     """Ctrl-C / SIGTERM inside a stage: what is done is kept, ``--resume`` continues."""
 
 
-# ---- configs ------------------------------------------------------------------------------------
-
-
-def stage_inputs(out: str, base_model: str) -> dict[str, str]:
-    """The model each stage starts from: the one the stage before it produced."""
-    return {"rl1": base_model, "distill": os.path.join(out, "rl1", "final_model"),
-            "rl2": os.path.join(out, "distill", "model"), "tiers": os.path.join(out, "rl2", "final_model")}
-
-
 def stage_config(base: dict, stage: str, model_path: str, run_dir: str, extra: dict | None = None) -> C.Config:
     """``base`` (a config tree) + :data:`RECIPE` [stage] + ``[pipeline.<stage>]`` (+ ``extra``),
-    starting from ``model_path``, in ``run_dir``; the distillation samples with rl1's settings."""
+    starting from ``model_path``, in ``run_dir``; the distillation samples with rl1's settings.
+    rl1 must keep its KL, tiers must give every tier's prompt and limit."""
     tree = copy.deepcopy(base)
     rl = "rl1" if stage == "distill" else stage
     C.merge(tree, copy.deepcopy(RECIPE[rl]))
@@ -87,12 +64,6 @@ def stage_config(base: dict, stage: str, model_path: str, run_dir: str, extra: d
     C.merge(tree, copy.deepcopy(extra or {}))
     tree["model"]["path"], tree["run"]["run_dir"], tree["run"]["stage"] = model_path, run_dir, TITLES[stage]
     cfg = C.from_dict(tree)
-    check_stage(stage, cfg)
-    return cfg
-
-
-def check_stage(stage: str, cfg: C.Config) -> None:
-    """What makes a stage the recipe's: rl1 has its KL, tiers has every tier's prompt and limit."""
     if stage == "rl1" and cfg.learner.kl_beta <= 0:
         raise C.ConfigError("`$.pipeline.rl1.learner.kl_beta` must be > 0: stage 1 keeps a KL to the base model")
     if stage == "tiers":
@@ -102,27 +73,22 @@ def check_stage(stage: str, cfg: C.Config) -> None:
                    for tier in TIERS if tier not in d]
         if missing:
             raise C.ConfigError(f"the tiers stage needs {', '.join(missing)} (`$.pipeline.tiers.task`)")
+    return cfg
 
 
 def all_configs(base: dict, out: str) -> dict[str, C.Config]:
-    """Every stage's config, built (and so validated) before the first stage starts."""
-    inputs = stage_inputs(out, base["model"]["path"])
+    """Every stage's config, built (and so validated) before the first stage starts; each starts
+    from the model the stage before it produced."""
+    inputs = {"rl1": base["model"]["path"], "distill": os.path.join(out, "rl1", "final_model"),
+              "rl2": os.path.join(out, "distill", "model"), "tiers": os.path.join(out, "rl2", "final_model")}
     return {s: stage_config(base, s, inputs[s], os.path.join(out, s)) for s in STAGES}
 
 
 def pass_rate_tiers(by_difficulty: dict[str, dict]) -> dict[str, str]:
-    """``task.difficulty_tiers`` from a model's held-out accuracy per difficulty: ranked from the
-    highest pass rate down (ties: the lower difficulty first), in thirds -- low, medium, high.
-    E.g. accuracies {0.0: 0.9, 0.5: 0.2, 1.0: 0.6} rank 0.0, 1.0, 0.5: low, medium, high."""
+    """``task.difficulty_tiers`` from held-out accuracy per difficulty: ranked from the highest
+    pass rate down (ties: the lower difficulty first), in thirds -- low, medium, high."""
     ranked = sorted(by_difficulty, key=lambda d: (-by_difficulty[d]["accuracy"], float(d)))
     return {d: TIERS[min(2, 3 * i // len(ranked))] for i, d in enumerate(ranked)}
-
-
-# ---- state --------------------------------------------------------------------------------------
-
-
-def load_state(out: str) -> dict:
-    return read_json(os.path.join(out, "pipeline.json")) or {"stages": {}, "evals": {}}
 
 
 def save_state(out: str, state: dict) -> None:
@@ -130,16 +96,12 @@ def save_state(out: str, state: dict) -> None:
 
 
 def pending(state: dict) -> list[str]:
-    """The stages still to run, in order: a finished stage is never run again."""
     return [s for s in STAGES if state["stages"].get(s, {}).get("status") != "done"]
-
-
-# ---- stages -------------------------------------------------------------------------------------
 
 
 def run_rl(cfg: C.Config) -> dict:
     """One RL stage, an ordinary run in its own directory; one interrupted before resumes there."""
-    import jobs  # the stage is exactly ``python run.py``'s job
+    import jobs
 
     run_dir = cfg.run.run_dir
     if os.path.exists(os.path.join(run_dir, "config.json")):
@@ -153,7 +115,7 @@ def run_rl(cfg: C.Config) -> dict:
 
 def run_distill(cfg: C.Config, base_model: str) -> dict:
     """The rl1 policy (``cfg.model.path``) writes the corpus, the *base* model is fine-tuned on
-    it; each part is skipped when its output exists (both are written atomically)."""
+    it; each part is skipped when its (atomically written) output exists."""
     from actor.distill import build_corpus
     from core.progress import progress
     from learner.sft import finetune
@@ -175,8 +137,7 @@ def run_distill(cfg: C.Config, base_model: str) -> dict:
 
 
 def evaluate_model(cfg: C.Config, model_dir: str, k: int) -> dict:
-    """Held-out accuracy (pass@1 over ``k`` samples) and mean response length of ``model_dir``,
-    the same evaluation for every stage (module docstring)."""
+    """Held-out accuracy (pass@1 over ``k`` samples) and mean response length of ``model_dir``."""
     from actor.evaluate import task_report
     from core.progress import progress
 
@@ -187,23 +148,16 @@ def evaluate_model(cfg: C.Config, model_dir: str, k: int) -> dict:
                               for d, v in r["by_difficulty"].items()}}
 
 
-def tier_table(report: dict) -> dict:
-    """The Low / Medium / High table of a ``task_report`` run under the tier prompts and limits."""
-    return {t: {"accuracy": v["pass@1"], "mean_length": v["mean_length"], "pass@k": v["pass@k"],
-                "prompts": v["prompts"]} for t, v in report["by_tier"].items()}
-
-
 def tier_report(cfg: C.Config, model_dir: str, k: int) -> dict:
-    """Per tier: held-out accuracy and mean response tokens, each tier's prompts under its own
-    system prompt and length limit (``cfg``: the tiers stage's)."""
+    """Per tier: held-out accuracy and mean response tokens under its own system prompt and
+    length limit (``cfg``: the tiers stage's)."""
     from actor.evaluate import task_report
     from core.progress import progress
 
     r = task_report(cfg, model_dir, k, progress)
-    return {"tiers": tier_table(r), "accuracy": r["pass@1"], "mean_length": r["mean_length"], "k": k}
-
-
-# ---- the command --------------------------------------------------------------------------------
+    tiers = {t: {"accuracy": v["pass@1"], "mean_length": v["mean_length"], "pass@k": v["pass@k"],
+                 "prompts": v["prompts"]} for t, v in r["by_tier"].items()}
+    return {"tiers": tiers, "accuracy": r["pass@1"], "mean_length": r["mean_length"], "k": k}
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -245,15 +199,10 @@ def prepare(ns) -> tuple[str, dict]:
     return out, base
 
 
-def run_stage(stage: str, cfgs: dict, base: dict) -> dict:
-    if stage == "distill":
-        return run_distill(cfgs[stage], base["model"]["path"])
-    return run_rl(cfgs[stage])
-
-
 def run_all(out: str, base: dict, k: int) -> dict:
     """Every pending stage, then the final tier table; the state is saved after each step."""
-    state, cfgs = load_state(out), all_configs(base, out)
+    state = read_json(os.path.join(out, "pipeline.json")) or {"stages": {}, "evals": {}}
+    cfgs = all_configs(base, out)
     eval_cfg = C.from_dict(base)
     if "base" not in state["evals"]:
         state["evals"]["base"] = evaluate_model(eval_cfg, base["model"]["path"], k)
@@ -269,7 +218,8 @@ def run_all(out: str, base: dict, k: int) -> dict:
         state["stages"][stage] = {"status": "running", "seconds": before}
         save_state(out, state)
         try:
-            info = run_stage(stage, cfgs, base)
+            info = (run_distill(cfgs[stage], base["model"]["path"]) if stage == "distill"
+                    else run_rl(cfgs[stage]))
         finally:  # an interrupted stage keeps the seconds it spent
             state["stages"][stage]["seconds"] = before + time.time() - t0
             save_state(out, state)
@@ -283,7 +233,6 @@ def run_all(out: str, base: dict, k: int) -> dict:
 
 
 def print_table(report: dict) -> None:
-    """The stages' accuracy and length, then the Low / Medium / High table, as markdown."""
     print("| model | held-out accuracy | mean response tokens |\n|---|---|---|")
     for name, e in report["stages"].items():
         print(f"| {name} | {e['accuracy']:.3f} | {e['mean_length']:.2f} |")

@@ -21,11 +21,7 @@ Dataflow (ARCHITECTURE.md)::
                         └───────── weightsync (shm | fs | NCCL) ◀── publish(version) ───────┘
     every role ──MetricRecords──▶ run_dir/metrics/<role>.jsonl ──▶ launcher: rich view + metrics.jsonl
 
-Seams (ARCHITECTURE.md): engine (actor/engines/), backend (learner/backends/), task
-(actor/tasks/), launcher (core/launchers/), weight transport (weightsync/); each a registry
-keyed by its config value. This module is the command line; jobs.py, below it and below
-pipeline.py and sweep.py, wires both sides together (seams, model, precision, contract check,
-launch).
+This module is the command line; jobs.py (below it, pipeline.py and sweep.py) wires the job.
 
 Who waits for whom:
 
@@ -80,53 +76,43 @@ def parse(argv):
 
 
 def eval_main(args) -> int:
-    """``run.py eval``: a report per task (actor/evaluate.py); the JSON report is the last line."""
+    """A report per task (actor/evaluate.py), or with ``--tiers`` the Low / Medium / High table of
+    one task under the run's (or the given) tier prompts and limits; the JSON is the last line."""
     import torch
 
     from actor.evaluate import task_report
     from core.progress import progress
+    from pipeline import TIERS, tier_report
 
     model_dir, run_cfg = resolve_checkpoint(args.target)
     tasks = [a for a in args.overrides if "=" not in a]
     overrides = [a for a in args.overrides if "=" in a]
+    if args.tiers and len(tasks) > 1:
+        raise C.ConfigError("--tiers evaluates one task: give at most one TASK")
     base = load_config(args.config, os.path.dirname(run_cfg), overrides) if run_cfg else C.load(args.config, overrides)
     base = msgspec.structs.replace(base, model=msgspec.structs.replace(base.model, path=model_dir))
     check_seams(base)
     torch.set_num_threads(base.actor.threads)
-    if args.tiers:
-        return tiers_main(base, model_dir, tasks, args.k)
     report = {"checkpoint": model_dir, "tasks": {}}
     for name in tasks or [base.task.name]:
         cfg = msgspec.structs.replace(base, task=msgspec.structs.replace(base.task, name=name))
         check_seams(cfg)
-        report["tasks"][name] = task_report(cfg, model_dir, args.k, progress)
-    print(json.dumps(report))
-    return 0
-
-
-def tiers_main(cfg: C.Config, model_dir: str, tasks: list[str], k: int) -> int:
-    """``run.py eval CKPT --tiers``: the Low / Medium / High table of one task (the run's tier
-    prompts and limits, or those given as overrides); the JSON is the last line."""
-    from pipeline import TIERS, tier_report
-
-    if len(tasks) > 1:
-        raise C.ConfigError("--tiers evaluates one task: give at most one TASK")
-    if tasks:
-        cfg = msgspec.structs.replace(cfg, task=msgspec.structs.replace(cfg.task, name=tasks[0]))
-        check_seams(cfg)
-    report = {**tier_report(cfg, model_dir, k), "checkpoint": model_dir, "task": cfg.task.name}
-    for t in TIERS:
-        row = report["tiers"].get(t)
-        if row:
-            print(f"{t:<7} accuracy {row['accuracy']:.3f}  mean response tokens {row['mean_length']:.2f}  "
-                  f"({row['prompts']} prompts)")
+        if not args.tiers:
+            report["tasks"][name] = task_report(cfg, model_dir, args.k, progress)
+            continue
+        report = {**tier_report(cfg, model_dir, args.k), "checkpoint": model_dir, "task": name}
+        for t in TIERS:
+            row = report["tiers"].get(t)
+            if row:
+                print(f"{t:<7} accuracy {row['accuracy']:.3f}  mean response tokens {row['mean_length']:.2f}  "
+                      f"({row['prompts']} prompts)")
     print(json.dumps(report))
     return 0
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["tail"]:  # reads a run's files: no training option applies, no torch import
+    if argv[:1] == ["tail"]:  # reads a run's files: no torch import
         from learner.tailview import main as tail_main
 
         return tail_main(argv[1:])
@@ -139,8 +125,7 @@ def main(argv=None) -> int:
 
         return plot_main(argv[1:])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s launcher %(levelname)s: %(message)s")
-    # SIGTERM (e.g. from a job scheduler) stops the run exactly like Ctrl-C
-    launchers.Interrupt.install()
+    launchers.Interrupt.install()  # SIGTERM (e.g. from a job scheduler) stops the run like Ctrl-C
     if argv[:1] == ["sweep"]:  # its own options (--seeds, --minutes, --resume): sweep.py
         import sweep
 
@@ -154,8 +139,7 @@ def main(argv=None) -> int:
 
 
 def failure_exit(work) -> int:
-    """``work()``'s exit code; a config error exits 2, a failed role or contract check its own
-    code, each with one line on stderr."""
+    """``work()``'s exit code; a config error exits 2, a failed role or contract check its own."""
     from learner.contract import ContractError
 
     try:
@@ -169,7 +153,7 @@ def failure_exit(work) -> int:
 
 
 def train_main(args) -> int:
-    """``python run.py`` / ``run.py resume``: train, then evaluate the final model."""
+    """Train (or resume), then evaluate the final model."""
     from actor.evaluate import final_eval
 
     resume_dir = args.target if args.mode == "resume" else None
@@ -182,6 +166,7 @@ def train_main(args) -> int:
     print(f"done in {result.wall_s:.0f}s: held-out reward {start if start is not None else float('nan'):.3f} "
           f"-> {final['eval/reward']:.3f}; run dir {result.run_dir}")
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

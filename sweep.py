@@ -4,49 +4,19 @@
                         [--config FILE] [--seeds N | --seed-list 0,3,7] [--minutes M]
                         [--out DIR] [--resume DIR]
 
-A token ``section.key=v1,v2,...`` (two or more values, split on the commas outside ``[...]``,
-``{...}`` and quotes) is a sweep axis; several axes give their cartesian product. Any other
-``section.key=value`` is a fixed override for every training, as in ``run.py``. Each setting is
-trained once per seed (``run.seed`` = 0..N-1, or ``--seed-list``), all seeds of the first round
-before the second, so a sweep cut short still compares every setting. ``--minutes M`` gives
-each training ``run.max_time_s = 60*M`` (and ``run.max_steps = 0`` unless given). Every training
-is a full real job (``jobs.train``, then ``final_eval``) in ``OUT/<NN>-<setting>-seed<S>/``
-(``OUT`` defaults to ``runs/sweep-<UTC timestamp>``) and leaves ``result.json`` there.
-
-Per training, read from its ``metrics.jsonl`` (the names of ARCHITECTURE.md):
-
-    samples/s   trained samples / seconds of training, from step 2 on (the first step waits for the
-                actors to start): sum over those steps of learner/wait_s + learner/step_s
-    reward      held-out eval/reward of final_model (final_eval); start: the first in-run eval
-    p99@s       mean over steps of ratio/p99_by_staleness/<s>, per lag s that occurred
-    drops       stale groups dropped: buffer/dropped_stale + learner/dropped_stale (last values)
-    idle        learner idle fraction over the same steps: sum of wait_s / sum of (wait_s + step_s)
-
-A setting's row is the mean over its seeds (drops: per training); the reward's spread is the
-sample standard deviation over seeds (ddof=1). Rule (SPREAD_RULE): a setting is worse than the
-best (highest mean final reward) beyond the seed spread when ``best mean - its mean > 2 x pooled
-std`` of the two settings, ``pooled = sqrt(((n1-1) s1^2 + (n2-1) s2^2) / (n1 + n2 - 2))``.
-With one seed the spread is unknown and the table says so: no setting can be called worse. The
-JSON also has each setting's ``paired_diffs`` (its reward minus the best's, per seed):
-``run.seed`` also picks the built-in tiny base model, so the spread over seeds includes
-base-model variance, which the paired differences do not (pin ``model.path`` to compare RL
-noise alone).
-
-How to choose a staleness limit from the table: take the highest samples/s among the settings
-whose reward is not worse than the best beyond the seed spread (``vs best`` says "within
-spread"; the line under the table names it) and whose ratio p99 at the high lags stays moderate
-(close to the lag-0 value; a p99 climbing toward the ratio truncation ``learner.eps_high``
-means stale samples get truncated: a biased, noisier gradient). A larger limit only pays when
-it buys samples/s, which shows as a lower learner idle fraction; drops say how much generated
-work a small limit throws away. Two seeds give a rough spread: a "worse" verdict that matters
-deserves more seeds or minutes.
-
-``OUT/sweep.json`` holds the table (also the last stdout line, on one line), every run's result
-and the plan; ``OUT/sweep.png`` plots samples/s, final reward (± std) and ratio p99 by lag.
-Ctrl-C stops the running training cleanly (its roles stopped, as in ``run.py``) and reports the
-finished ones; ``python run.py sweep --resume OUT`` continues the plan in ``OUT/plan.json``,
-skipping every training whose ``result.json`` exists (an unfinished one is moved aside to
-``<name>.interrupted`` and trained again from the start).
+``section.key=v1,v2,...`` (commas inside ``[...]``, ``{...}`` or quotes do not split) is an axis,
+several give their product; ``section.key=value`` is a fixed override. Every setting gets its first
+seed before any its second, so a sweep cut short still compares them all. ``--minutes M`` sets
+``run.max_time_s = 60*M`` (and ``run.max_steps = 0`` unless given). Each training is a full job in
+``OUT/<NN>-<setting>-seed<S>/`` with a ``result.json``; ``OUT/sweep.json`` (the last stdout line)
+and ``OUT/sweep.png`` hold the table. From step 2 on (step 1 waits for the actors): samples/s =
+samples / sum(learner/wait_s + learner/step_s), idle = the wait share; p99@s = mean
+ratio/p99_by_staleness/<s>; drops = buffer + learner dropped_stale; reward = final_eval's. A row
+is the mean over seeds, judged by SPREAD_RULE (one seed: spread unknown). ``run.seed`` also picks
+the built-in base model: ``paired_diffs`` (per seed, minus the best) exclude that variance (or pin
+``model.path``). Pick the fastest row "within spread" whose high-lag p99 stays near lag 0's.
+``--resume OUT`` continues ``OUT/plan.json``, skipping trainings with a ``result.json`` (an
+unfinished one is moved to ``<name>.interrupted``).
 """
 
 from __future__ import annotations
@@ -54,19 +24,21 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime as _dt
+import functools
 import itertools
 import json
 import logging
 import math
 import os
 import re
+import statistics
 import sys
 import time
 
 import msgspec
 
 from core import config as C
-from core.files import atomic_write
+from core.files import atomic_write, read_json
 
 log = logging.getLogger("driftrl.sweep")
 SPREAD_RULE = ("spread = sample std of the final held-out reward over seeds (ddof=1); a setting is "
@@ -100,8 +72,7 @@ class Plan:
         return [tuple(zip(keys, vals)) for vals in itertools.product(*(a.values for a in self.axes))]
 
     def runs(self) -> list[tuple[tuple, int, str]]:
-        """``(setting, seed, directory name)`` in run order: seed-major, so every setting gets its
-        first seed before any gets its second."""
+        """``(setting, seed, directory name)``, seed-major."""
         settings = self.settings()
         return [(s, seed, f"{i:02d}-{slug(s)}-seed{seed}") for seed in self.seeds for i, s in enumerate(settings)]
 
@@ -111,7 +82,7 @@ def label(setting) -> str:
 
 
 def slug(setting) -> str:
-    """A directory-safe name of a setting (the last key part; the index prefix keeps it unique)."""
+    """A directory-safe name of a setting (the index prefix keeps it unique)."""
     text = "_".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in setting)
     return re.sub(r"[^A-Za-z0-9._=+-]", "_", text)[:80]
 
@@ -120,8 +91,7 @@ def slug(setting) -> str:
 
 
 def split_values(text: str) -> list[str]:
-    """Top-level commas separate values; those inside ``[...]``, ``{...}`` or quotes belong to
-    one TOML literal (``learner.betas=[0.9,0.99]`` is one value, not an axis)."""
+    """Split on the commas outside ``[...]``, ``{...}`` and quotes (one TOML literal stays whole)."""
     parts, cur, depth, quote = [], [], 0, ""
     for ch in text:
         if quote:
@@ -173,17 +143,8 @@ def parse_seeds(seeds: int | None, seed_list: str | None) -> list[int]:
     return out
 
 
-def _check_keys(axes: list[Axis], fixed: list[str], minutes: float | None) -> None:
-    """Each key once; the keys the sweep sets itself are not given."""
-    keys = [a.key for a in axes] + [f.partition("=")[0].strip() for f in fixed]
-    reserved = dict(RESERVED, **({"run.max_time_s": "--minutes sets it"} if minutes is not None else {}))
-    for k in keys:
-        if k in reserved:
-            raise SweepError(f"`{k}` is set by the sweep: {reserved[k]}")
-        if keys.count(k) > 1:
-            raise SweepError(f"`{k}` is given more than once (as an axis or an override)")
-    if not axes:
-        raise SweepError("nothing to sweep: give at least one axis section.key=v1,v2,...")
+def given_keys(axes: list[Axis], fixed: list[str]) -> list[str]:
+    return [a.key for a in axes] + [f.partition("=")[0].strip() for f in fixed]
 
 
 def make_plan(tokens: list[str], seeds: list[int], minutes: float | None, config: str | None,
@@ -193,14 +154,18 @@ def make_plan(tokens: list[str], seeds: list[int], minutes: float | None, config
     parsed = [parse_token(t) for t in tokens]
     axes = [p for p in parsed if isinstance(p, Axis)]
     fixed = [p for p in parsed if isinstance(p, str)]
-    _check_keys(axes, fixed, minutes)
-    out = os.path.abspath(out or os.path.join("runs", "sweep-" + _dt.datetime.now(_dt.timezone.utc)
-                                              .strftime("%Y%m%d-%H%M%S")))
+    keys = given_keys(axes, fixed)
+    reserved = dict(RESERVED, **({"run.max_time_s": "--minutes sets it"} if minutes is not None else {}))
+    for k in keys:
+        if k in reserved:
+            raise SweepError(f"`{k}` is set by the sweep: {reserved[k]}")
+        if keys.count(k) > 1:
+            raise SweepError(f"`{k}` is given more than once (as an axis or an override)")
+    if not axes:
+        raise SweepError("nothing to sweep: give at least one axis section.key=v1,v2,...")
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    out = os.path.abspath(out or os.path.join("runs", f"sweep-{stamp}"))
     return Plan(axes, fixed, seeds, minutes, os.path.abspath(config) if config else None, out)
-
-
-def given_keys(plan: Plan) -> set[str]:
-    return {a.key for a in plan.axes} | {f.partition("=")[0].strip() for f in plan.fixed}
 
 
 def overrides(plan: Plan, setting, seed: int) -> list[str]:
@@ -208,7 +173,7 @@ def overrides(plan: Plan, setting, seed: int) -> list[str]:
     budget = []
     if plan.minutes is not None:
         budget.append(f"run.max_time_s={60.0 * plan.minutes!r}")
-        if "run.max_steps" not in given_keys(plan):
+        if "run.max_steps" not in given_keys(plan.axes, plan.fixed):
             budget.append("run.max_steps=0")  # the time budget alone decides
     return [*plan.fixed, *budget, *(f"{k}={v}" for k, v in setting), f"run.seed={seed}"]
 
@@ -222,14 +187,6 @@ def configs(plan: Plan) -> list[tuple[tuple, int, str, C.Config]]:
         except C.ConfigError as e:
             raise C.ConfigError(f"setting {label(setting)!r}: {e}") from None
     return out
-
-
-def config_value(cfg: C.Config, key: str):
-    """The resolved (typed) value of a dotted key."""
-    node = msgspec.to_builtins(cfg)
-    for part in key.split("."):
-        node = node[part]
-    return node
 
 
 def plan_to_json(plan: Plan) -> dict:
@@ -253,67 +210,35 @@ def _last(records, key) -> float:
     return float(max(vals)) if vals else 0.0  # cumulative counters: the largest is the last
 
 
-def p99_by_lag(learner: list[dict]) -> dict[str, float]:
-    prefix = "ratio/p99_by_staleness/"
-    lags = sorted({int(k[len(prefix):]) for r in learner for k in r if k.startswith(prefix)})
-    means = {str(s): _mean(r.get(f"{prefix}{s}") for r in learner) for s in lags}
-    return {s: v for s, v in means.items() if v is not None}
-
-
-def throughput(learner: list[dict], samples_per_step: int) -> dict:
-    """samples/s and idle fraction from the second step on: the first step's wait is the actors'
-    start-up (processes, weights, a first batch), alike for every setting and no part of the
-    steady state a staleness limit changes."""
-    steady = learner[1:]
+def summarise(records: list[dict], samples_per_step: int) -> dict:
+    """The sweep's numbers of one training (module docstring)."""
+    learner = [r for r in records if r.get("role") == "learner" and r.get("learner/step") is not None]
+    steady = learner[1:]  # the first step's wait is the actors' start-up, alike for every setting
     wait = sum(float(r.get("learner/wait_s") or 0.0) for r in steady)
     total = wait + sum(float(r.get("learner/step_s") or 0.0) for r in steady)
-    if total <= 0:
-        return {"steady_s": total, "samples_per_s": None, "idle_frac": None}
-    return {"steady_s": total, "samples_per_s": len(steady) * samples_per_step / total, "idle_frac": wait / total}
-
-
-def summarise(records: list[dict], samples_per_step: int) -> dict:
-    """The sweep's numbers of one training (see the module docstring for each definition)."""
-    learner = [r for r in records if r.get("role") == "learner" and r.get("learner/step") is not None]
+    prefix = "ratio/p99_by_staleness/"
+    lags = sorted({int(k[len(prefix):]) for r in learner for k in r if k.startswith(prefix)})
+    p99 = {str(s): _mean(r.get(f"{prefix}{s}") for r in learner) for s in lags}
     buffer_drops = _last([r for r in records if r.get("role") == "buffer"], "buffer/dropped_stale")
     learner_drops = _last(learner, "learner/dropped_stale")
     return {"steps": int(_last(learner, "learner/step")), "samples": len(learner) * samples_per_step,
-            **throughput(learner, samples_per_step), "ratio_p99_by_lag": p99_by_lag(learner),
+            "steady_s": total, "samples_per_s": len(steady) * samples_per_step / total if total > 0 else None,
+            "idle_frac": wait / total if total > 0 else None,
+            "ratio_p99_by_lag": {s: v for s, v in p99.items() if v is not None},
             "drops": {"buffer_stale": buffer_drops, "learner_stale": learner_drops,
                       "total": buffer_drops + learner_drops}}
-
-
-def read_records(run_dir: str) -> list[dict]:
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 # ---- across seeds and settings ---------------------------------------------------------------
 
 
-def _std(values: list[float]) -> float | None:
-    if len(values) < 2:
-        return None
-    m = sum(values) / len(values)
-    return math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1))
-
-
-def pooled_std(a: dict, b: dict) -> float | None:
-    """Pooled sample std of two settings' final rewards; None without a degree of freedom."""
-    df = a["runs"] + b["runs"] - 2
-    if df < 1:
-        return None
-    var = sum((s["runs"] - 1) * (s["reward_final"]["std"] or 0.0) ** 2 for s in (a, b))
-    return math.sqrt(var / df)
-
-
 def aggregate_setting(lab: str, setting: dict, runs: list[dict]) -> dict:
-    """One row: means over the setting's seeds; the reward with its spread."""
     rewards = [r["reward_final"] for r in runs]
+    std = statistics.stdev(rewards) if len(rewards) > 1 else None  # ddof=1
     lags = sorted({s for r in runs for s in r["ratio_p99_by_lag"]}, key=int)
     return {"label": lab, "setting": setting, "runs": len(runs), "seeds": [r["seed"] for r in runs],
             "samples_per_s": _mean(r["samples_per_s"] for r in runs),
-            "reward_final": {"mean": _mean(rewards), "std": _std(rewards),
+            "reward_final": {"mean": _mean(rewards), "std": std,
                              "min": min(rewards), "max": max(rewards), "values": rewards},
             "reward_start": _mean(r["reward_start"] for r in runs),
             "ratio_p99_by_lag": {s: _mean(r["ratio_p99_by_lag"].get(s) for r in runs) for s in lags},
@@ -322,22 +247,19 @@ def aggregate_setting(lab: str, setting: dict, runs: list[dict]) -> dict:
 
 
 def verdict(row: dict, best: dict) -> dict:
-    """``row`` against the best setting under SPREAD_RULE."""
+    """``row`` against the best setting under SPREAD_RULE, with its per-seed paired differences."""
     diff = row["reward_final"]["mean"] - best["reward_final"]["mean"]
-    pooled = pooled_std(row, best)
+    df = row["runs"] + best["runs"] - 2
+    var = sum((s["runs"] - 1) * (s["reward_final"]["std"] or 0.0) ** 2 for s in (row, best))
+    pooled = math.sqrt(var / df) if df >= 1 else None
     worse = None if pooled is None else -diff > 2 * pooled
     text = ("best" if row is best else "spread unknown" if worse is None
             else "worse beyond spread" if worse else "within spread")
-    return {"diff": diff, "pooled_std": pooled, "worse_beyond_spread": False if row is best else worse,
-            "verdict": text, "paired_diffs": paired_diffs(row, best)}
-
-
-def paired_diffs(row: dict, best: dict) -> dict[str, float]:
-    """Per seed both settings ran: its reward minus the best's. A seed also fixes the built-in
-    base model (model/basemodel.py), so these differences are free of base-model variance."""
     theirs = dict(zip(best["seeds"], best["reward_final"]["values"]))
-    return {str(seed): r - theirs[seed] for seed, r in zip(row["seeds"], row["reward_final"]["values"])
-            if seed in theirs}
+    paired = {str(seed): r - theirs[seed] for seed, r in zip(row["seeds"], row["reward_final"]["values"])
+              if seed in theirs}
+    return {"diff": diff, "pooled_std": pooled, "worse_beyond_spread": False if row is best else worse,
+            "verdict": text, "paired_diffs": paired}
 
 
 def aggregate(results: list[dict]) -> list[dict]:
@@ -372,22 +294,17 @@ def table_lags(rows: list[dict]) -> list[str]:
     return sorted({s for r in rows for s in r["ratio_p99_by_lag"]}, key=int)
 
 
-def table_rows(rows: list[dict]) -> list[list[str]]:
+def render(rows: list[dict]) -> str:
+    """The table, columns padded to their widest cell, then the rule and the pick."""
     lags = table_lags(rows)
     head = ["setting", "runs", "samples/s", "final reward ± std", "start reward",
             *(f"p99@{s}" for s in lags), "drops", "idle", "steps", "vs best"]
-    body = [[r["label"], str(r["runs"]), _fmt(r["samples_per_s"], ".1f"),
-             f"{_fmt(r['reward_final']['mean'])} ± {_fmt(r['reward_final']['std'])}", _fmt(r["reward_start"]),
-             *(_fmt(r["ratio_p99_by_lag"].get(s)) for s in lags), _fmt(r["drops"], ".1f"),
-             _fmt(r["idle_frac"], ".2f"), _fmt(r["steps"], ".0f"),
-             f"{r['vs_best']['diff']:+.3f} {r['vs_best']['verdict']}"] for r in rows]
-    return [head, *body]
-
-
-def render(rows: list[dict]) -> str:
-    """The table, columns padded to their widest cell, then the rule and the pick."""
-    cells = table_rows(rows)
-    widths = [max(len(c[i]) for c in cells) for i in range(len(cells[0]))]
+    cells = [head] + [[r["label"], str(r["runs"]), _fmt(r["samples_per_s"], ".1f"),
+                       f"{_fmt(r['reward_final']['mean'])} ± {_fmt(r['reward_final']['std'])}",
+                       _fmt(r["reward_start"]), *(_fmt(r["ratio_p99_by_lag"].get(s)) for s in lags),
+                       _fmt(r["drops"], ".1f"), _fmt(r["idle_frac"], ".2f"), _fmt(r["steps"], ".0f"),
+                       f"{r['vs_best']['diff']:+.3f} {r['vs_best']['verdict']}"] for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
     pick = choice(rows)
     one_seed = rows and all(r["runs"] < 2 for r in rows)
@@ -453,21 +370,16 @@ def run_one(cfg: C.Config, setting, seed: int, run_dir: str) -> dict:
     if result.interrupted:
         raise KeyboardInterrupt
     final = final_eval(result.run_dir)
-    per_step = cfg.learner.groups_per_step * cfg.actor.group_size
-    out = {"label": label(setting), "setting": {k: config_value(cfg, k) for k, _ in setting}, "seed": seed,
-           "run_dir": result.run_dir, **summarise(read_records(result.run_dir), per_step),
+    with open(os.path.join(result.run_dir, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    tree = msgspec.to_builtins(cfg)  # each axis key's resolved (typed) value:
+    resolved = {k: functools.reduce(dict.__getitem__, k.split("."), tree) for k, _ in setting}
+    out = {"label": label(setting), "setting": resolved, "seed": seed, "run_dir": result.run_dir,
+           **summarise(records, cfg.learner.groups_per_step * cfg.actor.group_size),
            "reward_start": jobs.first_eval(result.run_dir), "reward_final": final["eval/reward"],
            "wall_s": time.time() - t0}
     atomic_write(os.path.join(result.run_dir, "result.json"), json.dumps(out, indent=1).encode())
     return out
-
-
-def finished(run_dir: str) -> dict | None:
-    path = os.path.join(run_dir, "result.json")
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
 
 
 def move_aside(run_dir: str) -> None:
@@ -480,39 +392,36 @@ def move_aside(run_dir: str) -> None:
 
 
 def execute(plan: Plan, todo) -> tuple[list[dict], list[dict], bool]:
-    """Run (or pick up) every training in order; Ctrl-C ends the loop, a failed job is recorded."""
+    """Run every training in order, taking a finished one's result.json as it is; Ctrl-C ends the
+    loop, a failed job is recorded (one broken setting must not end an overnight sweep)."""
+    from core.launchers import RoleFailed
+    from learner.contract import ContractError
+
     results, failed = [], []
     try:
         for i, (setting, seed, name, cfg) in enumerate(todo):
             log.info("sweep %d/%d: %s seed %d", i + 1, len(todo), label(setting), seed)
-            _one(plan, setting, seed, name, cfg, results, failed)
+            run_dir = os.path.join(plan.out, name)
+            done = read_json(os.path.join(run_dir, "result.json"))
+            if done is not None:
+                log.info("finished before: %s", run_dir)
+                results.append(done)
+                continue
+            if os.path.exists(run_dir):
+                move_aside(run_dir)
+            try:
+                res = run_one(cfg, setting, seed, run_dir)
+            except (RoleFailed, ContractError) as e:
+                log.error("sweep %s seed %d failed: %s", label(setting), seed, e)
+                failed.append({"label": label(setting), "seed": seed, "run_dir": run_dir, "error": str(e)})
+                continue
+            results.append(res)
+            log.info("done in %.0fs: held-out reward %s -> %.3f, %s samples/s; %s", res["wall_s"],
+                     _fmt(res["reward_start"]), res["reward_final"], _fmt(res["samples_per_s"], ".1f"),
+                     run_dir)
     except KeyboardInterrupt:
         return results, failed, True
     return results, failed, False
-
-
-def _one(plan: Plan, setting, seed: int, name: str, cfg: C.Config, results: list, failed: list) -> None:
-    """A finished training's result.json is taken as it is; otherwise it is trained (again)."""
-    from core.launchers import RoleFailed
-    from learner.contract import ContractError
-
-    run_dir = os.path.join(plan.out, name)
-    done = finished(run_dir)
-    if done is not None:
-        log.info("finished before: %s", run_dir)
-        results.append(done)
-        return
-    if os.path.exists(run_dir):
-        move_aside(run_dir)
-    try:
-        res = run_one(cfg, setting, seed, run_dir)
-    except (RoleFailed, ContractError) as e:  # one broken setting must not end an overnight sweep
-        log.error("sweep %s seed %d failed: %s", label(setting), seed, e)
-        failed.append({"label": label(setting), "seed": seed, "run_dir": run_dir, "error": str(e)})
-        return
-    results.append(res)
-    log.info("done in %.0fs: held-out reward %s -> %.3f, %s samples/s; %s", res["wall_s"],
-             _fmt(res["reward_start"]), res["reward_final"], _fmt(res["samples_per_s"], ".1f"), run_dir)
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -540,11 +449,11 @@ def load_plan(ns: argparse.Namespace) -> Plan:
     if given:
         raise SweepError(f"--resume continues the plan in {ns.resume}/plan.json as it is: drop "
                          + ", ".join(given))
-    path = os.path.join(os.path.abspath(ns.resume), "plan.json")
-    if not os.path.exists(path):
+    out = os.path.abspath(ns.resume)
+    tree = read_json(os.path.join(out, "plan.json"))
+    if tree is None:
         raise SweepError(f"--resume {ns.resume}: no plan.json there, not a sweep directory")
-    with open(path) as f:
-        return dataclasses.replace(plan_from_json(json.load(f)), out=os.path.dirname(path))
+    return dataclasses.replace(plan_from_json(tree), out=out)
 
 
 def save_plan(plan: Plan) -> None:
@@ -553,22 +462,6 @@ def save_plan(plan: Plan) -> None:
     path = os.path.join(plan.out, "plan.json")
     if not os.path.exists(path):
         atomic_write(path, json.dumps(plan_to_json(plan), indent=1).encode())
-
-
-def finish(plan: Plan, results, failed, interrupted: bool, t0: float) -> int:
-    """Print the table, write sweep.json and sweep.png; the JSON is the last stdout line."""
-    rep = report(plan, results, failed, interrupted, time.time() - t0)
-    if results:
-        print(f"sweep {plan.out}: {len(results)} of {rep['planned']} trainings, seeds {plan.seeds}, "
-              + (f"{plan.minutes:g} min each" if plan.minutes else "the config's budget each"))
-        print(render(rep["settings"]))
-        rep["plot"] = plot(rep["settings"], os.path.join(plan.out, "sweep.png"))
-    if interrupted:
-        print(f"interrupted: {len(results)} of {rep['planned']} trainings finished; continue with: "
-              f"python run.py sweep --resume {plan.out}")
-    atomic_write(os.path.join(plan.out, "sweep.json"), json.dumps(rep, indent=1).encode())
-    print(json.dumps(rep))
-    return 130 if interrupted else (1 if failed else 0)
 
 
 def main(argv: list[str]) -> int:
@@ -587,4 +480,15 @@ def main(argv: list[str]) -> int:
     except (C.ConfigError, FileNotFoundError) as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    return finish(plan, results, failed, interrupted, t0)
+    rep = report(plan, results, failed, interrupted, time.time() - t0)
+    if results:
+        print(f"sweep {plan.out}: {len(results)} of {rep['planned']} trainings, seeds {plan.seeds}, "
+              + (f"{plan.minutes:g} min each" if plan.minutes else "the config's budget each"))
+        print(render(rep["settings"]))
+        rep["plot"] = plot(rep["settings"], os.path.join(plan.out, "sweep.png"))
+    if interrupted:
+        print(f"interrupted: {len(results)} of {rep['planned']} trainings finished; continue with: "
+              f"python run.py sweep --resume {plan.out}")
+    atomic_write(os.path.join(plan.out, "sweep.json"), json.dumps(rep, indent=1).encode())
+    print(json.dumps(rep))
+    return 130 if interrupted else (1 if failed else 0)

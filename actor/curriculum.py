@@ -1,32 +1,11 @@
-"""Response-length limits: the curriculum's limit over a run, and the one rule for a prompt's limit.
+"""Response-length limits: the one rule for a prompt's limit, and the curriculum's limit over a run.
 
-A prompt's limit (:func:`prompt_limit`, used by the worker and by every evaluation) is the
-smallest of ``actor.max_new_tokens`` (what the buffer admits), its tier's
-``task.tier_max_new_tokens`` (a tier without an entry keeps the cap) and, during training, the
-curriculum's current limit. Starting short and growing lets RL first learn to answer inside a
-small budget, then spend the longer budget on working that pays (the scratch task).
-
-The curriculum (``actor.length_schedule``):
-
-- ``off``: the cap, throughout.
-- ``steps``: ``min(cap, start + grow * (version // every))`` of the policy version a batch starts
-  at -- a pure function, so a restarted actor computes the same limit with no state.
-- ``clip_rate``: grows by ``grow`` (up to the cap) once more than ``length_clip_rate`` of the last
-  ``length_window`` completions that ran under the current limit were cut by it ("length");
-  the window then restarts, so the next decision sees only completions under the new limit. The
-  limit is persisted atomically in ``run_dir/curriculum/actor<i>.json`` at every change and read
-  back at start, so a restart keeps it (the window itself restarts empty).
-
-Worked example: cap 16, start 8, grow 4.
-
-- ``steps`` with every 10: versions 0-9 -> 8, 10-19 -> 12, 20 and on -> 16 (from 30 the
-  formula gives 20 and more: capped).
-- ``clip_rate`` 0.2 with window 10: under limit 8 the last 10 completions have 2 "length" -- not
-  more than 20 %, no change; the 11th is cut too and the one it pushes out was not, so the last
-  10 hold 3: the limit becomes 12 and the window empties. Completions still running under 8 when
-  it changed are not counted under 12.
-- a tier limited to 6 runs under min(6, curriculum limit): while the curriculum is above 6, that
-  tier's completions do not feed it.
+A prompt's limit is the smallest of ``actor.max_new_tokens``, its tier's
+``task.tier_max_new_tokens`` and, in training, the curriculum's (``actor.length_schedule``):
+``steps`` is a pure function of the batch's start version (a restart needs no state);
+``clip_rate`` grows once more than ``length_clip_rate`` of the last ``length_window``
+completions run under the current limit were cut by it, then restarts its window, and persists
+the limit so a restarted actor keeps it. Completions under another limit do not feed it.
 """
 
 from __future__ import annotations
@@ -42,24 +21,20 @@ SCHEDULES = ("off", "steps", "clip_rate")
 
 
 def prompt_limit(cfg, prompt, curriculum_limit: int | None = None) -> int:
-    """The response-length limit of ``prompt`` (a ``Prompt``) under ``cfg`` (module docstring)."""
     cap = cfg.actor.max_new_tokens
     tier = cfg.task.tier_max_new_tokens.get(prompt.tier, cap)
     return min(cap, tier, cap if curriculum_limit is None else curriculum_limit)
 
 
 def steps_limit(version: int, *, start: int, grow: int, every: int, cap: int) -> int:
-    """The ``steps`` schedule's limit for a batch started at ``version`` (before any: version 0)."""
     return min(cap, start + grow * (max(version, 0) // every))
 
 
 def state_path(run_dir: str, actor_id: str) -> str:
-    """Where the ``clip_rate`` limit of ``actor_id`` survives a restart."""
     return os.path.join(run_dir, "curriculum", f"{actor_id}.json")
 
 
 def _saved_limit(path: str) -> int | None:
-    """The persisted limit, or None when there is none yet; a damaged record is a clear error."""
     rec = read_json(path)
     if rec is None:
         return None
@@ -71,8 +46,7 @@ def _saved_limit(path: str) -> int | None:
 
 
 class LengthCurriculum:
-    """One actor's curriculum limit. ``limit(version)`` is the limit a batch started at that
-    version runs under; ``observe`` feeds each finished completion (only ``clip_rate`` uses it)."""
+    """One actor's curriculum: ``limit(version)`` of a batch started then; ``observe`` what finished."""
 
     def __init__(self, actor_cfg, path: str | None = None):
         a = actor_cfg
@@ -96,7 +70,7 @@ class LengthCurriculum:
     def observe(self, finish_reason: str, limit: int) -> bool:
         """One finished completion that ran under ``limit``; True when the limit grew."""
         if self.schedule != "clip_rate" or limit != self.current or self.current >= self.cap:
-            return False  # another limit (a tier's, or the one before a change) says nothing of this one
+            return False
         self.window.append(finish_reason == "length")
         full = len(self.window) == self.window.maxlen
         if not full or sum(self.window) <= self.rate * len(self.window):

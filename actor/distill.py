@@ -1,25 +1,11 @@
 """Self-distillation, the actor's half: a corpus of the policy's shortest correct answers.
 
-The pipeline's stage-1 policy samples ``cfg.distill.samples`` completions for each of
-``cfg.distill.prompts`` distinct training prompts, exactly as the actors sample (the engine built
-from ``cfg.actor``, scored by the task's own reward). Per prompt the shortest correct completion
-is kept: RL teaches the policy *what* is right, and the shortest right answer among its own
-samples is the least redundant way it already knows to get there. ``learner/sft.py`` then
-fine-tunes the *base* model on the corpus, so stage 2 starts from a model that answers right
-and short instead of from the stage-1 weights with their accumulated length drift.
-
-Optional second pass (``cfg.distill.compress_prompt`` non-empty): the policy is shown the prompt,
-its kept answer and the compress instruction, and samples one rewrite; the rewrite replaces the
-kept answer only if it is still correct *and* strictly shorter, so the pass never makes the
-corpus worse.
-
-The corpus is JSONL, one row per kept prompt::
-
-    {"id": "47+38", "tier": "default", "difficulty": 0.0, "prompt": [1, 8, ...],
-     "completion": [12, 9, 2], "compressed": false}
-
-``completion`` holds the token ids as sampled, EOS included (what SFT must learn to stop with).
-It is written atomically: a reader sees the whole corpus or none.
+Per training prompt the policy samples ``distill.samples`` completions as the actors sample and
+the shortest correct one is kept (the least redundant way it already knows); ``learner/sft.py``
+fine-tunes the *base* model on the corpus, so stage 2 starts short and right. With
+``distill.compress_prompt`` each kept answer is also rewritten once, and the rewrite kept only
+if correct and strictly shorter. JSONL rows: ``id``, ``tier``, ``difficulty``, ``prompt``,
+``completion`` (as sampled, EOS included), ``compressed``; written atomically.
 """
 
 from __future__ import annotations
@@ -42,19 +28,12 @@ DRAWS_PER_PROMPT = 50  # a task with fewer distinct training prompts than asked 
 
 
 def is_correct(reward: float, finish: str) -> bool:
-    """Correct for distillation: rewarded and finished with EOS. A truncated ("length") sample
-    that happens to score is not an answer SFT may learn from: it never learnt to stop."""
+    """Rewarded and finished with EOS: a truncated sample that scores never learnt to stop."""
     return reward > 0.5 and finish == "stop"
 
 
 def shortest_correct(samples, rewards) -> int | None:
-    """Index of the shortest correct sample (:func:`is_correct`), the first on ties; None when
-    none is correct. ``samples`` are engine Samples (``tokens``, ``finish_reason``).
-
-    Worked example: lengths ``[5, 3, 3, 2, 4]``, rewards ``[1, 1, 1, 0, 1]``, the second
-    truncated (``"length"``) and the rest stopped. Sample 3 is shortest but wrong, sample 1 scores
-    but never stopped, so samples 0, 2 and 4 are correct and the answer is 2 (length 3).
-    """
+    """Index of the shortest correct sample (:func:`is_correct`), the first on ties; None if none."""
     if len(samples) != len(rewards):
         raise ValueError(f"samples ({len(samples)}) and rewards ({len(rewards)}) must have the same length")
     best = None
@@ -65,7 +44,7 @@ def shortest_correct(samples, rewards) -> int | None:
 
 
 def train_prompts(task: Task, n: int, seed: int) -> list[Prompt]:
-    """``n`` distinct (by ``Prompt.id``) training prompts from a fixed seeded rng, in draw order."""
+    """``n`` distinct (by ``Prompt.id``) training prompts from a seeded rng, in draw order."""
     rng, found = random.Random(seed), {}
     for _ in range(n * DRAWS_PER_PROMPT):
         p = task.sample(rng, "train")
@@ -82,9 +61,8 @@ def _row(p: Prompt, completion: list[int], compressed: bool = False) -> dict:
 
 
 def accept_rewrites(prompts: list[Prompt], rows: list[dict], rewrites, rewards) -> int:
-    """Replace each row's completion by its rewrite when the rewrite is correct and strictly
-    shorter (in place); how many were replaced. A rewrite of equal length is not taken: the
-    sampled original is the policy's own answer, the rewrite only a second opinion."""
+    """Replace (in place) each row's completion by its rewrite when that is correct and strictly
+    shorter; how many were replaced."""
     accepted = 0
     for p, row, s, r in zip(prompts, rows, rewrites, rewards, strict=True):
         if is_correct(r, s.finish_reason) and len(s.tokens) < len(row["completion"]):
@@ -94,7 +72,6 @@ def accept_rewrites(prompts: list[Prompt], rows: list[dict], rewrites, rewards) 
 
 
 def _compress(engine: Engine, task: Task, prompts: list[Prompt], rows: list[dict], instruction: list[int]) -> int:
-    """The rewrite pass over ``rows`` (in place): prompt, kept answer without EOS, instruction."""
     eos = set(task.tok.eos_ids)
     asks = [list(p.tokens) + [t for t in r["completion"] if t not in eos] + instruction
             for p, r in zip(prompts, rows)]
@@ -131,9 +108,8 @@ def _select(prompts, samples, rewards) -> tuple[list[Prompt], list[dict]]:
 
 
 def build_corpus(cfg, policy_dir: str, out_path: str, progress=None) -> dict:
-    """Sample ``cfg.distill`` from the policy in ``policy_dir``, write the shortest-correct corpus
-    to ``out_path`` (JSONL, atomically) and return its stats. ``progress(n)``, if given, is called
-    with the number of prompts sampled as each chunk finishes (total ``cfg.distill.prompts``)."""
+    """Sample the policy in ``policy_dir``, write the corpus to ``out_path``, return its stats;
+    ``progress(n)`` after each chunk of ``n`` prompts."""
     dc, t0 = cfg.distill, time.time()
     torch.set_num_threads(cfg.actor.threads)
     engine = make_engine(cfg.actor, policy_dir, seed=cfg.run.seed)

@@ -1,19 +1,10 @@
 """Held-out evaluation: the actor's in-run eval, the run's final eval, and ``run.py eval``.
 
-Everything samples exactly as the actors sample (the engine built from ``cfg.actor``), so a
-held-out figure is the policy the run trained, not a greedy variant of it. ``run.py eval CKPT``
-reports, per task, pass@1 and pass@k over ``k`` samples per prompt, the mean response length,
-and the same split by tier and by difficulty::
-
-    pass@1 = mean over prompts of c/k          (c = correct samples of the prompt)
-    pass@k = fraction of prompts with c >= 1   (every prompt has exactly k samples)
-
-Lengths: every prompt runs under its tier's limit (``actor/curriculum.py: prompt_limit``); the
-in-run eval also under the length curriculum's current limit, which the worker passes in, so it
-measures what training samples now.
-
-Which directory CKPT names (a run, a checkpoint, a model) is decided in ``run.py``, which alone
-sees both the actor's and the learner's files.
+Everything samples exactly as the actors sample (the engine built from ``cfg.actor``), not a
+greedy variant, each prompt under its tier's limit (the in-run eval also under the length
+curriculum's). ``run.py eval`` reports per task pass@1 (mean over prompts of c/k) and pass@k
+(prompts with c >= 1) over ``k`` samples per prompt, the mean length, and both by tier and
+difficulty.
 """
 
 from __future__ import annotations
@@ -36,17 +27,15 @@ SEQUENCES_PER_CALL = 256  # fills an engine batch, bounds its memory
 
 
 def evaluate(engine: Engine, task: Task, prompts, max_new_tokens: list[int] | None = None) -> tuple[float, float]:
-    """Mean reward and length on a fixed held-out set, sampled exactly as training samples;
-    ``max_new_tokens``: each prompt's limit (None: the engine's)."""
+    """Mean reward and length on a fixed held-out set; ``max_new_tokens``: each prompt's limit."""
     samples = engine.generate([list(p.tokens) for p in prompts], max_new_tokens=max_new_tokens)
     rewards = task.rewards([(p, s.tokens) for p, s in zip(prompts, samples)])
     return float(np.mean(rewards)), float(np.mean([len(s.tokens) for s in samples]))
 
 
 def final_eval(run_dir: str) -> dict:
-    """Held-out reward of ``run_dir/final_model``, sampled as the actors sample; the record is
-    appended to its own metrics file, ``run_dir/metrics/launcher-final_eval.jsonl``, and merged
-    into ``run_dir/metrics.jsonl`` (``eval/final`` = 1): the launcher's follower has stopped."""
+    """Held-out reward of ``run_dir/final_model``, written to its own metrics file and merged into
+    ``metrics.jsonl`` (``eval/final`` = 1): the launcher's follower has stopped."""
     with open(os.path.join(run_dir, "config.json"), "rb") as f:
         cfg = C.from_json(f.read())
     torch.set_num_threads(1)
@@ -65,11 +54,7 @@ def final_eval(run_dir: str) -> dict:
     return {"step": -1, "time": time.time(), "role": "launcher", "id": "final_eval", **values}
 
 
-# ---- run.py eval ------------------------------------------------------------------------------
-
-
 def pass_at(correct: np.ndarray) -> dict[str, float]:
-    """pass@1 and pass@k of a ``[prompts, k]`` 0/1 matrix."""
     return {"pass@1": float(correct.mean()) if correct.size else float("nan"),
             "pass@k": float((correct.sum(axis=1) > 0).mean()) if correct.size else float("nan")}
 
@@ -84,9 +69,8 @@ def _split(prompts, correct, lengths, key) -> dict[str, dict]:
 
 def sample_k(engine: Engine, task: Task, prompts, k: int, progress=None,
              limits: list[int] | None = None) -> tuple[list[list], list[list[float]]]:
-    """``k`` samples of every prompt and their rewards (one ``k``-list per prompt), about
-    ``SEQUENCES_PER_CALL`` sequences per engine call; ``limits``: each prompt's length limit (None:
-    the engine's); ``progress(n)`` after each call with its number of prompts."""
+    """``k`` samples of every prompt and their rewards (a ``k``-list each), about ``SEQUENCES_PER_CALL``
+    per engine call; ``progress(n)`` after each call with its number of prompts."""
     samples, rewards = [], []
     chunk = max(1, SEQUENCES_PER_CALL // k)
     for start in range(0, len(prompts), chunk):
@@ -101,17 +85,7 @@ def sample_k(engine: Engine, task: Task, prompts, k: int, progress=None,
     return samples, rewards
 
 
-def _sample_all(engine: Engine, task: Task, prompts, k: int, progress,
-                limits: list[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """``[prompts, k]`` correctness (0/1) and lengths (:func:`sample_k`)."""
-    samples, rewards = sample_k(engine, task, prompts, k, progress, limits)
-    correct = (np.asarray(rewards, dtype=float).reshape(len(prompts), k) > 0.5).astype(float)
-    lengths = np.asarray([[len(s.tokens) for s in ss] for ss in samples], dtype=float).reshape(len(prompts), k)
-    return correct, lengths
-
-
 def task_report(cfg: C.Config, model_dir: str, k: int, progress_factory) -> dict:
-    """The report of one task (``cfg.task``) on ``model_dir``."""
     engine = make_engine(cfg.actor, model_dir, seed=cfg.run.seed)
     task = make_task(cfg.task, Tokenizer.from_dir(model_dir))
     try:
@@ -119,10 +93,12 @@ def task_report(cfg: C.Config, model_dir: str, k: int, progress_factory) -> dict
         t0 = time.time()
         with progress_factory(f"eval {cfg.task.name}", len(prompts)) as advance:
             limits = [prompt_limit(cfg, p) for p in prompts]
-            correct, lengths = _sample_all(engine, task, prompts, k, advance, limits)
+            samples, rewards = sample_k(engine, task, prompts, k, advance, limits)
     finally:
         task.close()
         engine.close()
+    correct = (np.asarray(rewards, dtype=float).reshape(len(prompts), k) > 0.5).astype(float)
+    lengths = np.asarray([[len(s.tokens) for s in ss] for ss in samples], dtype=float).reshape(len(prompts), k)
     return {**pass_at(correct), "k": k, "mean_length": float(lengths.mean()), "prompts": len(prompts),
             "seconds": round(time.time() - t0, 1),
             "by_tier": _split(prompts, correct, lengths, lambda p: p.tier),

@@ -1,21 +1,11 @@
 """Reward checking in a pool of worker processes, with a per-answer wall-clock timeout.
 
-External checkers (math-verify's sympy, reasoning-gym's scorers) can hang or crash on a strange
-answer, and a thread cannot be stopped, so every answer is checked in a separate process that
-can be killed: ``python -m actor.rewards --scorer module:function``. Each worker runs its
-checker in its main thread, where math-verify's own ``signal.alarm`` timeouts work.
-
-Requests and replies are msgspec Structs in length-prefixed msgpack frames over the worker's
-stdin/stdout (4-byte big-endian length, then the body; nothing is pickled)::
-
-    pool                                       worker
-    spawn ───────────────────────────────────▶ import the scorer module, call its warmup()
-          ◀─────────────────────────────────── Reply(READY, score=warm-up s) | Reply(READY, error)
-    Request(i, payload) ─────────────────────▶ fn(payload)
-          ◀─────────────────────────────────── Reply(i, score) | Reply(i, error="ValueError: ...")
-
-The pool hands one answer at a time to each idle worker and waits on all their pipes at once
-(``selectors``), so answers are checked concurrently and a slow one holds up only its worker:
+External checkers can hang or crash on a strange answer and a thread cannot be stopped, so each
+answer is checked in a killable process, ``python -m actor.rewards --scorer module:function``,
+which runs the checker in its main thread (math-verify's ``signal.alarm`` needs it). Requests and
+replies are msgspec Structs in length-prefixed msgpack frames over the worker's stdin/stdout:
+nothing is pickled. The first reply is ``Reply(READY)`` once the scorer module and its optional
+``warmup()`` are loaded; a scorer that cannot load is a configuration error (the pool raises).
 
     | what happens                         | the answer | counted           | the worker       |
     |--------------------------------------|------------|-------------------|------------------|
@@ -25,20 +15,9 @@ The pool hands one answer at a time to each idle worker and waits on all their p
     | the worker dies (``os._exit``, OOM)  | 0.0        | ``reward/errors`` | replaced         |
     | payload over :data:`MAX_FRAME_BYTES` | 0.0        | ``reward/errors`` | not asked        |
 
-The timeout counts from the moment the answer is handed over; a replacement's warm-up does not
-count against anyone. A scorer that cannot even load is a configuration error: the pool raises.
-
-No orphans: a worker runs :func:`core.proc.die_with_parent` with the pool's process as its
-"launcher" (parent-death signal plus watchdog), and exits at EOF of its stdin -- the pool closed
-(:meth:`RewardPool.close`, called by ``Task.close``) or its process died. A worker's stdout is
-moved aside for frames, so a scorer's ``print`` lands in the log, not in the protocol.
-
-:class:`PooledTask` is the Task side: a subclass names its ``scorer`` and builds each answer's
-JSON-able payload; truncated completions (no EOS) score 0 without a check, as in every task.
-Test/debug hook: the environment variable ``DRIFTRL_REWARD_SCORER=module:function`` replaces the
-scorer of every pooled task (the integration tests plant a hanging checker in a real run so).
+The timeout counts from the hand-over; a replacement's warm-up counts against no one. Workers
+run ``die_with_parent`` and exit at EOF on stdin, so none outlives the pool's process.
 """
-
 from __future__ import annotations
 
 import abc
@@ -66,8 +45,8 @@ MAX_FRAME_BYTES = 1 << 20  # one answer's payload; far above a completion's text
 START_TIMEOUT_S = 120.0  # a worker's import + warmup(); reasoning-gym's takes ~2 s
 STOP_GRACE_S = 2.0
 PROGRESS_S = 10.0
+COUNTERS = ("reward/checks", "reward/timeouts", "reward/errors")
 LOGGED_ERRORS = 10  # the first errors are logged with their message, then every 100th
-SCORER_ENV = "DRIFTRL_REWARD_SCORER"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _HEADER = struct.Struct("!I")
 
@@ -148,21 +127,13 @@ class _Worker:
             del self.buf[:_HEADER.size + n]
         return out
 
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-        self._close_pipes()
-
-    def stop(self, grace_s: float) -> None:
-        """Wait for it to exit (after EOF on its stdin); kill it if it is still there after ``grace_s``."""
+    def stop(self, grace_s: float = 0.0) -> None:
+        """Wait up to ``grace_s`` for it to exit (after EOF on its stdin), then kill it; reap it."""
         try:
             self.proc.wait(grace_s)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-        self._close_pipes()
-
-    def _close_pipes(self) -> None:
         for pipe in (self.proc.stdin, self.proc.stdout):
             try:
                 pipe.close()
@@ -171,14 +142,14 @@ class _Worker:
 
 
 class RewardPool:
-    """``workers`` processes checking answers with ``scorer`` ("module:function" taking one
-    JSON-able payload and returning a float), each answer within ``timeout_s`` seconds."""
+    """``workers`` processes checking answers with ``scorer`` ("module:function": a JSON-able
+    payload -> float), each answer within ``timeout_s`` seconds."""
 
     def __init__(self, scorer: str, workers: int, timeout_s: float):
         if workers < 1 or not timeout_s > 0:
             raise ValueError(f"reward pool: workers={workers}, timeout_s={timeout_s}: both must be positive")
         self.scorer, self.timeout_s = scorer, float(timeout_s)
-        self.counts = {"reward/checks": 0, "reward/timeouts": 0, "reward/errors": 0}
+        self.counts = dict.fromkeys(COUNTERS, 0)
         self._argv = [sys.executable, "-m", "actor.rewards", "--scorer", scorer]
         self._sel = selectors.DefaultSelector()
         self._workers: list[_Worker] = []
@@ -337,7 +308,7 @@ class RewardPool:
 
     def _retire(self, w: _Worker) -> None:
         self._sel.unregister(w.fd)
-        w.kill()
+        w.stop()
 
     def _error(self, message: str) -> None:
         self.counts["reward/errors"] += 1
@@ -349,8 +320,8 @@ class RewardPool:
 # ---- the task side ---------------------------------------------------------------------------
 
 class PooledTask(Task):
-    """A task whose answers are checked in a :class:`RewardPool` (started on the first check,
-    so building a task to sample prompts -- the contract check -- starts no process)."""
+    """A task whose answers are checked in a :class:`RewardPool`, started on the first check (so
+    building a task to sample prompts starts no process); truncated answers score 0 unchecked."""
 
     scorer = ""  # "module:function"
 
@@ -379,14 +350,11 @@ class PooledTask(Task):
     @property
     def pool(self) -> RewardPool:
         if self._pool is None:
-            scorer = os.environ.get(SCORER_ENV) or self.scorer
-            self._pool = RewardPool(scorer, self.cfg.reward_workers, self.cfg.reward_timeout_s)
+            self._pool = RewardPool(self.scorer, self.cfg.reward_workers, self.cfg.reward_timeout_s)
         return self._pool
 
     def metrics(self) -> dict[str, float]:
-        if self._pool is None:
-            return {"reward/checks": 0.0, "reward/timeouts": 0.0, "reward/errors": 0.0}
-        return self._pool.metrics()
+        return dict.fromkeys(COUNTERS, 0.0) if self._pool is None else self._pool.metrics()
 
     def close(self) -> None:
         if self._pool is not None:
@@ -406,26 +374,17 @@ def _private_stdio():
     return frames_in, frames_out
 
 
-def _read_exact(stream, n: int) -> bytes | None:
-    data = stream.read(n)
-    if len(data) < n:
-        if data:
-            raise ValueError(f"torn frame: {len(data)} of {n} bytes")
-        return None
-    return data
-
-
 def read_request(stream) -> Request | None:
     """The next request, None at EOF (the pool closed or its process died)."""
-    head = _read_exact(stream, _HEADER.size)
-    if head is None:
+    head = stream.read(_HEADER.size)
+    if not head:
         return None
-    (n,) = _HEADER.unpack(head)
+    (n,) = _HEADER.unpack(head)  # struct.error on a torn header
     if n > MAX_FRAME_BYTES:
         raise ValueError(f"request frame of {n} bytes is over the {MAX_FRAME_BYTES}-byte cap")
-    body = _read_exact(stream, n)
-    if body is None:
-        raise ValueError("torn frame: EOF after the header")
+    body = stream.read(n)
+    if len(body) < n:
+        raise ValueError(f"torn frame: {len(body)} of {n} bytes")
     return _REQUESTS.decode(body)
 
 

@@ -1,22 +1,9 @@
 """Rollout worker: sample G completions per prompt, score them, stream RolloutGroups to the buffer.
 
-Loop: adopt the newest weights (the engine's ``refresh_weights``) -> wait for admission (core/admission.py) -> generate a batch of
-groups (weights may change between decode steps) -> score -> send (the buffer client keeps every
-group until acknowledged) -> emit metrics. Actor 0 also runs the held-out evaluation every
-``run.eval_every`` policy versions.
-
-Lengths: each prompt runs under its own limit (``actor/curriculum.py: prompt_limit``: the cap,
-its tier's limit, and the length curriculum's limit at the batch's start version); every finished
-completion is fed back to the curriculum, whose ``clip_rate`` state lives in
-``run_dir/curriculum/actor<i>.json``.
-
-The staleness limit and the pause of admission follow the learner's control
-(``learner/control.py``), as the buffer passes them on in its acks (``ActorClient.control``).
-
-Test hook: with ``DRIFTRL_TEST_SKEW_TEMPERATURE=LO:HI:FACTOR`` in the environment, batches started
-at a policy version in ``LO..HI`` are sampled at ``FACTOR`` x the configured temperature while
-the learner's numerator keeps the configured one -- a silent engine/learner mismatch, injected so
-that tests/integration/test_control.py can watch the guard-rails act. Off unless set.
+Loop: adopt the newest weights -> wait for admission (core/admission.py, following the learner's
+control as the buffer passes it on) -> generate (weights may change between decode steps) ->
+score -> send (the buffer client keeps every group until acknowledged) -> emit metrics. Actor 0
+also runs the held-out evaluation every ``run.eval_every`` versions.
 
 Run as a process: ``python -m actor.worker --run-dir RUN_DIR --index I``.
 """
@@ -24,7 +11,6 @@ Run as a process: ``python -m actor.worker --run-dir RUN_DIR --index I``.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import os
@@ -51,19 +37,6 @@ from model.tokenizer import Tokenizer
 from weightsync.base import Stopped
 
 log = logging.getLogger("driftrl.actor")
-SKEW_ENV = "DRIFTRL_TEST_SKEW_TEMPERATURE"
-
-
-def temperature_skew(version: int, spec: str | None = None) -> float:
-    """The test hook's factor for a batch started at ``version`` (1.0: none); see the docstring."""
-    spec = os.environ.get(SKEW_ENV, "") if spec is None else spec
-    if not spec:
-        return 1.0
-    try:
-        lo, hi, factor = spec.split(":")
-        return float(factor) if int(lo) <= version <= int(hi) else 1.0
-    except ValueError:
-        raise ValueError(f"{SKEW_ENV}={spec!r}: want LO:HI:FACTOR, e.g. 5:6:3.0") from None
 
 
 def tier_means(groups) -> dict[str, float]:
@@ -89,7 +62,10 @@ class RolloutWorker:
         # validated here as run.py validates it, so an actor started by hand fails the same way
         self.device = placement.actor_device(cfg, index)
         a = msgspec.structs.replace(cfg.actor, device=str(self.device))
-        self.engine = make_engine(a, cfg.model.path, self._weights(cfg, run_dir, stop), seed=cfg.run.seed * 1000 + index)
+        # the engine declares how it receives the learner's weights: the worker names no engine
+        source = engine_class(a.engine).weight_source
+        weights = source(cfg, run_dir, self.actor_id, stop=stop, device=self.device)
+        self.engine = make_engine(a, cfg.model.path, weights, seed=cfg.run.seed * 1000 + index)
         self.engine.stop = stop
         self.engine.on_step = self._beat
         self.client = ActorClient(cfg, self.actor_id, run_dir=run_dir, stop=stop)
@@ -100,19 +76,14 @@ class RolloutWorker:
         self.last_eval = -1
         self.eval_set = self.task.eval_set(cfg.run.eval_prompts) if index == 0 and cfg.run.eval_every else []
 
-    def _weights(self, cfg: C.Config, run_dir: str, stop):
-        """The engine's weight source, as its engine declares (``Engine.weight_source``)."""
-        return engine_class(cfg.actor.engine).weight_source(cfg, run_dir, self.actor_id, stop=stop, device=self.device)
-
     @property
     def version(self) -> int:
         """The version every next token is tagged with (-1 before the learner's first publish)."""
         return self.engine.version
 
     def _wait_for_weights(self, timeout_s: float = 120.0) -> bool:
-        """Wait for the first weights (False if stopped first); admission counts from their version:
-        a resumed learner publishes its checkpoint's version, and a quota computed from version 0
-        before those arrive would start groups that are already too stale."""
+        """Wait for the first weights (False if stopped first); admission counts from their version
+        (a resumed learner's is its checkpoint's: counting from 0 would start groups already stale)."""
         t0 = time.time()
         while self.engine.refresh_weights() < 0:
             if self._stopped():
@@ -127,8 +98,6 @@ class RolloutWorker:
         self.rng = random.Random(hash((self.cfg.run.seed, self.index, self.version)) & 0xFFFFFFFF)
         return True
 
-    # ---- loop --------------------------------------------------------------------------------
-
     def _stopped(self) -> bool:
         return self.stop is not None and self.stop.is_set()
 
@@ -141,7 +110,7 @@ class RolloutWorker:
 
     def _beat(self) -> None:
         """Tell the launcher this loop is alive (core/heartbeat.py: a silent role is hung)."""
-        if self.run_dir:  # none when a test builds the worker piecemeal
+        if self.run_dir:
             heartbeat.beat(self.run_dir, f"actor{self.index}")
 
     def _return_quota(self) -> None:
@@ -161,7 +130,6 @@ class RolloutWorker:
             self._sleep(0.005)
 
     def _follow_control(self) -> None:
-        """Admission takes the learner's limit and pause, as the buffer passed them on."""
         ctl, a = self.client.control, self.admission
         if ctl is not None and ctl != (a.max_staleness, a.paused):
             log.info("admission follows the learner: max_staleness %d, %s", ctl[0], "paused" if ctl[1] else "running")
@@ -186,15 +154,12 @@ class RolloutWorker:
         self.client.flush(timeout_s=5.0)
 
     def generate_groups(self, n: int):
-        """Yield ``n`` RolloutGroups in completion order: the engine streams samples as their
-        sequences finish (continuous batching), so a group whose samples are all short goes to
-        the buffer while the batch's long tail is still being decoded."""
+        """Yield ``n`` RolloutGroups in completion order, each as soon as its last sample finishes."""
         start_version = self.version
         prompts = [self.task.sample(self.rng, "train") for _ in range(n)]
         size = self.cfg.actor.group_size
         limits = self.limits(prompts, start_version)
         done: dict[int, dict] = {}
-        skew = self._skew_temperature(start_version)
         for index, sample in self.engine.stream([list(p.tokens) for p in prompts for _ in range(size)],
                                                 max_new_tokens=[b for b in limits for _ in range(size)]):
             self._beat()  # a long batch is not a hang
@@ -204,27 +169,14 @@ class RolloutWorker:
             got[index % size] = sample
             if len(got) == size:
                 del done[index // size]
-                group = self._group(prompts[index // size], [got[j] for j in range(size)], start_version)
-                if skew != 1.0:
-                    log.warning("%s: group %s sampled at temperature x%g (test hook)", SKEW_ENV, list(group.key), skew)
-                yield group
+                yield self._group(prompts[index // size], [got[j] for j in range(size)], start_version)
 
     def curriculum_limit(self, version: int) -> int:
-        """The length curriculum's limit for a batch started at ``version``."""
         return self.cfg.actor.max_new_tokens if self.curriculum is None else self.curriculum.limit(version)
 
     def limits(self, prompts, version: int) -> list[int]:
-        """Each prompt's response-length limit for a batch started at ``version``."""
         cur = self.curriculum_limit(version)
         return [prompt_limit(self.cfg, p, cur) for p in prompts]
-
-    def _skew_temperature(self, version: int) -> float:
-        """The test hook (see the docstring): the torch engine's sampling spec for this batch."""
-        factor = temperature_skew(version)
-        if SKEW_ENV in os.environ:  # untouched unless the hook is set
-            self._spec = getattr(self, "_spec", None) or self.engine.spec  # the configured one
-            self.engine.spec = dataclasses.replace(self._spec, temperature=self._spec.temperature * factor)
-        return factor
 
     def _group(self, prompt, samples, start_version: int) -> M.RolloutGroup:
         rewards = self.task.rewards([(prompt, s.tokens) for s in samples])

@@ -428,49 +428,45 @@ class ActorClient:
             self._spool.settle(p.seq)
 
 
-class _RecentKeys:
-    """A bounded set: the last ``maxlen`` keys added."""
+class _RecentKeys(collections.OrderedDict):
+    """A bounded mapping: the last ``maxlen`` keys added, each with a value."""
 
     def __init__(self, maxlen: int = RECENT_KEYS):
-        self._q: collections.deque = collections.deque()
-        self._s: set = set()
+        super().__init__()
         self.maxlen = maxlen
 
-    def add(self, key) -> None:
-        if key in self._s:
-            return
-        self._q.append(key)
-        self._s.add(key)
-        if len(self._q) > self.maxlen:
-            self._s.discard(self._q.popleft())
-
-    def __contains__(self, key) -> bool:
-        return key in self._s
+    def add(self, key, value=None) -> None:
+        self[key] = value
+        if len(self) > self.maxlen:
+            self.popitem(last=False)
 
 
 class LearnerClient:
     def __init__(self, cfg, ctx: zmq.Context | None = None, learner_id: str = "learner",
                  resend_s: float = RESEND_S, run_dir: str | None = None, token: str | None = None,
-                 stop=None):
+                 stop=None, step: int = -1, version: int = -1):
         self.learner_id, self.resend_s, self._stop = learner_id, resend_s, _stop_flag(stop)
+        self.step, self.version = step, version  # of the weights held: what each Hello tells the buffer
+        self._token = run_token(cfg, run_dir, token)
         self.filtered = 0  # groups served twice across a buffer restart, kept from the caller
         self._dec = decoder(BUFFER_TO_LEARNER)
         self._own_ctx = ctx is None
         self._ctx = zmq.Context() if ctx is None else ctx
         self._sock = _dealer(self._ctx, cfg, cfg.net.buffer_learner_port, "learner", learner_id)
-        self._hello = encode(Hello("learner", learner_id, token=run_token(cfg, run_dir, token)))
-        self._unsent: collections.deque = collections.deque([self._hello])
-        self._req_id = 0
+        self._unsent: collections.deque = collections.deque()
+        self._need_hello = True
+        self._req_id = self._floor = 0
         self._version = 0  # learner version of the latest sample() call
         self._request: SampleRequest | None = None
         self._sent_at: float | None = None
         self._ready: collections.deque = collections.deque()
         self._delivered = _RecentKeys()
-        self._consumed = _RecentKeys()
+        self._consumed = _RecentKeys()  # key -> the step that trained it
         self._flush_unsent()
 
     def sample(self, num_groups: int, learner_version: int, timeout_s: float | None = None,
-               max_staleness: int = -1, pause_actors: bool = False) -> SampleBatch | None:
+               max_staleness: int = -1, pause_actors: bool = False,
+               covered_step: int = -1) -> SampleBatch | None:
         """The next batch of up to ``num_groups`` fresh groups, or None after ``timeout_s`` or
         once the stop flag is set. ``max_staleness`` (-1: unchanged) and ``pause_actors`` travel
         with the request (see the module docstring).
@@ -484,8 +480,9 @@ class LearnerClient:
             batch = self._pop_ready()
             if batch is not None:
                 return batch
-            req, want = self._request, (num_groups, learner_version, max_staleness, pause_actors)
-            if req is None or (req.num_groups, req.learner_version, req.max_staleness, req.pause_actors) != want:
+            req, want = self._request, (num_groups, learner_version, max_staleness, pause_actors, covered_step)
+            if req is None or (req.num_groups, req.learner_version, req.max_staleness, req.pause_actors,
+                               req.covered_step) != want:
                 self._req_id += 1
                 self._request = SampleRequest(self._req_id, *want)
                 self._sent_at = None
@@ -497,12 +494,23 @@ class LearnerClient:
             wait = min(wait, STOP_POLL_S) if deadline is None else min(wait, deadline - now, STOP_POLL_S)
             self._receive(max(1, int(wait * 1000)))
 
-    def consumed(self, keys: list[tuple[str, int]], learner_version: int) -> None:
-        """Report groups trained on (after the optimiser step); only then do they leave the buffer."""
+    def consumed(self, keys: list[tuple[str, int]], learner_version: int, step: int = -1) -> None:
+        """Report groups trained at ``step`` (after the optimiser step), or never to be trained (-1)."""
         keys = [(str(a), int(s)) for a, s in keys]
         for k in keys:
-            self._consumed.add(k)
-        self._unsent.append(encode(Consumed(keys, learner_version)))
+            self._consumed.add(k, step)
+        self._unsent.append(encode(Consumed(keys, learner_version, step)))
+        self._flush_unsent()
+
+    def restart(self, step: int, version: int) -> None:
+        """A new incarnation holding the weights of ``step`` (a rollback): Hello again -- the buffer
+        releases the leases and serves again what was trained after ``step`` -- and forget what was
+        delivered, so that it is returned again."""
+        self.step, self.version, self._need_hello, self._request = step, version, True, None
+        self._floor = self._req_id
+        self._delivered.clear()
+        self._consumed.clear()
+        self._ready.clear()
         self._flush_unsent()
 
     def close(self) -> None:
@@ -515,6 +523,11 @@ class LearnerClient:
     # ---- internals ---------------------------------------------------------------------------
 
     def _flush_unsent(self) -> bool:
+        if self._need_hello:
+            hello = Hello("learner", self.learner_id, token=self._token, step=self.step, version=self.version)
+            if not _try_send(self._sock, encode(hello)):
+                return False
+            self._need_hello = False
         while self._unsent:
             if not _try_send(self._sock, self._unsent[0]):
                 return False
@@ -537,6 +550,8 @@ class LearnerClient:
             if len(frames) > 1:  # the groups follow the header (see buffer.server)
                 groups = msg.groups + [_GROUP.decode(f.buffer) for f in frames[1:]]
                 msg = msgspec.structs.replace(msg, groups=groups)
+            if msg.request_id <= self._floor:  # answers a request of the incarnation before restart()
+                continue
             if self._request is not None and msg.request_id == self._request.request_id:
                 self._request = None
             self._ready.append(msg)
@@ -546,9 +561,7 @@ class LearnerClient:
             raise RuntimeError(f"buffer refused learner {self.learner_id!r}: {ack.reason}")
         if ack.status == "unauthenticated":  # a restarted buffer: Hello again, then the request
             # (a Consumed it ignored is re-sent when its groups are served again: _pop_ready)
-            if not self._unsent or self._unsent[0] is not self._hello:
-                self._unsent.appendleft(self._hello)
-            self._sent_at = None
+            self._need_hello, self._sent_at = True, None
 
     def _pop_ready(self) -> SampleBatch | None:
         while self._ready:
@@ -563,9 +576,10 @@ class LearnerClient:
                     continue
                 self._delivered.add(key)
                 fresh.append(g)
-            if again:  # its Consumed was lost with the old buffer process
-                self._unsent.append(encode(Consumed(again, self._version)))
-                self._flush_unsent()
+            for step in sorted(set(self._consumed[k] for k in again)):  # lost with the old buffer process
+                self._unsent.append(encode(Consumed([k for k in again if self._consumed[k] == step],
+                                                    self._version, step)))
+            self._flush_unsent()
             if fresh:
                 if len(fresh) < len(batch.groups):
                     batch = msgspec.structs.replace(batch, groups=fresh)

@@ -1,74 +1,18 @@
 """The replay-buffer process: two ROUTER sockets around a :class:`buffer.store.Store`.
 
-Actor port (DEALERs): ``Hello`` -> ``Ack(status="hello", seq=next unused seq)``;
-``RolloutGroup`` -> ``Ack`` ok | duplicate | busy | rejected(reason); later, an accepted group
-dropped as stale -> ``Ack(status="dropped", reason="stale")`` to its actor's last identity.
-Learner port (DEALERs): ``SampleRequest`` is held until ``num_groups`` fresh groups exist, then
-answered with a ``SampleBatch`` whose groups are leased to that learner; ``Consumed`` retires
-them; a learner ``Hello`` releases what the previous learner still held.
-
-Group bytes travel inside the ZeroMQ frames and are never re-encoded on their way through: the
-buffer decodes a group only to validate it, keeps the received frame, appends it to the segment
-log as is and forwards it to the learner. A batch is one multipart message: frame 0 is the
-encoded ``SampleBatch`` with an empty ``groups`` list, frames 1..n are the groups, each the exact
-frame its actor sent (ZeroMQ shares the buffer, no copy); :class:`buffer.client.LearnerClient`
-reassembles the ``SampleBatch``.
-
-One loop turn: poll -> learner messages, serve held requests -> a bounded batch of actor
-messages (each accepted group appended to the segment log), serve again -> hand the log to its
-flusher (``buffer.fsync = batch``: group commit in a background thread) -> send what has become
-durable -> compact the log when due. Every outgoing message is queued with the log position
-(LSN) it depends on -- the end of its group's record for an ``ok`` ack or a batch, everything
-written so far for the rest -- and leaves, in order per socket, only once the log is durable up
-to there: no ack and no batch ever leaves before the records it depends on are durable, while
-the next groups are received, validated and appended during the fsync. The learner goes first
-so that its round trip, which paces the whole pipeline, does not queue behind a flood of actor
-messages.
-
-Hostile input: frames above ``buffer.max_frame_bytes`` are counted as ``oversize`` without
-being decoded (ZeroMQ's own MAXMSGSIZE sits a little higher, as a memory guard that drops the
-connection); anything the bounded typed decoder (``core.messages.group_decoder``: array lengths
-within the run's limits, refused before allocation) or ``validate_group`` (token ids in the
-vocabulary, ``actor.group_size`` completions of at most ``actor.max_new_tokens`` tokens, a prompt
-of 1..``buffer.max_prompt_tokens`` tokens, finite values) refuses is counted in
-``buffer/dropped_invalid/<reason>`` and answered with a ``rejected`` ack when the key can be
-recovered. Nothing a peer sends can stop the loop.
-
-Control (``learner/control.py``): a ``SampleRequest`` may carry the learner's current staleness
-limit (``max_staleness`` >= 0) and a pause flag; the store follows the limit at once (what is
-accepted and served from then on), and the actors are told: from the first departure from the
-run's config on, every message to an actor is an ``Acks`` carrying the limit and the pause, and
-each change is sent to every known actor at once (an ``Acks`` with no acks), so an actor waiting
-for admission -- which sends nothing -- hears of it too.
-
-Versions: a group whose newest token version is above the learner's latest version + 1 is
-rejected (``future_version``). The + 1: the learner publishes v + 1 before its next request
-tells the buffer, and an actor may apply it and finish a group in between. Until the current
-learner incarnation has reported a version, the bound assumes version 0 and a group above it is
-answered ``busy``, not rejected: after a buffer or learner restart the actors may rightly be
-ahead of what the buffer knows, and they resend once the learner's first request has told it.
-
-Peers: with the run's secret (``run_dir/secret``, made by the launcher) every connection must
-open with a ``Hello`` carrying it; until then nothing it sends is acted on (counted as
-``unauthenticated``; groups and learner messages are answered ``Ack(status="unauthenticated")``
-so that a client whose buffer restarted says Hello again). A connection is its socket identity
-plus the file descriptor its frames arrive on (ZMQ_SRCFD), so a stranger that reconnects under a
-known identity gains nothing. An actor id belongs to the connection that last said Hello with
-it: a group for actor X from any other connection is rejected ``wrong_peer``. One learner at a
-time: an authenticated learner Hello replaces the previous learner and releases its leases (a
-restarted learner comes back this way) and starts an incarnation whose versions must not go
-down (``version_regressed``); ``Consumed`` retires only groups leased to that learner. When the
-learner's connection drops, its leases are released at once: a ZeroMQ socket monitor on the
-learner ROUTER reports the disconnect (the kernel closes a dead process's socket, and ZeroMQ
-heartbeats close a silent remote one), which -- unlike a silence timeout -- never expires the
-leases of a learner that is simply busy in a long optimiser step. Without a secret file the
-buffer accepts any Hello (loopback only, logged): tests and tools without a launcher.
-
-Security: sockets bind through ``core.net.bind`` (loopback unless CURVE keys are configured);
-with CURVE, a ZAP handler admits only the client keys of ``net.curve_client_public``.
-
-Run: ``python -m buffer.server --config RUN_DIR/config.json --run-dir RUN_DIR``; it writes the
-bound ports to ``RUN_DIR/buffer/ports.json`` and stops cleanly on SIGTERM/SIGINT.
+Actors send ``Hello`` and ``RolloutGroup`` and get ``Ack``s (ok | duplicate | busy | rejected, and
+later ``dropped`` for a group discarded as stale). The learner sends ``SampleRequest`` (held until
+enough fresh groups exist, answered by a ``SampleBatch`` leased to it) and ``Consumed``; a learner
+``Hello`` starts a new incarnation: the previous one's leases are released and the groups trained
+after the step its Hello names are served again (buffer/durable.py). Group bytes are kept as the
+actor's frame, stored and forwarded as is. One loop turn: learner messages first (its round trip
+paces the pipeline), then a bounded batch of actor messages, then one commit, then every reply
+that depends on it. Nothing a peer sends can stop the loop: oversize frames, anything the bounded
+decoder or ``validate_group`` refuses, strangers without the run's secret (``run_dir/secret``) and
+a group from another actor's connection are counted in ``buffer/dropped_invalid/<reason>``.
+A group newer than the learner's version + 1 is rejected (``future_version``): v + 1 may already
+be published before the learner's next request says so. Run:
+``python -m buffer.server --config RUN_DIR/config.json --run-dir RUN_DIR``.
 """
 
 from __future__ import annotations
@@ -87,7 +31,7 @@ from typing import Callable
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from buffer.persist import CorruptLog, SegmentLog
+from buffer.durable import CorruptStore, DurableStore
 from buffer.store import Entry, Store, entry_from_group
 from core import config as C
 from core import heartbeat, net
@@ -141,7 +85,7 @@ class BufferServer:
         self.limits = Limits.of(cfg)
         self.store = Store(b.capacity_groups, b.capacity_bytes, b.max_staleness, b.policy)
         self.invalid: Counter = Counter()
-        self.torn_tails = 0
+        self.rolled_back = 0  # groups served again after a learner restart, every token of which was newer
         self.send_failed = 0
         self.deferred = 0  # groups answered busy until the learner reports its version
         self.leases_expired = 0  # groups released because the learner's connection dropped
@@ -158,29 +102,25 @@ class BufferServer:
         self._learner: _Learner | None = None
         self._last_version: int | None = None  # of the learner that disconnected last
         self._incarnations = 0
-        # per socket, in queueing order: (frames, log position they wait for)
-        self._outbox: dict[str, deque[tuple[list, int]]] = {"actor": deque(), "learner": deque()}
+        self._outbox: dict[str, deque[list]] = {"actor": deque(), "learner": deque()}  # sent after the commit
+        self._covered = -1  # the learner's covered_step (SampleRequest)
         self._next_metrics = 0.0
         self._invariant_reported = False
         self._own_ctx = ctx is None
         self.ctx = zmq.Context() if ctx is None else ctx
         self.actor_sock = self.learner_sock = self._monitor = None
         self._auth = None
-        self.log: SegmentLog | None = None
+        self.db: DurableStore | None = None
         try:
             self._bind(cfg.net)
-            if b.persist:
-                self.log = SegmentLog(os.path.join(run_dir, "buffer"), b.segment_bytes, b.fsync)
-                self._recover()
+            self.db = DurableStore(os.path.join(run_dir, "buffer") if b.persist else None, b.fsync)
+            self._recover()
         except BaseException:
             self.close()
             raise
         self._poller = zmq.Poller()
         for sock in (self.actor_sock, self.learner_sock, self._monitor):
             self._poller.register(sock, zmq.POLLIN)
-        self._wake_fd = self.log.wake_fd if self.log is not None else None
-        if self._wake_fd is not None:  # a background fsync finished: release what waited for it
-            self._poller.register(self._wake_fd, zmq.POLLIN)
         log.info("buffer listening on %s: actors :%d, learner :%d; %d groups recovered",
                  cfg.net.host, self.actor_port, self.learner_port, self.store.counters.recovered)
 
@@ -205,16 +145,11 @@ class BufferServer:
         self.learner_port = net.bind(self.learner_sock, n.host, n.buffer_learner_port, curve)
 
     def _recover(self) -> None:
-        rep = self.log.replay()
-        seen = self.store.seen
-        for snap in rep.seen:
-            seen.merge(snap)
-        for key in rep.done_keys:
-            seen.add(key)
-        for key, raw in rep.groups.items():
+        raws, keys = self.db.load()
+        for key in keys:
+            self.store.seen.add(tuple(key))
+        for raw in raws:
             self.store.restore(entry_from_group(self._group_dec.decode(raw), raw))
-        self.torn_tails = rep.torn
-        self.log.open(seen.snapshot)
 
     # ---- the loop ----------------------------------------------------------------------------
 
@@ -228,8 +163,6 @@ class BufferServer:
     def step(self, timeout_ms: int = POLL_MS) -> None:
         """One loop turn (public so tests can drive the server without a thread)."""
         ready = dict(self._poller.poll(timeout_ms))
-        if self._wake_fd in ready:
-            self.log.drain_wake()
         if self.learner_sock in ready:  # first: see the module docstring
             self._drain(self.learner_sock, self._on_learner, MAX_BATCH_MSGS_LEARNER)
             self._serve_requests()
@@ -239,10 +172,7 @@ class BufferServer:
         if self.actor_sock in ready:
             self._drain(self.actor_sock, self._on_actor)
             self._serve_requests()
-        if self.log is not None:
-            self.log.commit(wait=False)
         self._flush_outbox()
-        self._maybe_compact()
         now = time.monotonic()
         if now >= self._next_metrics:
             self._next_metrics = now + METRICS_EVERY_S
@@ -345,19 +275,13 @@ class BufferServer:
             return
         if defer:
             self.deferred += 1
-            self._ack(ident, Ack(g.actor_id, g.seq, "busy", "version_unknown"), 0)
+            self._ack(ident, Ack(g.actor_id, g.seq, "busy", "version_unknown"))
             return
         entry = entry_from_group(g, raw, min_version)
-        if self.log is not None:
-            self.log.make_room(len(raw))  # before offer() marks the key seen: see make_room
         status, reason = self.store.offer(entry, self.learner_version)
-        lsn = 0  # busy / rejected promise nothing about the disk
-        if status == "ok" and self.log is not None:
-            self.log.append_group(entry.key, raw)
-            entry.lsn = lsn = self.log.written
-        elif status == "duplicate":
-            lsn = self._durable_lsn(entry.key)
-        self._ack(ident, Ack(g.actor_id, g.seq, status, reason), lsn)
+        if status == "ok":
+            self.db.add(entry.key, raw)
+        self._ack(ident, Ack(g.actor_id, g.seq, status, reason))
 
     def _too_new(self, g: RolloutGroup) -> bool:
         """True when the group is newer than the bound while no learner version is known yet
@@ -371,25 +295,12 @@ class BufferServer:
             return True
         raise InvalidMessage("future_version", f"version {newest} > learner version {known} + 1")
 
-    def _durable_lsn(self, key) -> int:
-        """"Already accepted" is a promise too: the ack waits until the key's record is durable."""
-        if self.log is None:
-            return 0
-        held = self.store.resident.get(key)
-        return held.lsn if held is not None else self.log.written
-
     def _reject(self, ident: bytes, actor: str, seq: int, reason: str) -> None:
         self.invalid[reason] += 1
         self._ack(ident, Ack(actor[:MAX_ID_CHARS], seq, "rejected", reason))
 
-    def _ack(self, ident: bytes, ack: Ack, lsn: int | None = None) -> None:
-        self._queue("actor", [ident, ack], lsn)  # encoded when sent: see _flush_outbox
-
-    def _queue(self, dest: str, frames: list, lsn: int | None = None) -> None:
-        """Send ``frames`` once the log is durable up to ``lsn`` (default: all written so far)."""
-        if lsn is None:
-            lsn = self.log.written if self.log is not None else 0
-        self._outbox[dest].append((frames, lsn))
+    def _ack(self, ident: bytes, ack: Ack | None) -> None:
+        self._outbox["actor"].append([ident, ack])  # encoded when sent: see _flush_outbox
 
     # ---- learners ----------------------------------------------------------------------------
 
@@ -423,7 +334,23 @@ class BufferServer:
         self._drop_learner("replaced by a new learner connection")
         self._incarnations += 1
         self._learner = _Learner(ident, fd, f"{msg.id}#{self._incarnations}")
-        log.info("learner %s connected", msg.id)
+        log.info("learner %s connected at step %d", msg.id, msg.step)
+        if msg.step >= 0:
+            self._requeue(msg.step, msg.version)
+
+    def _requeue(self, step: int, version: int) -> None:
+        """Serve again what the learner trained after ``step``; drop the groups every token of which
+        is newer than ``version``: they were sampled by weights that no longer exist."""
+        groups = [(entry_from_group(self._group_dec.decode(raw), raw), raw) for raw in self.db.requeue(step)]
+        gone = [e.key for e, _ in groups if e.min_version > version]
+        self.db.done(gone)
+        self.rolled_back += len(gone)
+        for e, _ in groups:
+            if e.min_version <= version:
+                self.store.restore(e)
+        if groups:
+            log.info("%d groups trained after step %d served again, %d dropped as rolled back",
+                     len(groups) - len(gone), step, len(gone))
 
     def _drop_learner(self, why: str) -> int:
         st, self._learner = self._learner, None
@@ -462,6 +389,9 @@ class BufferServer:
             self.invalid["bad_request"] += 1
         elif self._version_ok(st, msg.learner_version):
             self._follow(msg)
+            if msg.covered_step > self._covered:
+                self._covered = msg.covered_step
+                self.db.covered(msg.covered_step)
             if msg.request_id > st.answered:
                 st.pending = msg  # else: a resend of one already answered
 
@@ -476,17 +406,16 @@ class BufferServer:
         log.info("learner control: %s", ", ".join(changes))
         self.store.max_staleness, self.paused, self._control_on = limit, msg.pause_actors, True
         for ident in self._actor_ident.values():
-            self._queue("actor", [ident, None], 0)  # a notice: no ack of its own
+            self._ack(ident, None)  # a notice: no ack of its own
 
     def _on_consumed(self, st: _Learner, msg: Consumed) -> None:
         if not self._version_ok(st, msg.learner_version):
             return
         done = self.store.consume(msg.keys, st.name)
-        if self.log is not None:
-            self.log.append_done([e.key for e in done], "consumed")
+        self.db.trained([e.key for e in done], msg.step)
 
     def _tell_learner(self, ident: bytes, ack: Ack) -> None:
-        self._queue("learner", [ident, encode(ack)], 0)
+        self._outbox["learner"].append([ident, encode(ack)])
 
     def _serve_requests(self) -> None:
         st, store = self._learner, self.store
@@ -505,15 +434,12 @@ class BufferServer:
             return
         st.pending, st.answered = None, req.request_id
         head = encode(SampleBatch(req.request_id, [], len(store.resident)))
-        frames = [st.ident, head, *[e.raw for e in taken]]
-        # it depends only on its groups' records, not on the DONE records written since
-        self._queue("learner", frames, max(e.lsn for e in taken))
+        self._outbox["learner"].append([st.ident, head, *[e.raw for e in taken]])
 
     def _dropped(self, drops: list[Entry]) -> None:
         if not drops:
             return
-        if self.log is not None:
-            self.log.append_done([e.key for e in drops], "stale")
+        self.db.done([e.key for e in drops])
         for e in drops:
             ident = self._actor_ident.get(e.key[0])
             if ident is not None:  # lets the actor give back its admission quota
@@ -533,20 +459,20 @@ class BufferServer:
         return None
 
     def _flush_outbox(self) -> None:
-        """Send, in order per socket, every queued message whose records are durable."""
-        durable = self.log.durable if self.log is not None else 0
+        """Commit, then send every queued message (in order per socket)."""
+        self.db.commit()
         out = self._outbox["actor"]
         ready: dict[bytes, list[Ack]] = {}  # per actor, in order: one message for all its acks
-        while out and out[0][1] <= durable:
-            (ident, ack), _ = out.popleft()
+        while out:
+            ident, ack = out.popleft()
             got = ready.setdefault(ident, [])
             if ack is not None:  # None: a control notice (_follow), carried by any message
                 got.append(ack)
         for ident, acks in ready.items():
             self._send(self.actor_sock, [ident, encode(self._to_actor(acks))])
         out = self._outbox["learner"]
-        while out and out[0][1] <= durable:
-            self._send(self.learner_sock, out.popleft()[0])
+        while out:
+            self._send(self.learner_sock, out.popleft())
 
     def _to_actor(self, acks: list[Ack]):
         """One message for an actor: a lone Ack, as always, until the control state departed
@@ -561,13 +487,6 @@ class BufferServer:
         except zmq.ZMQError:  # peer gone or its queue full: it resends / re-requests
             self.send_failed += 1
 
-    def _resident_records(self):
-        return ((k, e.raw) for k, e in self.store.resident.items())
-
-    def _maybe_compact(self) -> None:
-        if self.log is not None and self.log.maybe_compact(self._resident_records):
-            self._flush_outbox()  # a compaction leaves everything durable
-
     def stats(self) -> dict[str, float]:
         out = self.store.stats()
         out["buffer/dropped_invalid"] = float(sum(self.invalid.values()))
@@ -578,12 +497,8 @@ class BufferServer:
         out["buffer/actors_paused"] = float(self.paused)
         for reason, n in self.invalid.items():
             out[f"buffer/dropped_invalid/{reason}"] = float(n)
-        if self.log is not None:
-            out["buffer/disk_bytes"] = float(self.log.disk_bytes)
-            out["buffer/file_bytes"] = float(self.log.file_bytes)
-            out["buffer/recycled_segments"] = float(self.log.recycled)
-            out["buffer/segments"] = float(len(self.log.segments))
-            out["buffer/torn_tails"] = float(self.torn_tails)
+        out["buffer/dropped_rolled_back"] = float(self.rolled_back)
+        out["buffer/disk_bytes"] = float(self.db.disk_bytes())
         return out
 
     def _report(self) -> None:
@@ -600,12 +515,9 @@ class BufferServer:
             log.info("buffer closing: accepted %d, consumed %d, dropped %s, resident %d, duplicates %d, "
                      "busy %d, invalid %d", c.accepted, c.consumed, dict(c.dropped), len(self.store.resident),
                      c.duplicates, c.busy, sum(self.invalid.values()))
-            if self.log is not None:
-                log.info("segment log: %d segments, %d rolls reused a file, %d compactions",
-                         len(self.log.segments), self.log.recycled, self.log.compactions)
-        if self.log is not None:
-            self.log.close()
-            self.log = None
+        if self.db is not None:
+            self.db.close()
+            self.db = None
         if self._monitor is not None:
             self.learner_sock.disable_monitor()
             self._monitor.close(linger=0)
@@ -663,7 +575,7 @@ def main(argv=None) -> None:
         server = BufferServer(cfg, args.run_dir, metrics=emit)
         _write_ports(args.run_dir, server)
         server.serve_forever(stop)
-    except CorruptLog as e:  # one clear line: restarting cannot help, salvaging can
+    except CorruptStore as e:  # one clear line: restarting cannot help, salvaging can
         log.error("%s", e)
         sys.exit(EXIT_CORRUPT_LOG)
     finally:

@@ -1,18 +1,11 @@
 """``python run.py monitor [RUN_DIR]``: the live view of a job started in another terminal.
 
-Every role appends its records to its own file under ``run_dir/metrics/`` (core/metrics.py);
-this command follows those files directly, with the same :class:`~core.metrics.MetricsFollower`
-the launcher uses, read-only. Following files, rather than connecting to the job, is what makes
-attaching harmless: this process never writes into the run directory and never sends the job a
-byte, so detaching (Ctrl-C, a closed terminal) cannot disturb it, a finished run is replayed from
-the very same files the next morning, and what the roles wrote is shown even when the launcher
-never merged it (it was killed). A run directory from before the per-role files (no
-``metrics/``) is followed through its ``metrics.jsonl``. Complete lines only; a line that does
-not decode is counted and skipped; a file that shrank or was replaced is read from its start.
-
-Whether the job still runs: the launcher pid in ``pids.json`` (core/launchers). A pid that is
-gone, a zombie, or a process that started after ``pids.json`` was written (the pid was reused
-overnight) means the job has ended; no ``pids.json`` means it never got that far.
+It follows the roles' files under ``run_dir/metrics/`` with the launcher's own, read-only
+:class:`~core.metrics.MetricsFollower` (a run from before them: its ``metrics.jsonl``), so it never
+writes into the run or sends the job a byte: detaching cannot disturb it, a finished run replays
+from the same files, and what the roles wrote shows even when the launcher never merged it.
+The job runs while the launcher pid of ``pids.json`` lives: a zombie, or a process that started
+after ``pids.json`` was written (the pid reused), means it has ended.
 """
 
 from __future__ import annotations
@@ -23,7 +16,7 @@ import time
 
 from core.messages import MetricRecords
 from core.files import run_file
-from core.metrics import MERGED_FILE, METRICS_DIR, FileTail, MetricsFollower
+from core.metrics import MERGED_FILE, METRICS_DIR, FileTail, MetricsFollower, read_all
 
 POLL_S = 0.25
 Follower = MetricsFollower | FileTail  # the two share read(), caught_up(), bad_lines, resets
@@ -31,9 +24,6 @@ Follower = MetricsFollower | FileTail  # the two share read(), caught_up(), bad_
 
 class AttachError(Exception):
     """A run directory that cannot be attached to (``run.py monitor`` exits 2)."""
-
-
-# ---- is the job still running ------------------------------------------------------------------
 
 
 def launcher_pid(run_dir: str) -> int | None:
@@ -47,7 +37,6 @@ def launcher_pid(run_dir: str) -> int | None:
 
 
 def job_running(run_dir: str) -> bool:
-    """True while the launcher named in ``pids.json`` is alive (see the module docstring)."""
     pid = launcher_pid(run_dir)
     if pid is None:
         return False
@@ -57,17 +46,12 @@ def job_running(run_dir: str) -> bool:
         return False
     except PermissionError:
         pass  # someone else's process: it exists
-    return _same_process(pid, os.path.join(run_dir, "pids.json"))
-
-
-def _same_process(pid: int, pids_path: str) -> bool:
-    """Not a zombie, and started before ``pids_path`` was written (Linux /proc; True elsewhere)."""
-    try:
+    try:  # not a zombie, and started before pids.json was written (Linux /proc; True elsewhere)
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
         with open("/proc/stat") as f:
             boot = next(int(ln.split()[1]) for ln in f if ln.startswith("btime "))
-        written = os.path.getmtime(pids_path)
+        written = os.path.getmtime(os.path.join(run_dir, "pids.json"))
     except (OSError, StopIteration, IndexError, ValueError):
         return True
     started = boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
@@ -75,19 +59,16 @@ def _same_process(pid: int, pids_path: str) -> bool:
     return fields[0] != "Z" and started <= written + 2.0
 
 
-# ---- the command ------------------------------------------------------------------------------
-
-
 def metrics_path(run_dir: str) -> str:
     """The run's merged ``metrics.jsonl`` (AttachError without one)."""
     try:
-        return run_file(run_dir, MERGED_FILE, "not a driftrl run directory, or its launcher has not started yet")
+        return run_file(run_dir, MERGED_FILE,
+                        "not a driftrl run directory, or its launcher has not started yet")
     except FileNotFoundError as e:
         raise AttachError(str(e)) from None
 
 
 def follower_of(run_dir: str) -> Follower:
-    """What to follow in ``run_dir``: its role files, else (an older run) its metrics.jsonl."""
     if os.path.isdir(os.path.join(run_dir, METRICS_DIR)):
         return MetricsFollower(run_dir)
     return FileTail(metrics_path(run_dir))
@@ -128,20 +109,10 @@ def _status(follower: Follower, text: str) -> str:
 
 def drain(monitor, follower: Follower, speed: float = 0.0) -> None:
     """Feed everything up to the end of the files (paced by ``speed``: a redraw per batch)."""
-    while True:
-        for batch in paced(follower.read(), speed):
-            monitor.update(batch)
-            if speed > 0:  # unpaced, the view is drawn once, with the last record (on exit)
-                monitor.refresh(force=True)
-        if follower.caught_up():
-            return
-
-
-def replay(monitor, follower: Follower, speed: float = 0.0) -> None:
-    """Feed every record, then (on leaving the view's context) show the final view once."""
-    monitor.note = "replay: the job has ended"
-    drain(monitor, follower, speed)
-    monitor.note = _status(follower, monitor.note)
+    for batch in paced(read_all(follower), speed):
+        monitor.update(batch)
+        if speed > 0:  # unpaced, the view is drawn once, with the last record (on exit)
+            monitor.refresh(force=True)
 
 
 def follow(monitor, follower: Follower, run_dir: str, keep_waiting: bool, poll_s: float = POLL_S) -> None:
@@ -160,15 +131,15 @@ def follow(monitor, follower: Follower, run_dir: str, keep_waiting: bool, poll_s
             time.sleep(poll_s)
 
 
-def attach(run_dir: str, keep_waiting: bool = False, speed: float = 0.0, console=None, live: str = "auto") -> int:
+def attach(run_dir: str, keep_waiting: bool = False, speed: float = 0.0, console=None,
+           live: str = "auto") -> int:
     """``run.py monitor``: follow a running job, or replay a finished one; 0 when it ends.
     ``live`` is this terminal's choice (``monitor.live``), not the one the job was started with."""
     import msgspec
 
     from core.monitor import Monitor
 
-    follower = follower_of(run_dir)
-    cfg = run_config(run_dir)
+    follower, cfg = follower_of(run_dir), run_config(run_dir)
     cfg = msgspec.structs.replace(cfg, monitor=msgspec.structs.replace(cfg.monitor, live=live))
     monitor = Monitor(cfg, console)
     try:
@@ -176,7 +147,9 @@ def attach(run_dir: str, keep_waiting: bool = False, speed: float = 0.0, console
             if keep_waiting or job_running(run_dir):
                 follow(monitor, follower, run_dir, keep_waiting)
             else:
-                replay(monitor, follower, speed)
+                monitor.note = "replay: the job has ended"
+                drain(monitor, follower, speed)
+                monitor.note = _status(follower, monitor.note)
     except KeyboardInterrupt:  # detaching: nothing to clean up, the job never knew we were here
         pass
     return 0

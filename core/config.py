@@ -22,50 +22,37 @@ NonNegInt = Annotated[int, Meta(ge=0)]
 PosFloat = Annotated[float, Meta(gt=0)]
 NonNegFloat = Annotated[float, Meta(ge=0)]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]  # auto: core/precision.py
-# "auto" | "cpu" | "cuda" | "cuda:N" (core/placement.py resolves and validates it)
-Device = str
+Device = str  # "auto" | "cpu" | "cuda" | "cuda:N" (core/placement.py)
 
 
 class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """A config section: unknown keys are errors, fields are keyword-only."""
+    pass
 
 
 class RunSection(_Section):
     run_dir: str = ""  # empty: runs/<UTC timestamp>, with runs/latest pointing at it
     seed: int = 0
     max_steps: NonNegInt = 1000  # learner optimiser steps; 0 = no step budget
-    # wall-clock budget from the launch of the roles (a restarted learner spends what is left); 0 = none
-    max_time_s: NonNegFloat = 480.0
+    max_time_s: NonNegFloat = 480.0  # wall clock from the roles' launch (restarts included); 0 = none
     eval_every: NonNegInt = 10  # held-out eval every N policy versions (actor 0); 0 = off
     eval_prompts: PosInt = 256
-    # checkpoints every N learner steps and at least every S seconds (0 = off); the final one
-    # always. A crashed learner resumes from the newest (learner/loop.py), so they bound lost work
+    # checkpoints every N learner steps and at least every S seconds (0 = off); the final one always
     ckpt_every: NonNegInt = 100
     ckpt_every_s: NonNegFloat = 120.0
-    # a crashed role is restarted this often (each role counted alone): an actor or the buffer
-    # (their data survives: spool / segment log), the learner (from its newest checkpoint)
-    max_restarts: NonNegInt = 3
-    # seams (ARCHITECTURE.md): a key of its registry, checked by run.py before anything starts
+    max_restarts: NonNegInt = 3  # per role; an actor/buffer keeps its data, a learner its checkpoint
     launcher: str = "local"  # core/launchers/ LAUNCHERS: how roles are started and watched
-    # a role whose heartbeat file (run_dir/heartbeat/<role>) has not moved for this long is hung:
-    # SIGKILLed and restarted like a crashed one. A real learner step can be long; 0 = off
+    # a role whose run_dir/heartbeat/<role> has not moved for this long is hung: killed, restarted; 0 = off
     heartbeat_timeout_s: NonNegFloat = 300.0
-    # the n-th restart of a role waits base * 2^(n-1) s (at most 30 s) after its crash: a role
-    # that fails at once is not restarted in a tight loop; 0 = restart at once
-    restart_backoff_s: NonNegFloat = 1.0
+    restart_backoff_s: NonNegFloat = 1.0  # the n-th restart waits base * 2^(n-1) s (at most 30 s)
     stage: str = ""  # the pipeline stage this run is (pipeline.py sets it); shown in the live view
-    # written by run.py: what `auto` chose for learner.body_dtype and actor.dtype, and why
-    precision_note: str = ""
+    precision_note: str = ""  # written at launch: what `auto` chose for the dtypes, and why
 
 
 class ModelSection(_Section):
-    # empty path: build (once, deterministically, then cached) the tiny base model of `task`
-    path: str = ""
-    # resolved by run.py from path's config.json; the buffer rejects token ids outside it (0: unset)
-    vocab_size: NonNegInt = 0
+    path: str = ""  # empty: the task's tiny base model, built once (deterministically) and cached
+    vocab_size: NonNegInt = 0  # read from path's config.json at launch; the buffer's token-id bound
     cache_dir: str = ".cache/driftrl"
-    # the built-in base model's build seed (run.seed leaves the base model alone, so runs with
-    # different seeds start from the same model); the default recipe's build ships in model/shipped/
+    # the built-in base model's build seed (run.seed leaves it alone); the default's is model/shipped/
     pretrain_seed: NonNegInt = 0
     hidden_size: PosInt = 128
     num_layers: PosInt = 4
@@ -75,16 +62,12 @@ class ModelSection(_Section):
     pretrain_steps: NonNegInt = 2400
     pretrain_batch: PosInt = 64
     pretrain_lr: PosFloat = 3e-3
-    # fraction of pre-training answers that are correct; the rest carry the classic
-    # "forgot the carry" mistake, so the base model knows the task but prefers a wrong habit
+    # share of correct pre-training answers; the rest "forget the carry": a wrong habit to unlearn
     pretrain_correct_frac: Annotated[float, Meta(ge=0, le=1)] = 0.25
-    # scratch task: fraction of pre-training answers that write their working out first
-    pretrain_worked_frac: Annotated[float, Meta(ge=0, le=1)] = 0.1
-    # scratch task: fraction of worked answers that write everything out a second time, as a
-    # check (correct, and redundant: what a self-distillation removes)
+    pretrain_worked_frac: Annotated[float, Meta(ge=0, le=1)] = 0.1  # scratch: answers with working
+    # scratch: worked answers that write it all out twice (redundant: what distillation removes)
     pretrain_redundant_frac: Annotated[float, Meta(ge=0, le=1)] = 0.0
-    # drawn uniformly for each pre-training prompt and put before it (e.g. the tier system
-    # prompts a later stage gives meaning to), so the base model has seen them, meaning nothing
+    # one drawn per pre-training prompt and put before it (e.g. tier prompts), meaning nothing yet
     pretrain_prompt_prefixes: list[str] = []
     max_position_embeddings: PosInt = 128
 
@@ -94,24 +77,19 @@ class TaskSection(_Section):
     digits: Annotated[int, Meta(ge=1, le=12)] = 2  # arith: operand digits; scratch: most quotient digits
     min_digits: Annotated[int, Meta(ge=1, le=12)] = 1  # scratch: difficulty ranges min_digits..digits
     eval_frac: Annotated[float, Meta(gt=0, lt=1)] = 0.1
-    # reasoning-gym: dataset names (reasoning_gym.create_dataset), `size` procedural items each
-    datasets: list[str] = []
+    datasets: list[str] = []  # gym: reasoning_gym dataset names, `size` procedural items each
     size: PosInt = 10000
-    # JSONL / parquet with `prompt` and `answer` (optional `id`, `level`/`difficulty`), scored by
-    # math-verify; eval_path empty: a hashed eval_frac of `path` is held out
+    # math: JSONL / parquet (`prompt`, `answer`, optional `id`, `level`/`difficulty`); no eval_path:
+    # a hashed eval_frac of `path` is held out
     path: str = ""
     eval_path: str = ""
     instruction: str = ""  # appended to every prompt (e.g. "Put the final answer in \\boxed{}.")
-    # the tokenizer's chat template: auto = when the checkpoint has one (tiny built-in models have none)
-    chat_template: Literal["auto", "on", "off"] = "auto"
+    chat_template: Literal["auto", "on", "off"] = "auto"  # auto: when the checkpoint has one
     system_prompt: dict[str, str] = {}  # per tier ("default", "low", "medium", "high"); "" = none
-    # per tier: its own response-length limit, at most actor.max_new_tokens (which the rest keep)
-    tier_max_new_tokens: dict[str, PosInt] = {}
-    # a tier per difficulty (keys: str(Prompt.difficulty)), over the task's own thirds of its
-    # levels: the pipeline's tiers by measured pass rate write it (pipeline.py)
+    tier_max_new_tokens: dict[str, PosInt] = {}  # per tier, at most actor.max_new_tokens
+    # str(Prompt.difficulty) -> tier, instead of the levels' thirds (pipeline tier_by=pass_rate)
     difficulty_tiers: dict[str, str] = {}
-    # external scorers run in worker processes; a hung or crashed check scores 0 and is counted
-    reward_workers: PosInt = 2
+    reward_workers: PosInt = 2  # scorer processes; a hung or crashed check scores 0, counted
     reward_timeout_s: PosFloat = 10.0
 
 
@@ -133,12 +111,9 @@ class ActorSection(_Section):
     group_size: Annotated[int, Meta(ge=2)] = 8
     groups_per_batch: PosInt = 16  # prompts decoded together by one engine batch
     max_new_tokens: PosInt = 8
-    # continuous batching: sequences decoded at once; a finished one's slot takes the next prompt
-    max_batch: PosInt = 256
-    # response-length curriculum (actor/curriculum.py): the limit starts at length_start and grows
-    # by length_grow up to max_new_tokens, every length_every policy versions ("steps") or when
-    # more than length_clip_rate of the last length_window completions hit it ("clip_rate");
-    # "off": max_new_tokens throughout
+    max_batch: PosInt = 256  # continuous batching: sequences decoded at once
+    # length curriculum (actor/curriculum.py): length_start, + length_grow up to max_new_tokens every
+    # length_every versions ("steps") or when over length_clip_rate of the last length_window hit it
     length_schedule: Literal["off", "steps", "clip_rate"] = "off"
     length_start: PosInt = 8
     length_grow: PosInt = 4
@@ -148,14 +123,10 @@ class ActorSection(_Section):
     temperature: PosFloat = 1.0
     top_k: NonNegInt = 0  # 0 = off
     top_p: Annotated[float, Meta(gt=0, le=1)] = 1.0
-    # the engine's numerics: auto = BF16 where the device computes it natively (CUDA, AMX or
-    # AVX-512 BF16 CPUs), as an inference engine on a GPU runs, else FP32 (core/precision.py);
-    # FP32 attention softmax and LM head either way
-    dtype: Dtype = "auto"
+    dtype: Dtype = "auto"  # the engine's numerics (FP32 softmax and LM head either way)
     fp32_attn_softmax: bool = True
     threads: PosInt = 1
-    # one value for every actor, or a list with one per actor (core/placement.py)
-    device: Device | list[Device] = "auto"
+    device: Device | list[Device] = "auto"  # one for every actor, or a list with one per actor
     sglang: SGLangSection = msgspec.field(default_factory=lambda: SGLangSection())  # [actor.sglang]
 
 
@@ -165,9 +136,8 @@ class BufferSection(_Section):
     capacity_groups: PosInt = 1024
     capacity_bytes: PosInt = 256 * 1024 * 1024
     max_frame_bytes: PosInt = 64 * 1024 * 1024
-    persist: bool = True
-    fsync: Literal["always", "batch", "never"] = "batch"
-    segment_bytes: PosInt = 16 * 1024 * 1024
+    persist: bool = True  # buffer/durable.py: SQLite in run_dir/buffer/ (false: in memory)
+    fsync: Literal["always", "batch", "never"] = "batch"  # commit per group / per loop turn / no fsync
     # a group's prompt may not be longer (and must not be empty); its completions are bounded
     # by actor.max_new_tokens, their number is actor.group_size, their ids by model.vocab_size
     max_prompt_tokens: PosInt = 4096
@@ -180,30 +150,22 @@ class LearnerSection(_Section):
     weight_decay: NonNegFloat = 0.0
     betas: tuple[float, float] = (0.9, 0.99)
     grad_clip: NonNegFloat = 1.0  # 0 = off
-    loss: str = "ring_zero"  # learner/losses/ LOSSES; eps_high, eps_clip: the parameters each names
+    loss: str = "ring_zero"  # learner/losses/ LOSSES
     eps_high: PosFloat = 2.0  # Ring-Zero/TIS upper truncation of the ratio
     eps_clip: PosFloat = 0.2  # PPO-clip only
     norm: Literal["token", "sample"] = "token"
     kl_beta: NonNegFloat = 0.0
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    # precision policy: the body's matmuls (auto: as actor.dtype's auto, core/precision.py);
-    # master weights, optimiser, the islands below stay FP32
-    body_dtype: Dtype = "auto"
+    body_dtype: Dtype = "auto"  # the body's matmuls; master weights, optimiser, islands stay FP32
     fp32_attn_softmax: bool = True
     fp32_head: bool = True
     logprob_chunk: PosInt = 1024  # tokens per FP32 head chunk
-    # gradient accumulation: a step is cut into micro-batches of at most this many padded tokens
-    # (whole groups at least one sample each), so memory is bounded by the micro-batch; 0 = one
-    micro_batch_tokens: NonNegInt = 8192
+    micro_batch_tokens: NonNegInt = 8192  # gradient accumulation: padded tokens per micro-batch; 0 = one
     threads: PosInt = 1
-    device: Device = "auto"  # model, reference, optimiser state and batches (core/placement.py)
-    # tail forensics (learner/tail.py): the k highest- and k lowest-ratio tokens of every step go
-    # to run_dir/tail.jsonl, read by `python run.py tail`; 0 = off
-    tail_k: NonNegInt = 8
-    # start-up contract check: actor-vs-learner scoring of one fixed batch
-    # a BF16 engine against a BF16-body learner with both islands: mean |dlogp| 0.058, k3 3.5e-3
-    # (bench/precision.py: 32k vocab, peaked random model, 128-token responses); a temperature
-    # applied on one side only is far above both bounds
+    device: Device = "auto"
+    tail_k: NonNegInt = 8  # the k highest/lowest-ratio tokens per step to tail.jsonl (`run.py tail`); 0 = off
+    # start-up contract check (learner/contract.py). BF16 engine vs BF16-body learner, both islands:
+    # mean |dlogp| 0.058, k3 3.5e-3 (bench/precision.py); a one-sided temperature is far above both
     contract_max_abs_logp_diff: PosFloat = 0.1
     contract_max_kl_k3: PosFloat = 0.01
 
@@ -211,18 +173,21 @@ class LearnerSection(_Section):
 class WeightSyncSection(_Section):
     # a key of weightsync.PUBLISHERS: shm (default), filesystem (hosts sharing only a file system),
     # nccl (GPUs), cuda_ipc (learner and actors on one shared GPU, weights never through host
-    # memory); checked before anything starts by core/placement.py (core imports no weightsync)
+    # memory), torch_dist (server engines such as sglang: their servers join a torch.distributed
+    # group); checked against actor.engine before anything starts (jobs.check_seams)
     transport: str = "shm"
     bucket_mb: PosInt = 64
+    # how long the nccl / torch_dist ranks wait for every actor to join; a server joins only once
+    # it is up, so this covers its start (actor.sglang.start_timeout_s)
+    join_timeout_s: PosFloat = 900.0
 
 
 class NetSection(_Section):
     host: str = "127.0.0.1"
     buffer_actor_port: NonNegInt = 0  # 0 = pick a free port at launch
     buffer_learner_port: NonNegInt = 0
-    # ZeroMQ CURVE keys (z85) -- required when `host` is not loopback. curve_client_public is
-    # the servers' allow-list (one key or a list); a client's own public key is derived from its
-    # curve_client_secret
+    # ZeroMQ CURVE keys (z85), required off loopback; curve_client_public is the servers'
+    # allow-list (one key or a list), a client's own public key comes from its secret
     curve_server_public: str = ""
     curve_server_secret: str = ""
     curve_client_public: str | list[str] = ""
@@ -230,8 +195,7 @@ class NetSection(_Section):
 
 
 class RaySection(_Section):
-    """The Ray launcher (core/launchers/ray.py): where to run and what each role's Ray actor asks
-    for. CPU counts are Ray's logical ones; a local instance is started with exactly enough."""
+    """core/launchers/ray.py: what each role's Ray actor asks for (logical CPUs)."""
 
     address: str = ""  # "" = start a local Ray instance; HOST:PORT or "auto" joins a cluster
     actor_cpus: PosFloat = 1.0
@@ -239,8 +203,7 @@ class RaySection(_Section):
     buffer_cpus: PosFloat = 1.0
     actor_gpus: NonNegFloat = 0.0
     learner_gpus: NonNegFloat = 0.0
-    # custom Ray resources per role (e.g. `ray.actor_resources={node2 = 1}`), to pin roles to
-    # the nodes that offer them (`ray start --resources='{"node2": 8}'`)
+    # custom Ray resources per role (e.g. `ray.actor_resources={node2 = 1}`): pins roles to nodes
     actor_resources: dict[str, float] = {}
     learner_resources: dict[str, float] = {}
     buffer_resources: dict[str, float] = {}
@@ -251,44 +214,28 @@ class RaySection(_Section):
 class MonitorSection(_Section):
     live: Literal["auto", "on", "off"] = "auto"  # auto: rich Live on a TTY, plain lines otherwise
     refresh_s: PosFloat = 1.0
-    # plain lines (no terminal): at most one every plain_every_s (an overnight log stays readable);
-    # with nothing new, a keep-alive line every 6 x plain_every_s
+    # plain lines: at most one per plain_every_s; a keep-alive line every 6 x when nothing is new
     plain_every_s: PosFloat = 10.0
 
 
 class MetricsSection(_Section):
-    """Where metrics go besides each role's ``run_dir/metrics/<role>-<id>.jsonl`` and their merge,
-    ``run_dir/metrics.jsonl`` (always written; core/metrics.py)."""
-
-    # also TensorBoard event files under run_dir/tensorboard/, same names (extra `tensorboard`)
-    tensorboard: bool = False
+    tensorboard: bool = False  # also run_dir/tensorboard/ event files (extra `tensorboard`)
 
 
 class ControlSection(_Section):
-    """The learner acting on its ratio tail (learner/control.py): an adaptive staleness limit
-    and guard-rails checked after forward/backward, before the optimiser step."""
+    """The learner acting on its ratio tail (learner/control.py)."""
 
-    # adaptive staleness: the limit moves by 1 within [staleness_min, staleness_max], starting at
-    # buffer.max_staleness: down when the ratio p99 at the highest lag present is above the
-    # target, up while it is below target * (1 - hysteresis), never within dwell_steps of a change
+    # adaptive staleness: the limit moves by 1 in [staleness_min, staleness_max]: down when the p99 at
+    # the highest lag exceeds the target, up below target * (1 - hysteresis), dwell_steps apart
     adaptive_staleness: bool = False
     staleness_min: NonNegInt = 0
     staleness_max: NonNegInt = 8
-    # the clean default run (below) at lag 2: ratio p99 median 1.20, max 1.78: a target of 1.5
-    # lets the limit climb while the tail stays where Ring-Zero's truncation (eps_high 2) is rare
+    # clean default run at lag 2: p99 median 1.20, max 1.78; 1.5 keeps eps_high truncation rare
     ratio_p99_target: PosFloat = 1.5
     hysteresis: Annotated[float, Meta(ge=0, lt=1)] = 0.1
     dwell_steps: NonNegInt = 10
-    # guard-rails (0 or null = off), calibrated on two clean runs of the default job (128-wide
-    # arith model, BF16 engine and learner body; a shared 2-core EPYC), per-step range:
-    # `python run.py run.max_steps=150` (staleness 2; 79 steps before its 480 s budget ran out)
-    #   ratio/p99 1.055..1.783 (median 1.20) · ratio/max 1.10..3.07 · ratio/min 0.18..0.90
-    #   mismatch/kl_k3 1.5e-4..0.016 · mismatch/abs_logp_diff_p99 0.086..0.99 (all lags)
-    # the same with buffer.max_staleness=0 (150 steps, every token at lag 0)
-    #   ratio/p99 1.022..1.145 · ratio/max 1.04..2.09 · ratio/min 0.57..0.96 · kl_k3 5e-5..1.4e-3
-    #   mismatch/abs_logp_diff_p99_by_staleness/0 0.042..0.232 (median 0.089)
-    # each threshold sits well outside: ~1.7x the largest p99, ~3x the largest max, ~9x below
-    # the smallest min (2.3x in log space), ~6x the largest k3, ~3x the largest lag-0 |Δ log p|
+    # guard-rails (0 or null = off), well outside clean default runs (README: guard-rails): ~1.7x the
+    # largest p99, ~3x the largest max, ~9x below the smallest min, ~6x k3, ~3x lag-0 |Δ log p|
     guard_ratio_p99: NonNegFloat | None = 3.0
     guard_ratio_max: NonNegFloat | None = 10.0
     guard_ratio_min: NonNegFloat | None = 0.02  # fires at or below: a low tail starves gradients
@@ -296,22 +243,19 @@ class ControlSection(_Section):
     # |Δ log p| p99 of the lag-0 tokens: the engine/learner numerics gap alone (no policy drift)
     guard_abs_logp_diff_p99_s0: NonNegFloat | None = 0.75
     guard_nonfinite: bool = True  # any NaN/inf ratio/* or mismatch/* value
-    # warn: log and count · skip_step: drop the batch · pause_actors: no new groups until
-    # pause_steps clean steps (or an empty buffer) · rollback: newest checkpoint, fresh version,
-    # nothing sampled by the versions since trained
+    # warn · skip_step: drop the batch · pause_actors: until pause_steps clean steps (or an empty
+    # buffer) · rollback: newest checkpoint under a fresh version, its successors' samples dropped
     guard_action: Literal["warn", "skip_step", "pause_actors", "rollback"] = "warn"
     pause_steps: PosInt = 8
 
 
 class DistillSection(_Section):
-    """The pipeline's self-distillation (actor/distill.py, learner/sft.py): the policy samples
-    ``samples`` completions for each of ``prompts`` training prompts, the shortest correct one is
-    kept, and the *base* model is fine-tuned on that corpus."""
+    """The pipeline's self-distillation (actor/distill.py, learner/sft.py): per training prompt,
+    the shortest correct of ``samples`` completions; the *base* model is fine-tuned on them."""
 
     prompts: PosInt = 2048
     samples: Annotated[int, Meta(ge=2)] = 8
-    # optional second pass: the kept completion, then this text, is the prompt of a rewrite that
-    # replaces it when still correct and shorter; "" = off
+    # optional rewrite pass: the kept completion + this text prompts a shorter correct one; "" = off
     compress_prompt: str = ""
     lr: PosFloat = 1e-3
     epochs: PosInt = 2
@@ -319,12 +263,9 @@ class DistillSection(_Section):
 
 
 class PipelineSection(_Section):
-    """``python run.py pipeline`` (pipeline.py): stages rl1 -> distill -> rl2 -> tiers. Each RL
-    stage's table is a partial config over the rest of this file, on top of the recipe's own
-    settings for that stage (pipeline.py: RECIPE)."""
+    """``run.py pipeline``: each RL stage's table is a partial config over pipeline.RECIPE's."""
 
-    # the tiers stage's partition of prompts: the task's own levels in thirds, or the difficulties
-    # ranked by the rl2 model's measured held-out pass rate, in thirds (easiest = low)
+    # the tiers: the task's levels in thirds, or difficulties ranked by rl2's held-out pass rate
     tier_by: Literal["level", "pass_rate"] = "level"
     rl1: dict[str, Any] = {}
     rl2: dict[str, Any] = {}
@@ -361,8 +302,7 @@ def _parse_value(text: str) -> Any:
 
 @functools.cache
 def _map_fields() -> frozenset[str]:
-    """Paths (``$.task.system_prompt``) of the fields that are maps, not sections: their keys are
-    the user's (tiers, stage names), so a new key there is not a typo."""
+    """Paths of the fields that are maps, not sections: their keys are the user's (tiers, stages)."""
     out: set[str] = set()
     for sec in msgspec.inspect.type_info(Config).fields:
         out |= {f"$.{sec.name}.{f.name}" for f in sec.type.fields if isinstance(f.type, msgspec.inspect.DictType)}
@@ -414,11 +354,9 @@ def from_dict(tree: dict) -> Config:
 def validate(cfg: Config) -> None:
     """Cross-field rules that per-field types cannot state."""
     if cfg.learner.groups_per_step % cfg.actor.num_actors:
-        raise ConfigError(
-            "`$.learner.groups_per_step` must be a multiple of `$.actor.num_actors` "
-            f"({cfg.learner.groups_per_step} % {cfg.actor.num_actors} != 0): each actor owns an "
-            "equal share of the admission quota"
-        )
+        raise ConfigError("`$.learner.groups_per_step` must be a multiple of `$.actor.num_actors` "
+                          f"({cfg.learner.groups_per_step} % {cfg.actor.num_actors} != 0): each actor owns "
+                          "an equal share of the admission quota")
     if cfg.run.max_steps == 0 and cfg.run.max_time_s == 0:
         raise ConfigError("set `$.run.max_steps` or `$.run.max_time_s`: a run needs a budget")
     _validate_lengths(cfg)
@@ -450,7 +388,7 @@ def _validate_lengths(cfg: Config) -> None:
 
 def _validate_control(c: ControlSection, max_staleness: int) -> None:
     """Bounds that contain the starting limit; ratio thresholds on the side of 1 they guard
-    (a ratio p99 or max below 1, or a min above it, would fire on every clean step)."""
+    (else they would fire on every clean step)."""
     if c.staleness_min > c.staleness_max:
         raise ConfigError(f"`$.control.staleness_max` = {c.staleness_max} is below "
                           f"`$.control.staleness_min` = {c.staleness_min}")
@@ -488,11 +426,9 @@ def _validate_net(n: NetSection) -> None:
         raise ConfigError(f"`$.net.host`: {e}") from None
     curve = bool(n.curve_server_public or n.curve_server_secret)
     if not net.is_loopback(n.host) and not curve:
-        raise ConfigError(
-            f"`$.net.host` = {n.host!r} is not loopback: set the CURVE keys "
-            "`$.net.curve_server_public/secret` and the client allow-list `$.net.curve_client_public` "
-            "(see core/net.py: make_curve_keys)"
-        )
+        raise ConfigError(f"`$.net.host` = {n.host!r} is not loopback: set the CURVE keys "
+                          "`$.net.curve_server_public/secret` and the client allow-list "
+                          "`$.net.curve_client_public` (see core/net.py: make_curve_keys)")
     if curve and not (n.curve_server_public and n.curve_server_secret):
         raise ConfigError("CURVE needs both `$.net.curve_server_public` and `$.net.curve_server_secret`")
     if curve and not net.client_keys(n):

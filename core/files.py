@@ -1,8 +1,5 @@
-"""The one place driftrl makes a file or a directory appear atomically and durably.
-
-A reader (a restarted role, ``transformers``, an operator) sees either the old content or the new,
-never a half-written file: data goes to a temporary name in the same directory, is fsynced, and
-is renamed into place; the directory is fsynced so the rename itself survives a power cut.
+"""The one place driftrl makes a file or a directory appear atomically and durably: a reader sees
+the old content or the new, never half of it (temporary name, fsync, rename, fsync the directory).
 """
 
 from __future__ import annotations
@@ -22,16 +19,9 @@ def fsync_path(path: str) -> None:
         os.close(fd)
 
 
-def fsync_tree(path: str) -> None:
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            fsync_path(os.path.join(root, name))
-        fsync_path(root)
-
-
 def atomic_write(path: str, data: bytes, durable: bool = True, mode: int | None = None) -> None:
-    """Write ``data`` to ``path`` through a temporary file and a rename (fsynced if ``durable``).
-    ``mode`` (e.g. 0o600 for a secret) is set on the temporary file before any byte is written."""
+    """Write ``data`` to ``path`` through a temporary file and a rename (fsynced if ``durable``);
+    ``mode`` (e.g. 0o600 for a secret) is set before any byte is written."""
     tmp = f"{path}.tmp{os.getpid()}"
     with contextlib.suppress(FileNotFoundError):
         os.unlink(tmp)  # a crashed writer's leftover; O_EXCL below must not meet it
@@ -49,12 +39,9 @@ def atomic_write(path: str, data: bytes, durable: bool = True, mode: int | None 
 
 
 def atomic_dir(final: str, write, marker: str | None = None) -> str:
-    """Call ``write(tmp_dir)``, then make its result appear at ``final`` atomically.
-
-    An existing ``final`` is kept (renamed aside) until the new one is in place, so a crash in
-    between leaves a complete copy. ``marker``, if given, is written last inside ``final``: a
-    reader that requires it never picks up a directory whose rename did not finish.
-    """
+    """Call ``write(tmp_dir)``, then make its result appear at ``final`` atomically (an existing
+    ``final`` is renamed aside until the new one is in place). ``marker``, if given, is written
+    last inside ``final``: a reader that requires it never picks up an unfinished directory."""
     parent = os.path.dirname(os.path.abspath(final))
     os.makedirs(parent, exist_ok=True)
     base = os.path.basename(final)
@@ -63,7 +50,10 @@ def atomic_dir(final: str, write, marker: str | None = None) -> str:
     os.makedirs(tmp)
     try:
         write(tmp)
-        fsync_tree(tmp)
+        for root, _dirs, files in os.walk(tmp):
+            for name in files:
+                fsync_path(os.path.join(root, name))
+            fsync_path(root)
         old = None
         if os.path.exists(final):
             old = os.path.join(parent, f".old-{base}-{os.getpid()}")
@@ -80,8 +70,7 @@ def atomic_dir(final: str, write, marker: str | None = None) -> str:
 
 
 def read_json(path: str) -> dict | None:
-    """A JSON file another process writes with :func:`atomic_write`, or None while it is missing
-    (or, written by hand, half written): what a waiter polls for."""
+    """The JSON file, or None while it is missing or half written (what a waiter polls for)."""
     try:
         with open(path, "rb") as f:
             return json.loads(f.read())
@@ -91,7 +80,7 @@ def read_json(path: str) -> dict | None:
 
 def run_file(run_dir: str, name: str, why_missing: str) -> str:
     """``run_dir/name``; FileNotFoundError naming the run directory when it or the file is not
-    there (``why_missing``: what its absence may mean)."""
+    there (``why_missing``: what that may mean)."""
     if not os.path.isdir(run_dir):
         raise FileNotFoundError(f"run directory {run_dir} does not exist")
     path = os.path.join(run_dir, name)

@@ -1,13 +1,9 @@
 """Heartbeats: a hung role is told apart from a slow one by a file that stops moving.
 
-Each role touches ``run_dir/heartbeat/<role>`` from its main loop (:func:`beat`, at most once a
-second: one ``utime`` call). The launcher watches the files' modification times, but judges them
-with its own clock: it only asks "has this changed since I last looked", and times how long it has
-not, so a role on another host with a skewed clock is never judged by that clock. A role that has
-not beaten since its (re)start is given :data:`START_GRACE_S` at least (model load, compilation,
-the first checkpoint load), counted from its spawn; after that the configured timeout applies.
-The pure rules (:func:`hung_for`, :func:`backoff_s`) are separate from the file system, so the
-unit tests check them without processes.
+Each role touches ``run_dir/heartbeat/<role>`` from its loop (:func:`beat`, at most once a
+second). The launcher only asks whether the file's mtime changed since it last looked, timed on its
+own clock, so a role on a host with a skewed clock is never judged by that clock. Before its first
+beat since a (re)start a role gets at least :data:`START_GRACE_S` (model load, checkpoint load).
 """
 
 from __future__ import annotations
@@ -27,8 +23,7 @@ def path(run_dir: str, role: str) -> str:
 
 
 def beat(run_dir: str, role: str) -> None:
-    """Touch the role's heartbeat file (created on the first call); cheap enough for any loop.
-    Without a run directory (a role's parts driven by a test) there is no launcher to tell."""
+    """Touch the role's heartbeat file (created on the first call); nothing without a run directory."""
     if not run_dir:
         return
     p, now = path(run_dir, role), time.monotonic()
@@ -44,7 +39,7 @@ def beat(run_dir: str, role: str) -> None:
 
 
 def mtime(run_dir: str, role: str) -> float | None:
-    """The heartbeat file's modification time, None before the role's first beat ever."""
+    """None before the role's first beat ever."""
     try:
         return os.stat(path(run_dir, role)).st_mtime_ns / 1e9
     except FileNotFoundError:
@@ -53,9 +48,7 @@ def mtime(run_dir: str, role: str) -> float | None:
 
 @dataclass
 class Watch:
-    """What the launcher knows of one role's heartbeat, on the launcher's clock."""
-
-    stamp: float | None  # the file's mtime when last looked at (its value, not compared to now)
+    stamp: float | None  # the file's mtime when last looked at (its value, never compared to now)
     seen_at: float  # launcher clock: the spawn, or when ``stamp`` last changed
     beaten: bool = False  # the file moved since the spawn
 
@@ -66,9 +59,7 @@ def started(stamp: float | None, now: float) -> Watch:
 
 
 def observe(w: Watch, stamp: float | None, now: float) -> Watch:
-    if stamp != w.stamp:
-        return Watch(stamp, now, True)
-    return w
+    return Watch(stamp, now, True) if stamp != w.stamp else w
 
 
 def hung_for(w: Watch, now: float, timeout_s: float) -> float | None:

@@ -50,6 +50,10 @@ class Hello(_Msg, tag="hello"):
     schema_version: int = SCHEMA_VERSION
     # the run's secret (core.net.run_secret): the buffer trusts a socket only after a Hello with it
     token: str = ""
+    # learner only: the step and version of the weights it holds; the buffer serves again the groups
+    # trained after that step (a restarted learner lost them), except those whose every token is newer
+    step: int = -1
+    version: int = -1
 
 
 class Shutdown(_Msg, tag="shutdown"):
@@ -158,6 +162,9 @@ class SampleRequest(_Msg, tag="sample_req"):
     max_staleness: int = -1
     # guard_action = pause_actors: the actors start no new group while set
     pause_actors: bool = False
+    # every step up to this one is in a checkpoint a fallback could still load: the buffer forgets
+    # the groups trained by then (-1: none yet)
+    covered_step: int = -1
 
 
 class SampleBatch(_Msg, tag="sample_batch"):
@@ -171,6 +178,7 @@ class Consumed(_Msg, tag="consumed"):
     # learner -> buffer: these groups were trained on (after the optimiser step)
     keys: list[tuple[str, int]]
     learner_version: int
+    step: int = -1  # the step that trained them (kept until covered); -1: never trained, forget them
 
 
 # ---- weights ----------------------------------------------------------------------------------

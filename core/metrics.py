@@ -1,53 +1,11 @@
-"""Metrics as files: every role process appends its MetricRecords to its own JSON-lines file,
-``run_dir/metrics/<role>-<id>.jsonl``; one follower in the launcher tails them all, feeds the
-live view, and merges them into ``run_dir/metrics.jsonl`` (and TensorBoard event files).
-
-Why files and not a socket: the run directory is already the one place every role shares
-(config, secret, checkpoints, spool, weights; the same path on every Ray node), so metrics need
-no port, no handshake, no secret, no CURVE, and put no rule on where a role runs. A role never
-waits for anyone: what it writes before the launcher looks is still there (no "slow joiner"),
-a slow or absent launcher costs it nothing, and ``run.py monitor`` follows the very same files,
-read-only. Trust is the directory's: it is 0700 and each file 0600 (the roles' umask 077).
-
-Writing (:class:`MetricsWriter`, one per role process and file): one line per record, written
-with one ``os.write`` on an ``O_APPEND`` descriptor (nothing buffered), so a crash tears at most
-the last line; a restarted role appends to its file, first ending a line its predecessor tore.
-A failed write (a full disk, any OSError) never leaves the writer: it is logged once, naming the
-file, counted, and the run goes on; that record is lost, and writing resumes with the disk.
-
-Values are metric names (ARCHITECTURE.md: Metric vocabulary) mapped to a float or a list of
-floats. NaN means "no value this interval" (a p99 of no samples): it is kept and written as JSON
-``null``. ±inf never is a measurement (an overflow), so the writer drops such a value (a list
-holding one too) and counts it. A writer's counters, once one is not zero, follow its records
-in its own file as a ``monitor``/``<role>-<id>`` record (``monitor/values_dropped``,
-``monitor/write_errors``).
-
-Reading (:class:`FileTail` per file, :class:`MetricsFollower` for ``run_dir/metrics/``, where
-files appear as roles start): complete lines only -- a torn last line is kept until its newline
-arrives, and read once. A line that is not a record, or has a non-finite time, is skipped and
-counted (``monitor/bad_lines``); ±inf in one (a hand-written ``Infinity``) is dropped and
-counted. A file that shrank or was replaced is read again from its start, and counted.
-
-Merging (the launcher's follower, :func:`follower_for`): each read's records, in time order,
-are appended to metrics.jsonl -- the file every reader uses (plots, sweeps, benches, tests) --
-with the follower's own counters as a ``monitor``/``follower`` record when one changed. How far
-each role file was merged is kept in ``run_dir/metrics.merged.json``, so the next launcher (a
-resume) and the final eval (:func:`merge_pending`, after the launcher) merge only what is new;
-a crash between an append and that note merges those lines twice, never loses them. A failed
-write of either is logged once, counted (``monitor/write_errors``), and the run goes on.
-
-TensorBoard (``metrics.tensorboard = true``, extra ``tensorboard``): the launcher's follower
-also writes every finite scalar of every record to event files under
-``run_dir/tensorboard/<role>/<id>/`` (:class:`TensorBoardWriter`), under the same metric names
-as metrics.jsonl; one TensorBoard run per source, so two actors' ``actor/tokens_per_s`` stay two
-curves, as they are two lines in the JSONL. The step is the record's; a launcher record (step -1: ``run/restarts/<role>``) is placed at
-the latest learner step the follower has seen, which is the learner step at that wall-clock time.
-The record's time is the event's wall time. NaN ("no value") and list values (``staleness/hist``)
-are not written: a TensorBoard histogram is a distribution of values, not counts by index, and
-would mislabel it. tensorboardX imports torch when torch is installed (``tensorboardX/writer.py``);
-the launcher has it loaded already (the start-up contract check).
-
-None of these classes is thread-safe: one writer per thread and file.
+"""Metrics as files: each role process appends its MetricRecords to its own JSON-lines file,
+``run_dir/metrics/<role>-<id>.jsonl``; one follower in the launcher tails them all, feeds the live
+view and merges them into ``run_dir/metrics.jsonl`` (and TensorBoard). Why files, and the failure
+rules, are in ARCHITECTURE.md (Metric vocabulary). Values are a float or a list of floats: NaN is
+"no value" (JSON null); ±inf is an overflow, never a measurement, so it is dropped and counted on
+write and on read. ``metrics.merged.json`` notes how far each role file was merged, so a resume or
+the final eval merges only what is new (a crash between the two merges lines twice, never loses
+them). None of these classes is thread-safe: one writer per thread and file.
 """
 
 from __future__ import annotations
@@ -68,6 +26,7 @@ from core.messages import MetricRecords
 METRICS_DIR = "metrics"  # run_dir/metrics/<role>-<id>.jsonl: one writer each
 MERGED_FILE = "metrics.jsonl"  # every role's records, merged by the launcher
 MERGED_STATE = "metrics.merged.json"  # role file name -> [bytes merged, inode]
+TENSORBOARD_DIR = "tensorboard"
 READ_CHUNK = 8 << 20  # bytes per read of one file: a big backlog comes in slices
 MAX_LINE = 4 << 20  # a record is a few KB; a "line" this long is garbage
 _RESERVED = ("step", "time", "role", "id")
@@ -75,28 +34,23 @@ _RESERVED = ("step", "time", "role", "id")
 log = logging.getLogger(__name__)
 
 
+def _number(x) -> bool:
+    return isinstance(x, Real) and not isinstance(x, bool)
+
+
 def _as_value(key: str, v) -> float | list[float]:
-    # numpy scalars/arrays and ints are coerced here so the encoder never sees a foreign type
-    if isinstance(v, bool) or isinstance(v, str):
-        raise TypeError(f"metric {key!r}: expected a number or a list of numbers, got {v!r}")
-    if isinstance(v, Real):
-        return float(v)
+    # numpy scalars/arrays are coerced here so the encoder never sees a foreign type
     if hasattr(v, "tolist"):
         v = v.tolist()
-        if isinstance(v, Real) and not isinstance(v, bool):
-            return float(v)
-    if isinstance(v, (list, tuple)) and all(
-        isinstance(x, Real) and not isinstance(x, bool) for x in v
-    ):
+    if _number(v):
+        return float(v)
+    if isinstance(v, (list, tuple)) and all(map(_number, v)):
         return [float(x) for x in v]
-    raise TypeError(
-        f"metric {key!r}: expected a number or a list of numbers, got {type(v).__name__}"
-    )
+    raise TypeError(f"metric {key!r}: expected a number or a list of numbers, got {v!r:.80}")
 
 
 def finite_values(values: dict) -> tuple[dict, list[str]]:
-    """``values`` without ±inf (a list holding one goes too), and the dropped keys. NaN stays:
-    it means "no value this interval"."""
+    """``values`` without ±inf (a list holding one goes too), and the dropped keys."""
     keep, dropped = {}, []
     for k, v in values.items():
         if any(map(math.isinf, v)) if isinstance(v, list) else math.isinf(v):
@@ -107,33 +61,28 @@ def finite_values(values: dict) -> tuple[dict, list[str]]:
 
 
 def record_to_json(rec: MetricRecords) -> bytes:
-    """One metrics line (without newline). NaN/inf become null (msgspec's JSON rule);
-    the envelope fields win over a metric that reuses their names."""
-    row: dict = {k: v for k, v in rec.values.items() if k not in _RESERVED}
-    row = {"step": rec.step, "time": rec.time, "role": rec.role, "id": rec.id, **row}
-    return msgspec.json.encode(row)
+    """One metrics line (no newline); the envelope fields win over metrics that reuse their names."""
+    row = {k: v for k, v in rec.values.items() if k not in _RESERVED}
+    return msgspec.json.encode({"step": rec.step, "time": rec.time, "role": rec.role, "id": rec.id, **row})
 
 
 def _json_value(v) -> float | list[float] | None:
-    """A metric read back from JSON: null (a NaN on write) is NaN again; None if not a metric."""
-    if v is None:
-        return math.nan
-    if isinstance(v, (int, float)) and not isinstance(v, bool):
-        return float(v)
-    if isinstance(v, list) and all(x is None or (isinstance(x, (int, float)) and not isinstance(x, bool))
-                                   for x in v):
+    """null (a NaN on write) is NaN again; None if not a metric."""
+    if v is None or _number(v):
+        return math.nan if v is None else float(v)
+    if isinstance(v, list) and all(x is None or _number(x) for x in v):
         return [math.nan if x is None else float(x) for x in v]
     return None
 
 
 def record_from_json(row) -> MetricRecords:
-    """The inverse of :func:`record_to_json` (``row`` parsed): a value that is not a number or a
-    list of numbers is left out. Raises ValueError for a row without a valid envelope."""
+    """The inverse of :func:`record_to_json` (``row`` parsed), leaving out values that are not
+    metrics; ValueError for a row without a valid envelope."""
     if not isinstance(row, dict):
         raise ValueError(f"a metrics line is a JSON object, got {type(row).__name__}")
     step, t, role, id_ = (row.get(k) for k in _RESERVED)
-    if not (isinstance(step, int) and not isinstance(step, bool) and isinstance(t, (int, float))
-            and not isinstance(t, bool) and isinstance(role, str) and isinstance(id_, str)):
+    if not (isinstance(step, int) and not isinstance(step, bool) and _number(t)
+            and isinstance(role, str) and isinstance(id_, str)):
         raise ValueError(f"a metrics line needs int step, number time, str role and id: {str(row)[:80]}")
     values = {k: _json_value(v) for k, v in row.items() if k not in _RESERVED}
     return MetricRecords(role=role, id=id_, step=step, time=float(t),
@@ -141,28 +90,19 @@ def record_from_json(row) -> MetricRecords:
 
 
 def _path_part(name: str) -> str:
-    """A role or id as one file or directory name (they are short identifiers; anything else is made so)."""
+    """A role or id as one file or directory name."""
     out = "".join(c if c.isascii() and (c.isalnum() or c in "._-") else "_" for c in name)[:64]
     return out if out.strip(".") else "_"
 
 
 def role_path(run_dir: str, role: str, id: str) -> str:
-    """The file a role's records are appended to."""
     return os.path.join(run_dir, METRICS_DIR, f"{_path_part(role)}-{_path_part(id)}.jsonl")
 
 
-# ---- writing ----------------------------------------------------------------------------------
-
-
-def _ends_torn(fd: int) -> bool:
-    """True when the file's last byte is not a newline (a writer died in the middle of a line)."""
-    size = os.fstat(fd).st_size
-    return size > 0 and os.pread(fd, 1, size - 1) != b"\n"
-
-
 class _Appender:
-    """Whole lines appended to one file, one ``os.write`` each; never raises for an OSError
-    (logged once, counted in ``errors``). A line a failure may have torn is ended before the next."""
+    """Whole lines appended to one file, one ``os.write`` on ``O_APPEND`` each (a crash tears at most
+    the last line). An OSError never leaves it: logged once, counted in ``errors``, and the line
+    a failure (or a dead predecessor) may have torn is ended before the next."""
 
     def __init__(self, path: str):
         self.path = path
@@ -176,7 +116,8 @@ class _Appender:
         if self._fd is None:
             os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
             self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            self._torn = _ends_torn(self._fd)
+            size = os.fstat(self._fd).st_size
+            self._torn = size > 0 and os.pread(self._fd, 1, size - 1) != b"\n"
 
     def append(self, data: bytes) -> bool:
         """True when all of ``data`` was written."""
@@ -184,8 +125,13 @@ class _Appender:
             self.open()
             self._write(b"\n" + data if self._torn else data)
         except OSError as e:
-            self._failed(e)
+            self._torn = self._failing = True
+            self.errors += 1
+            if self.errors == 1:
+                log.error("metrics: cannot write %s (%s); the run continues, metrics are not recorded "
+                          "there until it can write again", self.path, e.strerror or e)
             return False
+        self._torn = False
         if self._failing:
             self._failing = False
             log.warning("metrics: writing %s again (%d writes failed)", self.path, self.errors)
@@ -193,17 +139,8 @@ class _Appender:
 
     def _write(self, data: bytes) -> None:
         n = os.write(self._fd, data)
-        if n != len(data):  # a short write: the disk filled up within it
+        if n != len(data):  # the disk filled up within it
             raise OSError(f"short write: {n} of {len(data)} bytes")
-        self._torn = False
-
-    def _failed(self, e: OSError) -> None:
-        self._torn = True  # the failed write may have left part of a line
-        self._failing = True
-        self.errors += 1
-        if self.errors == 1:
-            log.error("metrics: cannot write %s (%s); the run continues, metrics are not recorded "
-                      "there until it can write again", self.path, e.strerror or e)
 
     def close(self) -> None:
         if self._fd is not None:
@@ -213,52 +150,43 @@ class _Appender:
 
 
 class MetricsWriter:
-    """One role process's metrics: each :meth:`emit` appends one line to
-    ``run_dir/metrics/<role>-<id>.jsonl`` (created on the first)."""
+    """One role process's metrics file. Its counters, once one is not zero, follow its records as a
+    ``monitor``/``<role>-<id>`` record (``monitor/values_dropped``, ``monitor/write_errors``)."""
 
     def __init__(self, run_dir: str, role: str, id: str):
         self.role, self.id = role, id
         self.path = role_path(run_dir, role, id)
-        self.written = 0
-        self.values_dropped = 0  # ±inf values left out
+        self.written = self.values_dropped = 0  # records written, ±inf values left out
         self._file = _Appender(self.path)
         self._reported = (0, 0)
         self._closed = False
 
     @property
     def write_errors(self) -> int:
-        """Records that could not be written (each one write)."""
         return self._file.errors
 
     def emit(self, step: int, values: dict) -> None:
-        """Append one record; never blocks on another process and never raises OSError. Raises
-        TypeError only for a value that is not a number or a list of numbers (a caller bug,
-        reported where it happens)."""
+        """Append one record; never blocks and never raises OSError. TypeError for a value that is
+        not a number or a list of numbers (a caller bug, reported where it happens)."""
         clean = {str(k): _as_value(k, v) for k, v in values.items()}
         if self._closed:
             return
         clean, dropped = finite_values(clean)
-        self._note_dropped(dropped)
-        rec = MetricRecords(role=self.role, id=self.id, step=int(step), time=time.time(), values=clean)
-        if self._file.append(record_to_json(rec) + b"\n"):
-            self.written += 1
-            self._report()
-
-    def _note_dropped(self, dropped: list[str]) -> None:
         if dropped and not self.values_dropped:
             log.warning("metrics: an infinite value of %r dropped (counted as monitor/values_dropped)",
                         dropped[0])
         self.values_dropped += len(dropped)
+        if self._append(self.role, self.id, int(step), clean):
+            self.written += 1
+            now = (self.values_dropped, self.write_errors)
+            if now != self._reported:
+                self._reported = now
+                self._append("monitor", f"{self.role}-{self.id}", -1, {
+                    "monitor/values_dropped": float(now[0]), "monitor/write_errors": float(now[1])})
 
-    def _report(self) -> None:
-        """The writer's counters as a record of their own, when one changed since the last."""
-        now = (self.values_dropped, self.write_errors)
-        if now == self._reported:
-            return
-        self._reported = now
-        values = {"monitor/values_dropped": float(now[0]), "monitor/write_errors": float(now[1])}
-        rec = MetricRecords(role="monitor", id=f"{self.role}-{self.id}", step=-1, time=time.time(), values=values)
-        self._file.append(record_to_json(rec) + b"\n")
+    def _append(self, role: str, id: str, step: int, values: dict) -> bool:
+        rec = MetricRecords(role=role, id=id, step=step, time=time.time(), values=values)
+        return self._file.append(record_to_json(rec) + b"\n")
 
     def close(self) -> None:
         self._closed = True
@@ -271,38 +199,33 @@ class MetricsWriter:
         self.close()
 
 
-# ---- reading ----------------------------------------------------------------------------------
-
-
-def parse_line(line: bytes) -> tuple[MetricRecords | None, int]:
-    """The record of one line (None: not a record, or a non-finite time) and how many ±inf
-    values were left out of it."""
-    try:
-        rec = record_from_json(json.loads(line))
-    except (ValueError, TypeError):  # JSONDecodeError, UnicodeDecodeError, a wrong shape
-        return None, 0
-    if not math.isfinite(rec.time):
-        return None, 0
-    values, dropped = finite_values(rec.values)
-    return (msgspec.structs.replace(rec, values=values) if dropped else rec), len(dropped)
-
-
 class FileTail:
-    """The records appended to one JSON-lines file since the last :meth:`read` (complete lines
-    only). ``offset``/``ino``: where an earlier reader of the same file stopped."""
+    """The records appended to one JSON-lines file since the last :meth:`read`, complete lines only
+    (a torn last line is kept until its newline arrives). A line that is not a record, or has a
+    non-finite time, is skipped and counted; a file that shrank or was replaced is read again from
+    its start. ``offset``/``ino``: where an earlier reader of the same file stopped."""
 
     def __init__(self, path: str, offset: int = 0, ino: int | None = None):
         self.path = path
         self.offset = offset
-        self.bad_lines = 0  # lines that were not a metrics record
-        self.values_dropped = 0  # ±inf values left out of records
-        self.resets = 0  # times the file shrank or was replaced and was read from its start
+        self.bad_lines = self.values_dropped = self.resets = 0  # values_dropped: ±inf left out
         self._partial = b""
         self._ino = ino
 
     def read(self) -> list[MetricRecords]:
         """Every complete new line, decoded; [] while the file does not exist."""
-        chunk = self._read_bytes()
+        try:
+            with open(self.path, "rb") as f:
+                st = os.fstat(f.fileno())
+                if (self._ino is not None and st.st_ino != self._ino) or st.st_size < self.offset:
+                    self.offset, self._partial = 0, b""
+                    self.resets += 1
+                self._ino = st.st_ino
+                f.seek(self.offset)
+                chunk = f.read(READ_CHUNK)
+        except FileNotFoundError:
+            return []
+        self.offset += len(chunk)
         if not chunk:
             return []
         lines = (self._partial + chunk).split(b"\n")
@@ -312,31 +235,19 @@ class FileTail:
             self.bad_lines += 1
         return [r for r in map(self._decode, lines) if r is not None]
 
-    def _read_bytes(self) -> bytes:
-        try:
-            with open(self.path, "rb") as f:
-                self._check_reset(os.fstat(f.fileno()))
-                f.seek(self.offset)
-                chunk = f.read(READ_CHUNK)
-        except FileNotFoundError:
-            return b""
-        self.offset += len(chunk)
-        return chunk
-
-    def _check_reset(self, st: os.stat_result) -> None:
-        replaced = self._ino is not None and st.st_ino != self._ino
-        if replaced or st.st_size < self.offset:
-            self.offset, self._partial = 0, b""
-            self.resets += 1
-        self._ino = st.st_ino
-
     def _decode(self, line: bytes) -> MetricRecords | None:
         if not line.strip():
             return None
-        rec, dropped = parse_line(line)
-        self.bad_lines += rec is None
-        self.values_dropped += dropped
-        return rec
+        try:
+            rec = record_from_json(json.loads(line))
+        except (ValueError, TypeError):  # JSONDecodeError, UnicodeDecodeError, a wrong shape
+            rec = None
+        if rec is None or not math.isfinite(rec.time):
+            self.bad_lines += 1
+            return None
+        values, dropped = finite_values(rec.values)
+        self.values_dropped += len(dropped)
+        return msgspec.structs.replace(rec, values=values) if dropped else rec
 
     def caught_up(self) -> bool:
         """True when the last read reached the end of the file (nothing backlogged)."""
@@ -350,66 +261,21 @@ class FileTail:
         return [self.offset - len(self._partial), self._ino]
 
 
-class _MergedLog:
-    """``metrics.jsonl`` and, in ``metrics.merged.json``, how far each role file went into it."""
-
-    def __init__(self, run_dir: str):
-        self._file = _Appender(os.path.join(run_dir, MERGED_FILE))
-        self._file.open()  # the readers expect the file from the start; an unwritable run dir fails here
-        self.state_path = os.path.join(run_dir, MERGED_STATE)
-        self.state = self._load()
-        self.state_errors = 0
-
-    @property
-    def errors(self) -> int:
-        return self._file.errors + self.state_errors
-
-    def _load(self) -> dict[str, list]:
-        """The saved state; {} without a valid one (every role file is then merged from its start)."""
-        try:
-            with open(self.state_path, "rb") as f:
-                state = json.loads(f.read())
-        except (OSError, ValueError):
-            return {}
-        ok = isinstance(state, dict) and all(isinstance(v, list) and len(v) == 2 and isinstance(v[0], int)
-                                             and isinstance(v[1], (int, type(None))) for v in state.values())
-        return state if ok else {}
-
-    def start(self, name: str) -> tuple[int, int | None]:
-        """Where to start reading the role file ``name``: after what was merged of it."""
-        offset, ino = self.state.get(name, (0, None))
-        return offset, ino
-
-    def append(self, records: list[MetricRecords], tails: dict[str, FileTail]) -> None:
-        if records:
-            self._file.append(b"".join(record_to_json(r) + b"\n" for r in records))
-        state = {name: t.done() for name, t in tails.items()}
-        if state != self.state:
-            self._save(state)
-
-    def _save(self, state: dict) -> None:
-        try:
-            atomic_write(self.state_path, json.dumps(state).encode(), durable=False, mode=0o600)
-        except OSError as e:
-            self.state_errors += 1
-            if self.state_errors == 1:
-                log.error("metrics: cannot write %s (%s); the run continues", self.state_path, e.strerror or e)
-            return
-        self.state = state
-
-    def close(self) -> None:
-        self._file.close()
-
-
 class MetricsFollower:
-    """Every role's file under ``run_dir/metrics/``: :meth:`read` returns what was appended to
-    any of them since the last read, in time order. Read-only unless ``merge`` (the launcher's:
-    module docstring); ``tensorboard``: a :class:`TensorBoardWriter` also fed (closed with it)."""
+    """Every role's file under ``run_dir/metrics/`` (files appear as roles start): :meth:`read`
+    returns what any of them gained since the last read, in time order. Read-only unless ``merge``
+    (the launcher's, which appends it and its own counters, as a ``monitor``/``follower`` record
+    when one changed, to metrics.jsonl); ``tensorboard``: a :class:`TensorBoardWriter` also fed."""
 
     def __init__(self, run_dir: str, merge: bool = False, tensorboard: TensorBoardWriter | None = None):
         self.dir = os.path.join(run_dir, METRICS_DIR)
         self._tails: dict[str, FileTail] = {}
-        self._merged = _MergedLog(run_dir) if merge else None
+        self._merged = _Appender(os.path.join(run_dir, MERGED_FILE)) if merge else None
+        if self._merged is not None:
+            self._merged.open()  # readers expect the file from the start; an unwritable run dir fails here
+        self._state_path = os.path.join(run_dir, MERGED_STATE)
+        self._state = self._load_state() if merge else {}  # role file name -> [bytes merged, inode]
+        self._state_errors = 0
         self._tb = tensorboard
         self.tensorboard_errors = 0
         self._reported = (0, 0, 0)
@@ -417,58 +283,69 @@ class MetricsFollower:
     bad_lines = property(lambda self: sum(t.bad_lines for t in self._tails.values()))
     values_dropped = property(lambda self: sum(t.values_dropped for t in self._tails.values()))
     resets = property(lambda self: sum(t.resets for t in self._tails.values()))
-    write_errors = property(lambda self: self._merged.errors if self._merged else 0)
+    write_errors = property(lambda self: self._merged.errors + self._state_errors if self._merged else 0)
+
+    def _load_state(self) -> dict[str, list]:
+        """The saved state; {} without a valid one (every role file is then merged from its start)."""
+        try:
+            with open(self._state_path, "rb") as f:
+                state = json.loads(f.read())
+        except (OSError, ValueError):
+            return {}
+        ok = isinstance(state, dict) and all(isinstance(v, list) and len(v) == 2 and isinstance(v[0], int)
+                                             and isinstance(v[1], (int, type(None))) for v in state.values())
+        return state if ok else {}
 
     def read(self) -> list[MetricRecords]:
-        """What every role file gained since the last read (the merging follower also appends it,
-        with its counters, to metrics.jsonl, and to TensorBoard). Never raises for a bad line or
-        a failed write: both are counted."""
-        out = [r for tail in self._scan() for r in tail.read()]
-        out.sort(key=lambda r: r.time)
-        if self._merged is not None:
-            out += self._counters()
-            self._merged.append(out, self._tails)
-        self._to_tensorboard(out)
-        return out
-
-    def _scan(self) -> list[FileTail]:
-        """The tails of every ``*.jsonl`` in the directory, a new one for each file that appeared."""
+        """Never raises for a bad line or a failed write: both are counted."""
         with contextlib.suppress(OSError):  # no directory (yet): no files
             for name in sorted(n for n in os.listdir(self.dir) if n.endswith(".jsonl")):
                 if name not in self._tails:
-                    start = self._merged.start(name) if self._merged is not None else (0, None)
+                    start = self._state.get(name, (0, None))
                     self._tails[name] = FileTail(os.path.join(self.dir, name), *start)
-        return list(self._tails.values())
+        out = sorted((r for tail in self._tails.values() for r in tail.read()), key=lambda r: r.time)
+        if self._merged is not None:
+            now = (self.bad_lines, self.values_dropped, self.write_errors)
+            if now != self._reported:
+                self._reported = now
+                values = dict(zip(("monitor/bad_lines", "monitor/values_dropped", "monitor/write_errors"),
+                                  map(float, now)))
+                out.append(MetricRecords(role="monitor", id="follower", step=-1, time=time.time(),
+                                         values=values))
+            if out:
+                self._merged.append(b"".join(record_to_json(r) + b"\n" for r in out))
+            self._save_state()
+        if self._tb is not None and out:
+            try:
+                self._tb.write(out)
+            except Exception as e:  # noqa: BLE001 -- an OSError, or tensorboardX's own: never fatal
+                self.tensorboard_errors += 1
+                if self.tensorboard_errors == 1:
+                    log.error("metrics: cannot write TensorBoard events under %s (%s); the run continues",
+                              self._tb.root, e)
+        return out
+
+    def _save_state(self) -> None:
+        state = {name: t.done() for name, t in self._tails.items()}
+        if state == self._state:
+            return
+        try:
+            atomic_write(self._state_path, json.dumps(state).encode(), durable=False, mode=0o600)
+        except OSError as e:
+            self._state_errors += 1
+            if self._state_errors == 1:
+                log.error("metrics: cannot write %s (%s); the run continues", self._state_path,
+                          e.strerror or e)
+            return
+        self._state = state
 
     def caught_up(self) -> bool:
         """True when the last read reached the end of every file."""
         return all(t.caught_up() for t in self._tails.values())
 
-    def _counters(self) -> list[MetricRecords]:
-        """A record of the follower's own counters, when one changed since the last."""
-        now = (self.bad_lines, self.values_dropped, self.write_errors)
-        if now == self._reported:
-            return []
-        self._reported = now
-        names = ("bad_lines", "values_dropped", "write_errors")
-        values = {f"monitor/{n}": float(v) for n, v in zip(names, now)}
-        return [MetricRecords(role="monitor", id="follower", step=-1, time=time.time(), values=values)]
-
-    def _to_tensorboard(self, records: list[MetricRecords]) -> None:
-        """As for metrics.jsonl: a failure is logged once, counted, and the run goes on."""
-        if self._tb is None or not records:
-            return
-        try:
-            self._tb.write(records)
-        except Exception as e:  # noqa: BLE001 -- an OSError, or tensorboardX's own
-            self.tensorboard_errors += 1
-            if self.tensorboard_errors == 1:
-                log.error("metrics: cannot write TensorBoard events under %s (%s); the run continues",
-                          self._tb.root, e)
-
     def close(self) -> None:
         if self._tb is not None:
-            with contextlib.suppress(Exception):  # as in _to_tensorboard: never fatal
+            with contextlib.suppress(Exception):  # as in read: never fatal
                 self._tb.close()
             self._tb = None
         if self._merged is not None:
@@ -492,29 +369,22 @@ def read_all(follower) -> list[MetricRecords]:
 def follower_for(cfg, run_dir: str) -> MetricsFollower:
     """The launcher's follower: merges into metrics.jsonl and, with ``metrics.tensorboard``,
     writes TensorBoard event files (ConfigError without the package, before any file is opened)."""
-    tb = TensorBoardWriter(run_dir) if cfg.metrics.tensorboard else None
-    try:
-        return MetricsFollower(run_dir, merge=True, tensorboard=tb)
-    except BaseException:
-        if tb is not None:
-            tb.close()
-        raise
+    tb = TensorBoardWriter(run_dir) if cfg.metrics.tensorboard else None  # opens no file yet
+    return MetricsFollower(run_dir, merge=True, tensorboard=tb)
 
 
 def merge_pending(run_dir: str) -> None:
-    """Merge into metrics.jsonl what the role files gained since the last merge (after the
-    launcher has stopped: the final eval)."""
+    """Merge what the role files gained since the last merge (after the launcher: the final eval)."""
     with MetricsFollower(run_dir, merge=True) as follower:
         read_all(follower)
 
 
-# ---- TensorBoard ------------------------------------------------------------------------------
-
-TENSORBOARD_DIR = "tensorboard"
-
-
 class TensorBoardWriter:
-    """Every finite scalar of every record as TensorBoard events (the module docstring says how)."""
+    """Every finite scalar as an event under ``tensorboard/<role>/<id>/`` (one TensorBoard run per
+    source, as in the JSONL), at the record's step and time; a launcher record (step -1) goes at
+    the latest learner step seen, the learner's step at that time. NaN and lists are not written:
+    a TensorBoard histogram is a distribution, not ``staleness/hist``'s counts by index.
+    tensorboardX imports torch when installed; the launcher has it loaded already."""
 
     def __init__(self, run_dir: str):
         try:
@@ -527,24 +397,20 @@ class TensorBoardWriter:
         self._make = SummaryWriter
         self.root = os.path.join(run_dir, TENSORBOARD_DIR)
         self._writers: dict[tuple[str, str], object] = {}
-        self.learner_step = 0  # where step -1 (launcher) records are placed
-
-    def _writer(self, role: str, id: str):
-        key = (role, id)
-        if key not in self._writers:
-            logdir = os.path.join(self.root, _path_part(role), _path_part(id))
-            self._writers[key] = self._make(logdir=logdir, flush_secs=5)
-        return self._writers[key]
+        self.learner_step = 0
 
     def write(self, records: list[MetricRecords]) -> None:
         for rec in records:
             if rec.role == "learner" and rec.step >= 0:
                 self.learner_step = rec.step
             step = rec.step if rec.step >= 0 else self.learner_step
-            w = self._writer(rec.role, rec.id)
+            key = (rec.role, rec.id)
+            if key not in self._writers:
+                logdir = os.path.join(self.root, _path_part(rec.role), _path_part(rec.id))
+                self._writers[key] = self._make(logdir=logdir, flush_secs=5)
             for k, v in rec.values.items():
                 if isinstance(v, float) and math.isfinite(v):
-                    w.add_scalar(k, v, global_step=step, walltime=rec.time)
+                    self._writers[key].add_scalar(k, v, global_step=step, walltime=rec.time)
 
     def close(self) -> None:
         for w in self._writers.values():

@@ -1,15 +1,10 @@
 """ZeroMQ helpers: the one place sockets are bound, connected and secured.
 
-Policy: bind 127.0.0.1 unless configured otherwise; binding any non-loopback address requires
-ZeroMQ CURVE server keys and is refused without them. A CURVE server admits only the client keys
-of its allow-list (``net.curve_client_public``, one key or a list), through a ZAP handler
-(:func:`serve_curve`): without one, libzmq lets any key pair that knows the server's public key
-complete the handshake. Clients present the server's public key and their own key pair.
-
-Above the transport, every role proves it belongs to the run with the per-run secret
-``run_dir/secret`` (:func:`create_run_secret`, :func:`run_secret`), sent in its ``Hello``: CURVE
-keeps other hosts out, the secret keeps other local processes (which can reach any loopback port)
-from speaking for a role.
+A non-loopback bind requires CURVE server keys, and a CURVE server admits only its allow-list
+through a ZAP handler (:func:`serve_curve`): without one, libzmq admits any key pair that knows the
+server's public key. Above the transport every role sends the per-run secret ``run_dir/secret`` in
+its ``Hello``: CURVE keeps other hosts out, the secret other local processes (any can reach a
+loopback port).
 """
 
 from __future__ import annotations
@@ -41,15 +36,13 @@ class Curve:
 
 
 def make_curve_keys() -> tuple[str, str]:
-    """A fresh (public, secret) z85 key pair."""
     pub, sec = zmq.curve_keypair()
     return pub.decode(), sec.decode()
 
 
 def curve_from_config(net) -> Curve | None:
-    """The CURVE keys of ``net`` (a config's NetSection), None without server keys. A client's
-    public key is derived from its secret key (``net.curve_client_public`` is the server's
-    allow-list, which may hold several keys)."""
+    """The CURVE keys of a config's NetSection, None without server keys (a client's public key is
+    derived from its secret: ``net.curve_client_public`` is the servers' allow-list)."""
     if not net.curve_server_public:
         return None
     secret = net.curve_client_secret.encode()
@@ -62,15 +55,14 @@ def curve_from_config(net) -> Curve | None:
 
 
 def client_keys(net) -> list[str]:
-    """The allow-list of client public keys (z85) of ``net``."""
     keys = net.curve_client_public
     return ([keys] if keys else []) if isinstance(keys, str) else list(keys)
 
 
 def serve_curve(ctx: zmq.Context, net):
-    """``(curve, authenticator)`` for the server sockets of ``ctx``: the CURVE keys to bind with and
-    a running ZAP handler that admits only :func:`client_keys` (stop it when the sockets close);
-    ``(None, None)`` without CURVE keys. Refuses CURVE without an allow-list."""
+    """``(curve, authenticator)`` for the server sockets of ``ctx``: the keys to bind with and a
+    running ZAP handler admitting only :func:`client_keys` (stop it when the sockets close);
+    ``(None, None)`` without CURVE keys."""
     curve = curve_from_config(net)
     if curve is None:
         return None, None
@@ -78,21 +70,20 @@ def serve_curve(ctx: zmq.Context, net):
     if not allowed:
         raise InsecureBindError("CURVE without a client allow-list (net.curve_client_public) would "
                                 "admit any key pair")
-    from zmq.auth.thread import ThreadAuthenticator
+    from types import SimpleNamespace
 
-    class _Allow:
-        def callback(self, domain, key):
-            return key in allowed
+    from zmq.auth.thread import ThreadAuthenticator
 
     auth = ThreadAuthenticator(ctx)
     auth.start()
-    auth.configure_curve_callback("*", credentials_provider=_Allow())
+    allow = SimpleNamespace(callback=lambda _domain, key: key in allowed)
+    auth.configure_curve_callback("*", credentials_provider=allow)
     return curve, auth
 
 
 def check_host(host: str) -> None:
-    """ValueError unless ``host`` is ``localhost`` or an IPv4 address (what ZeroMQ's ``tcp://``
-    endpoints here are built from): ``127.evil`` fails here, not as a traceback at bind."""
+    """ValueError unless ``host`` is ``localhost`` or an IPv4 address (``127.evil`` fails here,
+    not at bind)."""
     if host == "localhost":
         return
     try:
@@ -111,7 +102,6 @@ def is_loopback(host: str) -> bool:
 
 
 def check_curve_key(key: str) -> None:
-    """ValueError unless ``key`` is a z85-encoded 32-byte CURVE key."""
     try:
         ok = len(key) == 40 and len(z85.decode(key)) == 32
     except (ValueError, KeyError, TypeError):
@@ -120,13 +110,9 @@ def check_curve_key(key: str) -> None:
         raise ValueError("not a z85 CURVE key of 40 characters (make one with core.net.make_curve_keys())")
 
 
-# ---- the per-run secret ----------------------------------------------------------------------
-
-
 def create_run_secret(run_dir: str) -> str:
-    """The run's secret: ``run_dir/secret`` if it exists (a resumed run keeps its secret), else a
-    new one -- 32 random bytes as hex, created exclusively with mode 0600 so that no other process
-    can have created or read it first."""
+    """``run_dir/secret`` if it exists (a resumed run keeps it), else a new one, created
+    exclusively with mode 0600 so that no other process can have created or read it first."""
     path = os.path.join(run_dir, SECRET_FILE)
     try:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600)
@@ -141,8 +127,8 @@ def create_run_secret(run_dir: str) -> str:
 
 
 def run_secret(run_dir: str) -> str:
-    """Read ``run_dir/secret``; RuntimeError if it is missing, not a regular file owned by this
-    user, readable or writable by group or others, or not a secret this module wrote."""
+    """``run_dir/secret``; RuntimeError unless it is a regular 0600 file of this user holding a
+    secret this module wrote."""
     path = os.path.join(run_dir, SECRET_FILE)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
@@ -152,24 +138,20 @@ def run_secret(run_dir: str) -> str:
         raise RuntimeError(f"cannot open the run secret {path}: {e.strerror}") from None
     try:
         st = os.fstat(fd)
-        _check_secret_file(path, st)
+        if not stat.S_ISREG(st.st_mode):
+            raise RuntimeError(f"the run secret {path} is not a regular file")
+        if st.st_uid != os.geteuid():
+            raise RuntimeError(f"the run secret {path} belongs to uid {st.st_uid}, not to this user "
+                               f"({os.geteuid()}): refusing it")
+        if st.st_mode & 0o077:
+            raise RuntimeError(f"the run secret {path} has mode {stat.S_IMODE(st.st_mode):04o}: "
+                               "group/other may read or change it; it must be 0600")
         token = os.read(fd, SECRET_HEX_CHARS + 1).decode("ascii", "replace")
     finally:
         os.close(fd)
     if len(token) != SECRET_HEX_CHARS or any(ch not in "0123456789abcdef" for ch in token):
         raise RuntimeError(f"the run secret {path} is damaged (want {SECRET_HEX_CHARS} hex characters)")
     return token
-
-
-def _check_secret_file(path: str, st: os.stat_result) -> None:
-    if not stat.S_ISREG(st.st_mode):
-        raise RuntimeError(f"the run secret {path} is not a regular file")
-    if st.st_uid != os.geteuid():
-        raise RuntimeError(f"the run secret {path} belongs to uid {st.st_uid}, not to this user "
-                           f"({os.geteuid()}): refusing it")
-    if st.st_mode & 0o077:
-        raise RuntimeError(f"the run secret {path} has mode {stat.S_IMODE(st.st_mode):04o}: group/other "
-                           "may read or change it; it must be 0600")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -179,8 +161,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def bind(sock: zmq.Socket, host: str, port: int = 0, curve: Curve | None = None) -> int:
-    """Bind ``sock`` on ``host:port`` (0 = any free port; ``*``: every interface); returns the
-    bound port."""
+    """Bind ``sock`` on ``host:port`` (0 = any free port; ``*``: every interface); the bound port."""
     if host != "*":
         check_host(host)
     if curve is not None:
@@ -214,8 +195,7 @@ def connect(sock: zmq.Socket, host: str, port: int, curve: Curve | None = None) 
 def socket(ctx: zmq.Context, kind: int, *, linger_ms: int = 0, max_msg: int = -1, hwm: int = 0):
     s = ctx.socket(kind)
     s.linger = linger_ms
-    if max_msg > 0:
-        # frames over this size close the peer's connection instead of being allocated
+    if max_msg > 0:  # a larger frame closes the peer's connection instead of being allocated
         s.setsockopt(zmq.MAXMSGSIZE, max_msg)
     if hwm:
         s.sndhwm = hwm

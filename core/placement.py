@@ -1,21 +1,10 @@
 """Device placement: which device each role computes on, from ``learner.device`` and ``actor.device``.
 
-Values are ``"auto"``, ``"cpu"``, ``"cuda"`` (= ``"cuda:0"``, torch's meaning) or ``"cuda:N"``;
-``actor.device`` may also be a list with one entry per actor. :func:`place` is pure (the GPU
-count is an argument) and resolves ``auto`` so that a host needs no configuration:
-
-- no GPU: every role on ``cpu`` (today's CPU run, unchanged);
-- one GPU: every role on ``cuda:0`` -- the roles share it (weights can then move device-side,
-  ``weightsync.transport=cuda_ipc``);
-- N >= 2 GPUs: the learner on ``cuda:0``, actor i on ``cuda:1 + i % (N - 1)``: the learner's
-  optimiser state never competes with an engine's KV cache for memory.
-
-:func:`check` is the validation every entry point runs before it allocates anything (``run.py``
-before it starts the roles, each role again at its own start, so a role started by hand fails
-the same way): a malformed value, a CUDA device on a machine without CUDA, an index past the
-device count, a list of the wrong length, an unknown weight transport, or one the placement
-cannot serve (NCCL needs every rank on its own CUDA device; CUDA IPC needs every role on one
-device) is a :class:`core.config.ConfigError` naming the field and its value.
+``auto`` needs no configuration: no GPU, all on ``cpu``; one GPU, all share ``cuda:0``; N >= 2,
+the learner on ``cuda:0`` and actor i on ``cuda:1 + i % (N - 1)`` (the learner's optimiser state
+never competes with an engine's KV cache). :func:`check` runs before anything allocates (at
+launch, and in each role again, so a role started by hand fails alike): any value or weight
+transport the machine or placement cannot serve is a ConfigError naming the field.
 """
 
 from __future__ import annotations
@@ -42,10 +31,6 @@ def _no_cuda_reason() -> str:
     return f"torch {torch.__version__} built for CUDA {torch.version.cuda}, but no device is visible"
 
 
-def _auto_learner(n_gpus: int) -> str:
-    return "cuda:0" if n_gpus else "cpu"
-
-
 def _auto_actor(index: int, n_gpus: int) -> str:
     if n_gpus == 0:
         return "cpu"
@@ -69,26 +54,21 @@ def resolve(field: str, value, n_gpus: int, auto: str) -> str:
     return f"cuda:{index}"
 
 
-def actor_entry(actor_cfg, index: int):
-    """Actor ``index``'s raw ``actor.device`` value (its list entry when it is a list)."""
-    value = actor_cfg.device
-    if not isinstance(value, (list, tuple)):
-        return value
-    if len(value) != actor_cfg.num_actors:
-        raise ConfigError(f"`$.actor.device` lists {len(value)} devices for actor.num_actors = "
-                          f"{actor_cfg.num_actors}: give one per actor, or one string for all")
-    return value[index]
-
-
 def resolve_actor(actor_cfg, index: int, n_gpus: int) -> str:
     """Actor ``index``'s device as ``cpu`` or ``cuda:N``."""
+    value = actor_cfg.device
+    if isinstance(value, (list, tuple)):
+        if len(value) != actor_cfg.num_actors:
+            raise ConfigError(f"`$.actor.device` lists {len(value)} devices for actor.num_actors = "
+                              f"{actor_cfg.num_actors}: give one per actor, or one string for all")
+        value = value[index]
     field = "actor.device" if isinstance(actor_cfg.device, str) else f"actor.device[{index}]"
-    return resolve(field, actor_entry(actor_cfg, index), n_gpus, _auto_actor(index, n_gpus))
+    return resolve(field, value, n_gpus, _auto_actor(index, n_gpus))
 
 
 def place(cfg, n_gpus: int) -> tuple[str, list[str]]:
     """``(learner device, [device of actor i])`` on a host with ``n_gpus`` CUDA devices."""
-    learner = resolve("learner.device", cfg.learner.device, n_gpus, _auto_learner(n_gpus))
+    learner = resolve("learner.device", cfg.learner.device, n_gpus, "cuda:0" if n_gpus else "cpu")
     return learner, [resolve_actor(cfg.actor, i, n_gpus) for i in range(cfg.actor.num_actors)]
 
 
@@ -120,14 +100,12 @@ def check(cfg, n_gpus: int | None = None) -> tuple[str, list[str]]:
 
 
 def learner_device(cfg):
-    """The learner's ``torch.device`` (validated as :func:`check` does)."""
     import torch
 
     return torch.device(check(cfg)[0])
 
 
 def actor_device(cfg, index: int):
-    """Actor ``index``'s ``torch.device`` (validated as :func:`check` does)."""
     import torch
 
     if not 0 <= index < cfg.actor.num_actors:

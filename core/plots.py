@@ -1,20 +1,10 @@
-"""``python run.py plot [RUN_DIR]``: PNG figures of a run, from its ``metrics.jsonl`` (of a
-pipeline directory, one figure across its stages: :func:`pipeline_figure`).
-
-Read with the follower of ``run.py monitor`` (core/attach.py), so a running job can be plotted
-too and a torn or garbage line is skipped, never fatal. The x axis is the learner step: every
-role stamps its records with it (the learner its step, actors and the buffer the policy version
-they hold, which is the learner step that published it). The launcher's records carry step -1;
-they are placed at the learner step whose record is nearest in wall-clock time -- restarts
-(``run/restarts/<role>``, drawn as a vertical line on every step axis) and the final eval.
-
-A metric nobody logged leaves its panel with the words "not logged" and the names it looked
-for, so a partial run (no eval, no actors) still gets every figure. Staleness: the learner logs
-``staleness/hist``, the cumulative count of trained samples by staleness, so the histogram is
-its last value; ``staleness/mean`` and ``/max`` are drawn over steps beside it.
-
-matplotlib (extra ``plot``) is imported by :func:`write_plots` only, with the Agg backend: no
-display needed. The last stdout line of ``main`` is ``{"plots": [paths]}``.
+"""``python run.py plot [RUN_DIR]``: PNG figures of a run from its ``metrics.jsonl`` (a pipeline
+directory: one figure across its RL stages). The x axis is the learner step (actors and the buffer
+stamp the policy version they hold: the learner step that published it); the launcher's step -1
+records (restarts, drawn as vertical lines) go at the learner step nearest in wall-clock time. A
+metric nobody logged leaves its panel saying "not logged", so a partial run gets every figure.
+matplotlib (extra ``plot``) is imported only to draw, with the Agg backend. The last stdout line of
+``main`` is ``{"plots": [paths]}``.
 """
 
 from __future__ import annotations
@@ -27,57 +17,48 @@ import sys
 from collections import defaultdict
 
 from core.attach import AttachError, metrics_path
-from core.metrics import FileTail, read_all
+from core.metrics import MERGED_FILE, FileTail, read_all
+from core.monitor import BY_STALENESS, RESTARTS
 
 PLOTS_DIR = "plots"
-RESTARTS = "run/restarts/"
-BY_STALENESS = "ratio/p99_by_staleness/"
-# (file, title, [(panel title, [(metric, label), ...], log y), ...]): the figures of plain lines
+# (file, figure title, panel title, [(metric, label), ...], log y): the figures of plain lines
 LINE_FIGURES = (
-    ("reward", "reward", [("held-out and train reward", [("eval/reward", "held-out (eval/reward)"),
-                                                         ("reward/mean", "train (reward/mean)")], False)]),
-    ("length", "response length", [("response length (tokens)", [("length/mean", "mean"), ("length/p90", "p90"),
-                                                                 ("length/p99", "p99"), ("length/max", "max")],
-                                    False)]),
-    ("ratio", "ratio π_learner/π_behaviour", [("ratio quantiles", [("ratio/p50", "p50"), ("ratio/p99", "p99"),
-                                                                   ("ratio/p999", "p99.9"), ("ratio/max", "max")],
-                                               True)]),
-    ("learner_idle", "learner idle", [("learner idle fraction", [("learner/idle_frac", "idle_frac")], False)]),
+    ("reward", "reward", "held-out and train reward",
+     [("eval/reward", "held-out (eval/reward)"), ("reward/mean", "train (reward/mean)")], False),
+    ("length", "response length", "response length (tokens)",
+     [("length/mean", "mean"), ("length/p90", "p90"), ("length/p99", "p99"), ("length/max", "max")], False),
+    ("ratio", "ratio π_learner/π_behaviour", "ratio quantiles",
+     [("ratio/p50", "p50"), ("ratio/p99", "p99"), ("ratio/p999", "p99.9"), ("ratio/max", "max")], True),
+    ("learner_idle", "learner idle", "learner idle fraction", [("learner/idle_frac", "idle_frac")], False),
 )
 
 Points = list[tuple[float, float]]
 
 
-# ---- reading ---------------------------------------------------------------------------------
-
-
 def load(run_dir: str) -> list:
-    """Every record of the run's metrics.jsonl, in file order."""
+    """Every record of the run's metrics.jsonl, in file order (a torn or garbage line skipped)."""
     return read_all(FileTail(metrics_path(run_dir)))
 
 
-class Timeline:
-    """Learner step by wall-clock time, from the learner's own records."""
+def timeline(records: list):
+    """``step_at(t)``: the step of the learner record nearest to wall-clock time ``t`` (None
+    without learner records)."""
+    pairs = sorted((r.time, r.step) for r in records if r.role == "learner" and r.step >= 0)
+    times = [t for t, _ in pairs]
 
-    def __init__(self, records: list):
-        pairs = sorted((r.time, r.step) for r in records if r.role == "learner" and r.step >= 0)
-        self.times = [t for t, _ in pairs]
-        self.steps = [s for _, s in pairs]
+    def step_at(t: float) -> float | None:
+        i = bisect.bisect_left(times, t)
+        near = [j for j in (i - 1, i) if 0 <= j < len(times)]
+        return float(pairs[min(near, key=lambda j: abs(times[j] - t))][1]) if near else None
 
-    def step_at(self, t: float) -> float | None:
-        """The step of the learner record nearest to ``t``; None without learner records."""
-        if not self.times:
-            return None
-        i = bisect.bisect_left(self.times, t)
-        near = [j for j in (i - 1, i) if 0 <= j < len(self.times)]
-        return float(self.steps[min(near, key=lambda j: abs(self.times[j] - t))])
+    return step_at
 
 
 def index(records: list) -> dict[str, dict[str, Points]]:
     """``{metric: {source: [(step, value), ...]}}`` of every finite scalar; source is role/id."""
-    timeline, out = Timeline(records), defaultdict(lambda: defaultdict(list))
+    step_at, out = timeline(records), defaultdict(lambda: defaultdict(list))
     for rec in records:
-        x = float(rec.step) if rec.step >= 0 else timeline.step_at(rec.time)
+        x = float(rec.step) if rec.step >= 0 else step_at(rec.time)
         if x is None:
             continue
         for k, v in rec.values.items():
@@ -86,23 +67,14 @@ def index(records: list) -> dict[str, dict[str, Points]]:
     return out
 
 
-def last_list(records: list, key: str) -> list[float] | None:
-    """The last list value of ``key`` (``staleness/hist``)."""
-    for rec in reversed(records):
-        v = rec.values.get(key)
-        if isinstance(v, list):
-            return v
-    return None
-
-
 def restart_steps(records: list) -> list[tuple[float, str]]:
     """(step, role) of every restart: a ``run/restarts/<role>`` counter that went up."""
-    timeline, seen, out = Timeline(records), {}, []
+    step_at, seen, out = timeline(records), {}, []
     for rec in records:
         for k, v in rec.values.items():
             if k.startswith(RESTARTS) and isinstance(v, float) and v > seen.get(k, 0.0):
                 seen[k] = v
-                x = timeline.step_at(rec.time)
+                x = step_at(rec.time)
                 if x is not None:
                     out.append((x, k[len(RESTARTS):]))
     return out
@@ -117,11 +89,8 @@ def per_step(pts: Points) -> Points:
 
 
 def merged(idx: dict, key: str) -> Points:
-    """All sources of ``key`` in one series (one source is the usual case), per step."""
+    """All sources of ``key`` in one series, per step."""
     return per_step([p for pts in idx.get(key, {}).values() for p in pts])
-
-
-# ---- drawing ---------------------------------------------------------------------------------
 
 
 def not_logged(ax, keys) -> None:
@@ -139,12 +108,14 @@ def mark_restarts(ax, restarts) -> None:
                     rotation=90, va="top", ha="right")
 
 
-def draw_lines(ax, series: list[tuple[str, Points]], restarts, log_y: bool = False) -> bool:
-    """One line per non-empty series; False (and nothing drawn) when all are empty."""
+def draw_lines(ax, series: list[tuple[str, Points]], restarts, absent, log_y: bool = False) -> bool:
+    """One line per non-empty series; False (and ``absent``, the names looked for, shown as "not
+    logged") when all are empty."""
     drawn = [(label, pts) for label, pts in series if pts]
     for label, pts in drawn:
         ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label, marker="." if len(pts) < 30 else None)
     if not drawn:
+        not_logged(ax, absent)
         return False
     ys = [p[1] for _, pts in drawn for p in pts]
     if log_y and min(ys) > 0 and max(ys) > 10 * min(ys):  # a max far off the quantiles
@@ -158,46 +129,11 @@ def draw_lines(ax, series: list[tuple[str, Points]], restarts, log_y: bool = Fal
 
 def line_panel(ax, idx: dict, title: str, keys, restarts, log_y: bool = False) -> None:
     ax.set_title(title)
-    missing = [k for k, _ in keys if not merged(idx, k)]
-    if not draw_lines(ax, [(label, merged(idx, k)) for k, label in keys], restarts, log_y):
-        not_logged(ax, [k for k, _ in keys])
-    elif missing:
-        ax.text(0.01, 0.01, "not logged: " + ", ".join(missing), transform=ax.transAxes, fontsize=7, color="gray")
-
-
-def by_staleness_panel(ax, idx: dict, restarts) -> None:
-    ax.set_title("ratio p99 by staleness")
-    lags = sorted((int(k[len(BY_STALENESS):]), k) for k in idx
-                  if k.startswith(BY_STALENESS) and k[len(BY_STALENESS):].isdigit())
-    series = [(f"staleness {lag}", merged(idx, k)) for lag, k in lags]
-    if not draw_lines(ax, series, restarts):
-        not_logged(ax, [BY_STALENESS + "<lag>"])
-
-
-def staleness_hist_panel(ax, hist: list[float] | None) -> None:
-    ax.set_title("staleness of trained samples (cumulative)")
-    counts = [c if math.isfinite(c) else 0.0 for c in hist or []]
-    if not any(counts):
-        return not_logged(ax, ["staleness/hist"])
-    ax.bar(range(len(counts)), counts, color="tab:blue")
-    ax.set_xlabel("staleness (policy versions)")
-    ax.set_ylabel("samples")
-    ax.set_xticks(range(len(counts)))
-
-
-def throughput_panels(tokens_ax, samples_ax, idx: dict, restarts) -> None:
-    """Tokens/s of every actor and of the learner; samples/s of the learner."""
-    tokens_ax.set_title("tokens/s")
-    actors = sorted(idx.get("actor/tokens_per_s", {}).items())
-    series = [(f"{src.split('/', 1)[1]} (actor/tokens_per_s)", per_step(pts)) for src, pts in actors]
-    series.append(("learner (learner/tokens_per_s)", merged(idx, "learner/tokens_per_s")))
-    if not draw_lines(tokens_ax, series, restarts):
-        not_logged(tokens_ax, ["actor/tokens_per_s", "learner/tokens_per_s"])
-    line_panel(samples_ax, idx, "samples/s", [("learner/samples_per_s", "learner (learner/samples_per_s)")],
-               restarts)
-
-
-# ---- the figures ---------------------------------------------------------------------------
+    series = [(label, merged(idx, k)) for k, label in keys]
+    missing = [k for (k, _), (_, pts) in zip(keys, series) if not pts]
+    if draw_lines(ax, series, restarts, [k for k, _ in keys], log_y) and missing:
+        ax.text(0.01, 0.01, "not logged: " + ", ".join(missing), transform=ax.transAxes, fontsize=7,
+                color="gray")
 
 
 def figures(records: list):
@@ -205,21 +141,41 @@ def figures(records: list):
     import matplotlib.pyplot as plt
 
     idx, restarts = index(records), restart_steps(records)
-    for name, title, panels in LINE_FIGURES:
-        fig, axes = plt.subplots(1, len(panels), figsize=(8, 4.5), squeeze=False)
-        for ax, (ptitle, keys, log_y) in zip(axes[0], panels):
-            line_panel(ax, idx, ptitle, keys, restarts, log_y)
+    for name, title, ptitle, keys, log_y in LINE_FIGURES:
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        line_panel(ax, idx, ptitle, keys, restarts, log_y)
         fig.suptitle(title)
         yield name, fig
+
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.5))
-    staleness_hist_panel(a, last_list(records, "staleness/hist"))
-    line_panel(b, idx, "staleness over steps", [("staleness/mean", "mean"), ("staleness/max", "max")], restarts)
+    a.set_title("staleness of trained samples (cumulative)")  # the learner's last staleness/hist
+    hist = next((r.values["staleness/hist"] for r in reversed(records)
+                 if isinstance(r.values.get("staleness/hist"), list)), [])
+    counts = [c if math.isfinite(c) else 0.0 for c in hist]
+    if any(counts):
+        a.bar(range(len(counts)), counts, color="tab:blue")
+        a.set(xlabel="staleness (policy versions)", ylabel="samples", xticks=range(len(counts)))
+    else:
+        not_logged(a, ["staleness/hist"])
+    line_panel(b, idx, "staleness over steps", [("staleness/mean", "mean"), ("staleness/max", "max")],
+               restarts)
     yield "staleness", fig
+
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    by_staleness_panel(ax, idx, restarts)
+    ax.set_title("ratio p99 by staleness")
+    lags = sorted((int(k[len(BY_STALENESS):]), k) for k in idx
+                  if k.startswith(BY_STALENESS) and k[len(BY_STALENESS):].isdigit())
+    series = [(f"staleness {lag}", merged(idx, k)) for lag, k in lags]
+    draw_lines(ax, series, restarts, [BY_STALENESS + "<lag>"])
     yield "ratio_by_staleness", fig
+
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.5))
-    throughput_panels(a, b, idx, restarts)
+    a.set_title("tokens/s")  # of every actor and of the learner
+    actors = sorted(idx.get("actor/tokens_per_s", {}).items())
+    series = [(f"{src.split('/', 1)[1]} (actor/tokens_per_s)", per_step(pts)) for src, pts in actors]
+    series.append(("learner (learner/tokens_per_s)", merged(idx, "learner/tokens_per_s")))
+    draw_lines(a, series, restarts, ["actor/tokens_per_s", "learner/tokens_per_s"])
+    line_panel(b, idx, "samples/s", [("learner/samples_per_s", "learner (learner/samples_per_s)")], restarts)
     yield "throughput", fig
 
 
@@ -230,33 +186,25 @@ PIPELINE_PANELS = (("mean response length (tokens)", "length/mean"), ("ratio p99
                    ("held-out reward", "eval/reward"))
 
 
-def stage_series(pipeline_dir: str) -> list[tuple[str, float, dict[str, Points]]]:
-    """``(stage, first step on the shared axis, {metric: points})`` of each RL stage that has
-    metrics; a stage's steps are shifted to follow the stage before it."""
-    out, offset = [], 0.0
-    for stage in PIPELINE_RL:
-        if not os.path.exists(metrics_path(os.path.join(pipeline_dir, stage))):
-            continue
-        idx = index(load(os.path.join(pipeline_dir, stage)))
-        series = {key: [(x + offset, v) for x, v in merged(idx, key)] for _, key in PIPELINE_PANELS}
-        out.append((stage, offset, series))
-        steps = [x for pts in series.values() for x, _ in pts]
-        offset = max(steps, default=offset) + 1
-    return out
-
-
 def pipeline_figure(pipeline_dir: str):
-    """Length, ratio p99 and held-out reward across the stages; the distillation sits between
-    rl1 and rl2 (a dashed line: the policy is replaced there, not trained)."""
+    """Length, ratio p99 and held-out reward of each RL stage that has metrics, each stage's steps
+    after the one before; the distillation sits between rl1 and rl2 (a dashed line: the policy is
+    replaced there, not trained)."""
     import matplotlib.pyplot as plt
 
-    stages = stage_series(pipeline_dir)
+    stages, offset = [], 0.0  # (stage, first step on the shared axis, {metric: points})
+    for stage in PIPELINE_RL:
+        if os.path.exists(os.path.join(pipeline_dir, stage, MERGED_FILE)):
+            idx = index(load(os.path.join(pipeline_dir, stage)))
+            series = {key: [(x + offset, v) for x, v in merged(idx, key)] for _, key in PIPELINE_PANELS}
+            stages.append((stage, offset, series))
+            offset = max((x for pts in series.values() for x, _ in pts), default=offset) + 1
     fig, axes = plt.subplots(1, len(PIPELINE_PANELS), figsize=(15, 4.5), squeeze=False)
     for ax, (title, key) in zip(axes[0], PIPELINE_PANELS):
         for i, (stage, start, series) in enumerate(stages):
-            pts = series[key]
-            if pts:
-                ax.plot(*zip(*pts), color=f"C{i}", label=stage, marker="." if key == "eval/reward" else None)
+            if series[key]:
+                ax.plot(*zip(*series[key]), color=f"C{i}", label=stage,
+                        marker="." if key == "eval/reward" else None)
             if stage == "rl2":
                 ax.axvline(start, color="gray", linestyle="--", linewidth=0.8)
                 ax.annotate("distill", (start, 1), xycoords=("data", "axes fraction"), fontsize=8, va="top")
@@ -270,10 +218,6 @@ def pipeline_figure(pipeline_dir: str):
     return fig
 
 
-def is_pipeline(path: str) -> bool:
-    return os.path.exists(os.path.join(path, "pipeline.json"))
-
-
 def write_plots(run_dir: str, out_dir: str | None = None) -> list[str]:
     """Every figure as ``<out_dir>/<name>.png`` (default ``run_dir/plots``); the paths written.
     A pipeline directory gets its one figure across the stages, ``pipeline.png``."""
@@ -282,7 +226,7 @@ def write_plots(run_dir: str, out_dir: str | None = None) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    pipeline = is_pipeline(run_dir)
+    pipeline = os.path.exists(os.path.join(run_dir, "pipeline.json"))
     records = [] if pipeline else load(run_dir)
     out_dir = out_dir or os.path.join(run_dir, PLOTS_DIR)
     os.makedirs(out_dir, exist_ok=True)

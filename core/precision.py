@@ -1,11 +1,6 @@
 """What ``auto`` means for ``actor.dtype`` and ``learner.body_dtype``: BF16 where the device
-computes it natively, FP32 elsewhere.
-
-A CPU without AVX-512 BF16 or AMX emulates BF16 matmuls about 14x slower than FP32 (learner step
-1.29 s vs 0.19 s on an AVX2-only EPYC), so BF16 there buys a fifth of the steps for no accuracy.
-CUDA devices and CPUs with ``avx512_bf16`` or ``amx_bf16`` (Linux's /proc/cpuinfo flags, read
-once) get BF16, as an inference engine on a GPU runs. An explicit dtype always wins. The FP32
-islands (attention softmax, LM head) are separate switches and do not depend on this choice.
+computes it natively (CUDA; CPUs with ``avx512_bf16`` or ``amx_bf16``), FP32 elsewhere. A CPU
+without them emulates BF16 about 14x slower (learner step 1.29 s vs 0.19 s on an AVX2-only EPYC).
 """
 
 from __future__ import annotations
@@ -29,8 +24,7 @@ def cpu_flags() -> frozenset[str]:
 
 
 def choose(value: str, device: str, flags=None) -> tuple[str, str]:
-    """``(dtype, reason)`` for a configured ``value`` on ``device`` ("cpu", "cuda:N");
-    ``flags`` are the CPU's (default: this machine's)."""
+    """``(dtype, reason)`` for a configured ``value`` on ``device``; ``flags``: this CPU's by default."""
     if value != "auto":
         return value, "set explicitly"
     if device.startswith("cuda"):
@@ -47,9 +41,8 @@ def dtype_name(value: str, device) -> str:
 
 
 def resolve(cfg, learner_device: str, actor_devices: list[str]):
-    """``(cfg, note)``: ``cfg`` with ``auto`` replaced by what it means on these devices (actors on
-    devices that disagree keep ``auto``, which each engine resolves for its own), and one line
-    saying what was chosen and why, for the log and ``run.precision_note`` in config.json."""
+    """``(cfg, note)``: ``auto`` replaced by what it means on these devices (actors whose devices
+    disagree keep ``auto``, each engine resolves its own), and the choice with its reason."""
     import msgspec
 
     learner, why_l = choose(cfg.learner.body_dtype, learner_device)

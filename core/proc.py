@@ -16,21 +16,19 @@ PR_SET_PDEATHSIG = 1
 # a role that could not write what it must (a checkpoint on a full disk, ...): EX_TEMPFAIL of
 # sysexits.h, "try again later": the run is resumable once the cause is fixed. Not restarted.
 EXIT_WRITE_FAILED = 75
-EXIT_CORRUPT_LOG = 65  # EX_DATAERR: the buffer's segment log is damaged; see buffer.persist --salvage
+EXIT_CORRUPT_LOG = 65  # EX_DATAERR: the buffer's store is damaged; see buffer.durable --drop-damaged
 ORPHAN_POLL_S = 0.5
 ORPHAN_GRACE_S = 15.0  # after the launcher is gone: time to stop cleanly before a hard exit
 
 
 def die_with_parent(sig: int = signal.SIGTERM) -> None:
-    """Every role calls this first. Files it creates are private to the user (umask 077: a run
-    directory holds CURVE keys and model weights). It ends when the launcher dies, even by
-    SIGKILL: the kernel's parent-death signal (Linux), and as a fallback -- no prctl, or a wait
-    that ignores the stop flag -- a thread that sees the launcher gone, sends ``sig`` itself, and
-    ``os._exit``\\ s after :data:`ORPHAN_GRACE_S` if the process is still there."""
+    """Every role calls this first: umask 077 (a run directory holds CURVE keys and weights), and
+    it ends when the launcher dies, even by SIGKILL: the kernel's parent-death signal, and as a
+    fallback (no prctl, or a wait that ignores the stop flag) a thread that sends ``sig`` itself
+    and ``os._exit``\\ s after :data:`ORPHAN_GRACE_S`."""
     os.umask(0o077)
     if sys.platform.startswith("linux"):
-        # without glibc (e.g. musl) there is no prctl; the watchdog below still ends us
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError):  # without glibc (e.g. musl) no prctl: the watchdog remains
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
     launcher = os.environ.get("DRIFTRL_LAUNCHER_PID")
     if not launcher:
@@ -52,7 +50,7 @@ def _watch_launcher(launcher: int, sig: int) -> None:
 
 
 def stop_event() -> threading.Event:
-    """An Event set by SIGTERM/SIGINT, so loops end at a safe point instead of mid-step."""
+    """An Event set by SIGTERM/SIGINT, so loops end at a safe point."""
     ev = threading.Event()
 
     def _handler(signum, frame):
@@ -64,10 +62,6 @@ def stop_event() -> threading.Event:
 
 
 def setup_logging(role: str, level: int = logging.INFO) -> logging.Logger:
-    logging.basicConfig(
-        level=level,
-        format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-        force=True,
-    )
+    logging.basicConfig(level=level, format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr, force=True)
     return logging.getLogger(f"driftrl.{role}")

@@ -2,11 +2,8 @@
 
 Row ``i`` is ``prompt + completion`` right-padded to ``L``; column ``j`` of every ``[N, L-1]``
 tensor describes the token ``ids[i, j+1]`` predicted from position ``j``. Only completion tokens
-are marked in ``mask``: prompt tokens are context, not actions.
-
-:func:`collate` is also the learner's last check of the data (the buffer checks it on arrival):
-a group that fails :func:`core.messages.validate_group`, a token id outside the vocabulary, or
-groups of unequal size raise ValueError, and the learner skips the batch instead of dying on it.
+are marked in ``mask``. :func:`collate` is also the learner's last check of the data: a group the
+batch cannot be built from raises ValueError, and the learner skips the batch instead of dying.
 """
 
 from __future__ import annotations
@@ -29,8 +26,7 @@ class Batch:
     staleness: torch.Tensor  # [N] int64: learner version - oldest token version of the sample
     keys: list[tuple[str, int]]
     num_tokens: int  # completion tokens
-    # [N, L-1] int64: the policy version of each completion token (0 elsewhere); tail forensics
-    # (learner/tail.py) reports per-token staleness, since versions change inside a sample
+    # [N, L-1] int64: each completion token's policy version (0 elsewhere), for learner/tail.py
     versions: torch.Tensor | None = None
     group_ids: list[str] = field(default_factory=list)  # per group: its prompt's group_id
 
@@ -39,9 +35,8 @@ class Batch:
         return self.rewards.shape[1]
 
     def rows(self, start: int, stop: int) -> "Batch":
-        """Rows ``start:stop`` with the columns trimmed to their longest row (less padding to
-        compute on); ``rewards`` and ``keys`` stay the whole step's, since advantages are taken
-        over whole groups before the step is cut into micro-batches."""
+        """Rows ``start:stop``, columns trimmed to their longest row; ``rewards`` and ``keys``
+        stay the whole step's (advantages are taken over whole groups first)."""
         width = int(self.key_mask[start:stop].sum(dim=1).max())
         mask = self.mask[start:stop, : width - 1]
         return replace(self, ids=self.ids[start:stop, :width], key_mask=self.key_mask[start:stop, :width],
@@ -51,27 +46,24 @@ class Batch:
 
 
 # a micro-batch of length-sorted rows also ends where the next row is this much longer than its
-# first, once it holds BUCKET_MIN_TOKENS padded tokens: variable-length completions padded to the
-# longest row waste a third of a step's FLOPs (the default job: a learner step 28 % faster,
-# measured on the tiny model), while each extra pass costs a fixed few ms
+# first, once it holds BUCKET_MIN_TOKENS padded tokens: padding every row to the step's longest
+# wastes a third of its FLOPs (default job: learner step 28 % faster), an extra pass costs a few ms
 BUCKET_GROWTH = 1.25
 BUCKET_MIN_TOKENS = 256
 
 
 def by_length(batch: Batch) -> tuple[Batch, torch.Tensor]:
-    """``batch`` with its rows sorted by length (stable) and the order taken: ``sorted[i]`` is
-    ``batch[order[i]]``; ``rewards``, ``keys`` and ``group_ids`` (per group) are unchanged."""
+    """``batch`` with its rows stably sorted by length, and the order: ``sorted[i]`` is
+    ``batch[order[i]]``; the per-group fields are unchanged."""
     order = torch.argsort(batch.key_mask.sum(dim=1), stable=True)
     rows = {f: getattr(batch, f)[order] for f in ("ids", "key_mask", "mask", "behaviour_logp", "staleness")}
     return replace(batch, **rows, versions=None if batch.versions is None else batch.versions[order]), order
 
 
 def micro_batches(batch: Batch, max_tokens: int, min_tokens: int = BUCKET_MIN_TOKENS) -> list[tuple[int, int]]:
-    """Row ranges of consecutive micro-batches holding at most ``max_tokens`` padded tokens each
-    (rows x longest row; at least one row, so one very long sample is its own micro-batch), cut
-    also where a longer row starts a new length bucket (:data:`BUCKET_GROWTH`; rows sorted by
-    :func:`by_length`). ``max_tokens`` 0 = the whole batch at once. Gradient accumulation over
-    these ranges bounds the learner's activation memory by the micro-batch, not the step."""
+    """Row ranges of consecutive micro-batches of at most ``max_tokens`` padded tokens (at least
+    one row), cut also where a longer row starts a new length bucket (rows sorted by
+    :func:`by_length`). ``max_tokens`` 0 = the whole batch at once."""
     n = batch.ids.shape[0]
     if not max_tokens:
         return [(0, n)]
@@ -88,27 +80,21 @@ def micro_batches(batch: Batch, max_tokens: int, min_tokens: int = BUCKET_MIN_TO
     return ranges
 
 
-def check(groups: list[M.RolloutGroup], vocab_size: int = 0) -> None:
-    """Raise ValueError naming the first group a batch cannot be built from."""
+def collate(groups: list[M.RolloutGroup], learner_version: int, pad_id: int = 0, vocab_size: int = 0) -> Batch:
+    """Raises ValueError naming the first group a batch cannot be built from."""
     if not groups:
         raise ValueError("empty batch")
     G = len(groups[0].completions)
+    rows, starts, lps, vers, stale = [], [], [], [], []
     for g in groups:
         M.validate_group(g)
         if len(g.completions) != G:
             raise ValueError("all groups in a batch must have the same number of completions "
                              f"({g.key}: {len(g.completions)}, first group: {G})")
-        ids = np.concatenate([np.frombuffer(g.prompt_tokens, dtype=M.TOKEN_DTYPE),
-                              *[c.token_array() for c in g.completions]])
+        prompt = np.frombuffer(g.prompt_tokens, dtype=M.TOKEN_DTYPE)
+        ids = np.concatenate([prompt, *[c.token_array() for c in g.completions]])
         if ids.size and (ids.min() < 0 or (vocab_size and ids.max() >= vocab_size)):
             raise ValueError(f"{g.key}: token id outside the vocabulary [0, {vocab_size or '?'})")
-
-
-def collate(groups: list[M.RolloutGroup], learner_version: int, pad_id: int = 0, vocab_size: int = 0) -> Batch:
-    check(groups, vocab_size)
-    rows, starts, lps, vers, stale = [], [], [], [], []
-    for g in groups:
-        prompt = np.frombuffer(g.prompt_tokens, dtype=M.TOKEN_DTYPE)
         for c in g.completions:
             rows.append(np.concatenate([prompt, c.token_array()]))
             starts.append(len(prompt))

@@ -1,13 +1,10 @@
 """Start-up contract check: actor and learner must agree on what a log-prob is.
 
-Before the roles start (``run.py``), an engine built exactly as the actors build theirs samples a
-fixed batch and reports behaviour log-probs; a backend built exactly as the learner builds its own
-scores the same tokens with the same weights and its own precision policy. Engine, backend and
-task are passed in (any implementation of the seams), so this module imports none of them. With equal
-weights the ratio should be 1 up to numerics. If the mean absolute log-prob difference or the k3
-mismatch exceeds the configured bound, the run refuses to start and names the sampling settings
-that differ between the two sides (temperature, top-k, top-p, dtype) -- the usual culprit is a
-temperature applied on one side only, which skews every ratio of the run.
+An engine built as the actors build theirs samples a fixed batch; a backend built as the learner
+builds its own scores the same tokens with the same weights (both passed in, so this module
+imports no implementation). If the mean |Δlog p| or the k3 mismatch exceeds its bound the run
+refuses to start, naming the sampling settings that differ -- usually a temperature applied on
+one side only, which would skew every ratio of the run.
 """
 
 from __future__ import annotations
@@ -28,9 +25,8 @@ class ContractError(RuntimeError):
 
 def sample_fixed_batch(engine, task, n_prompts: int = 16, group_size: int = 4, seed: int = 4321,
                        max_new_tokens: int = 32):
-    """The fixed batch both sides score. Responses are capped at ``max_new_tokens``: the check
-    compares per-token numerics, which 2k tokens show as well as a run's full lengths would --
-    at 256-token responses on a 100M+ model the uncapped batch took minutes before any role started."""
+    """The fixed batch both sides score; responses capped at ``max_new_tokens``, since per-token
+    numerics show as well in 2k tokens (uncapped, a 100M+ model took minutes to start)."""
     rng = random.Random(seed)
     prompts = [task.sample(rng, "train") for _ in range(n_prompts)]
     samples = engine.generate([list(p.tokens) for p in prompts for _ in range(group_size)],
@@ -43,8 +39,7 @@ def sample_fixed_batch(engine, task, n_prompts: int = 16, group_size: int = 4, s
 
 
 def check(backend, engine, task, learner_sampling, max_abs: float, max_k3: float) -> dict:
-    """Score ``engine``'s fixed batch with ``backend`` under ``learner_sampling``; raise
-    ContractError if they disagree."""
+    """Score ``engine``'s fixed batch with ``backend``; ContractError if they disagree."""
     actor = engine.sampling()
     batch = sample_fixed_batch(engine, task)
     with torch.no_grad():

@@ -3,13 +3,9 @@
 Every loss, the start-up contract check and the metrics use :func:`token_logprobs`, so "the
 learner's log-prob" means one thing. The LM head matmul and the log-softmax run in float32 by
 default (``fp32=True``) whatever the body dtype: in bf16 a logit near 10 is only known to ~0.03,
-and that error lands directly in ``log ρ``. ``fp32=False`` keeps them in ``hidden.dtype`` so the
-widening of the ratio tail can be measured rather than assumed.
-
-Memory: ``[N, V]`` float32 logits for a long sequence and a large vocabulary do not fit, so rows
-are processed ``chunk`` at a time, each chunk under non-reentrant activation checkpointing: the
-forward keeps only the chunk's inputs and recomputes its logits in backward, so backward memory is
-bounded by one chunk too.
+and that error lands directly in ``log ρ``. ``fp32=False`` keeps ``hidden.dtype``, to measure it.
+Rows go ``chunk`` at a time under activation checkpointing, so neither forward nor backward ever
+holds more than ``chunk x V`` logits.
 """
 
 from __future__ import annotations
@@ -23,17 +19,8 @@ from torch.utils.checkpoint import checkpoint
 from model.sampling import truncation_mask
 
 
-def _chunk_logprobs(
-    h: Tensor,
-    w: Tensor,
-    targets: Tensor,
-    *,
-    dtype: torch.dtype,
-    temperature: float,
-    top_k: int,
-    top_p: float,
-    with_entropy: bool,
-):
+def _chunk_logprobs(h: Tensor, w: Tensor, targets: Tensor, *, dtype: torch.dtype, temperature: float,
+                    top_k: int, top_p: float, with_entropy: bool):
     logits = h.to(dtype) @ w.t()
     if temperature != 1.0:
         logits = logits / temperature
@@ -48,85 +35,43 @@ def _chunk_logprobs(
     out_dtype = torch.promote_types(dtype, torch.float32)  # bf16 mode still returns float32
     logp = (logits.gather(-1, targets[:, None]).squeeze(-1) - lse).to(out_dtype)
     if not with_entropy:
-        return logp
+        return logp, None
     probs = torch.exp(logits - lse[:, None])
     # masked logits are -inf with probability 0: count them as 0, not 0 * -inf = NaN
     finite_logits = logits.masked_fill(torch.isinf(logits), 0.0)
-    entropy = (lse - (probs * finite_logits).sum(dim=-1)).to(out_dtype)
-    return logp, entropy
+    return logp, (lse - (probs * finite_logits).sum(dim=-1)).to(out_dtype)
 
 
-def token_logprobs(
-    hidden: Tensor,
-    head_weight: Tensor,
-    targets: Tensor,
-    temperature: float = 1.0,
-    fp32: bool = True,
-    chunk: int = 1024,
-    with_entropy: bool = False,
-    top_k: int = 0,
-    top_p: float = 1.0,
-) -> tuple[Tensor, Tensor | None]:
-    """Log-prob of each target token under ``softmax(hidden @ head_weight.T / temperature)``.
+def token_logprobs(hidden: Tensor, head_weight: Tensor, targets: Tensor, temperature: float = 1.0,
+                   fp32: bool = True, chunk: int = 1024, with_entropy: bool = False, top_k: int = 0,
+                   top_p: float = 1.0) -> tuple[Tensor, Tensor | None]:
+    """Log-prob of each target token under ``softmax(hidden @ head_weight.T / temperature)``,
+    renormalised over the actor's top-k/top-p support when those are on (:func:`truncation_mask`).
 
-    hidden:      ``[N, H]`` or ``[B, T, H]`` final-normed hidden states, any dtype.
-    head_weight: ``[V, H]`` LM head (possibly tied to the embeddings).
-    targets:     ``[N]`` or ``[B, T]`` token ids; ``hidden[..., i, :]`` predicts ``targets[..., i]``.
-    temperature: divides the logits before the softmax, as the actor did when sampling.
-    fp32:        head matmul and log-softmax in float32 -- float64 if ``hidden`` is float64 --
-                 (True) or in ``hidden.dtype`` (False).
-    chunk:       rows per chunk; bounds forward *and* backward memory to ``chunk x V`` logits.
-    top_k/top_p: when enabled, renormalise over the same truncated support the actor sampled
-                 from (see :func:`truncation_mask`).
-
-    Returns ``(logp, entropy)``, float32 (float64 for float64 input) shaped like ``targets``;
-    ``entropy`` (of the temperature-scaled, truncated distribution) is None unless
-    ``with_entropy``. Differentiable
-    w.r.t. ``hidden`` and ``head_weight``.
+    ``hidden`` ``[..., H]`` final-normed states predict ``targets`` ``[...]``; ``head_weight`` is
+    ``[V, H]``. ``fp32``: head and log-softmax in at least float32 (float64 input stays float64),
+    else in ``hidden.dtype``. Returns ``(logp, entropy)`` shaped like ``targets``, float32 or
+    wider; ``entropy`` (of the scaled, truncated distribution) is None unless ``with_entropy``.
     """
     if hidden.shape[:-1] != targets.shape:
-        raise ValueError(
-            f"hidden {tuple(hidden.shape)} and targets {tuple(targets.shape)} disagree: "
-            "hidden must be targets.shape + (H,)"
-        )
+        raise ValueError(f"hidden {tuple(hidden.shape)} and targets {tuple(targets.shape)} disagree: "
+                         "hidden must be targets.shape + (H,)")
     if head_weight.dim() != 2 or head_weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(
-            f"head_weight must be [V, H={hidden.shape[-1]}], got {tuple(head_weight.shape)}"
-        )
+        raise ValueError(f"head_weight must be [V, H={hidden.shape[-1]}], got {tuple(head_weight.shape)}")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    if chunk < 1:
-        raise ValueError(f"chunk must be >= 1, got {chunk}")
-    if top_k < 0 or not 0.0 < top_p <= 1.0:
-        raise ValueError(f"need top_k >= 0 and 0 < top_p <= 1, got top_k={top_k} top_p={top_p}")
 
-    # "at least float32": a float64 caller (a reference, a test) is not silently narrowed
     dtype = torch.promote_types(hidden.dtype, torch.float32) if fp32 else hidden.dtype
     h = hidden.reshape(-1, hidden.shape[-1])
     t = targets.reshape(-1).long()
     w = head_weight.to(dtype)  # cast once, not per chunk ([V, H] is small next to [N, V])
-    fn = partial(
-        _chunk_logprobs,
-        dtype=dtype,
-        temperature=float(temperature),
-        top_k=int(top_k),
-        top_p=float(top_p),
-        with_entropy=with_entropy,
-    )
+    fn = partial(_chunk_logprobs, dtype=dtype, temperature=float(temperature), top_k=int(top_k),
+                 top_p=float(top_p), with_entropy=with_entropy)
     needs_graph = torch.is_grad_enabled() and (h.requires_grad or w.requires_grad)
-
-    logps, entropies = [], []
-    for start in range(0, h.shape[0], chunk):
-        args = (h[start : start + chunk], w, t[start : start + chunk])
-        out = checkpoint(fn, *args, use_reentrant=False) if needs_graph else fn(*args)
-        if with_entropy:
-            logps.append(out[0])
-            entropies.append(out[1])
-        else:
-            logps.append(out)
-
+    outs = [checkpoint(fn, *args, use_reentrant=False) if needs_graph else fn(*args)
+            for args in ((h[s : s + chunk], w, t[s : s + chunk]) for s in range(0, h.shape[0], chunk))]
     empty = torch.zeros(0, dtype=torch.promote_types(dtype, torch.float32), device=hidden.device)
-    logp = (torch.cat(logps) if logps else empty).reshape(targets.shape)
+    logp = torch.cat([o[0] for o in outs] or [empty]).reshape(targets.shape)
     if not with_entropy:
         return logp, None
-    return logp, (torch.cat(entropies) if entropies else empty).reshape(targets.shape)
+    return logp, torch.cat([o[1] for o in outs] or [empty]).reshape(targets.shape)

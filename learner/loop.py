@@ -1,57 +1,17 @@
 """Learner process: sample -> recompute log-probs -> Ring-Zero step -> publish -> mark consumed.
 
-Versions (ARCHITECTURE.md: Versions and staleness): version 0 is the initial weights, published before the first request; each
-optimiser step publishes ``version + 1``. The staleness bound is re-checked here as the last line
-of defence: a sample older than ``max_staleness`` is dropped and counted, never trained on.
-
-A batch never kills the learner: one that fails validation (``learner.batching.check``) or whose
-forward/backward/optimiser step raises (an out-of-vocabulary id, a NaN loss, ...) is dropped,
-logged with its reason and counted (``learner/skipped_batches``; ``learner/skipped_nonfinite``
-for NaN/inf), and its groups are marked consumed before anything records them as trained. Only
-``MAX_SKIPS_IN_A_ROW`` consecutive failures -- a broken learner, not a bad batch -- end it.
-
-Each step, in this order: optimiser step -> journal (the groups and the new version, fsynced;
-``learner/journal.py``) -> ``trained_keys.jsonl`` -> publish -> ``Consumed``. Checkpoints are
-written every ``run.ckpt_every`` steps, at least every ``run.ckpt_every_s`` seconds and at the end.
-
-Recovery. Run as ``python -m learner.loop --run-dir RUN_DIR``; a restarted learner (the launcher
-restarts a crashed one) and ``run.py resume`` both continue from the newest intact checkpoint:
-its weights, step, optimiser and RNG state; the groups trained since are trained again first
-(``learner.journal.recover``). Departure from "continue at the checkpoint's version": when
-versions newer than the checkpoint's were already published, the checkpoint's weights are
-published under a fresh version, one above the newest ever published. Weights must never appear
-to go back in time: the weight transports apply only newer versions (an actor holding version
-12 would ignore a re-published 10, keeping weights the learner no longer has), the actors'
-admission and the buffer's staleness bound count from the learner's version, and a version
-lower than the tokens' own would make staleness negative. When nothing newer was published
-(a clean resume) the checkpoint's own version is kept.
-
-Control (``learner/control.py``, the ``control`` config section). With
-``control.adaptive_staleness`` the controller's limit replaces ``buffer.max_staleness`` in the
-learner's own check and travels in every ``SampleRequest``, which the buffer's store and, through
-its acks, the actors' admission follow (the journal's recovery keeps the configured bound: it
-judges what a crashed run may train again). Guard-rails are checked after forward/backward and
-before the optimiser step (:meth:`LearnerLoop._guarded_step`); on a trip, ``control.guard_action``:
-
-- ``warn``: a log line and the counters, the step goes on;
-- ``skip_step``: the gradients are discarded, the groups marked consumed, nothing trained;
-- ``pause_actors``: the step goes on; the actors start no new group until ``control.pause_steps``
-  clean steps are made on what the buffer holds, or it has no full batch left to give;
-- ``rollback``: the batch is dropped, the newest checkpoint (or the initial weights) is reloaded
-  by the recovery above, published under a fresh version one above the newest ever published,
-  and every group carrying a token of a version after the checkpoint's up to the rollback is
-  dropped wherever it is -- trained again from the journal, held by the buffer, still being
-  generated -- and counted in ``learner/dropped_rolled_back``: nothing sampled by the rolled-back
-  weights is ever trained. The intervals are kept in ``run_dir/rollbacks.jsonl`` (fsynced before
-  anything else happens), so a learner restarted later still drops such groups.
-
-Every step reports ``control/max_staleness``, ``control/staleness_changes``, ``control/paused``,
-``control/guard/<name>``, ``control/action/<action>`` (counts) and, once one fired, the latest
-trip's ``control/last_value``, ``control/last_threshold`` and ``control/last_step``.
-
-Exit status: 0 when the budget is spent, ``core.proc.EXIT_WRITE_FAILED`` (75) when a checkpoint,
-the final model, the journal or the audit could not be written (disk full, ...): one log line
-names the path; the run is resumable from the newest intact checkpoint once space is freed.
+Why each rule (ARCHITECTURE.md: Versions and staleness, Recovery, Control):
+- a batch never kills the learner: one that fails validation or raises (NaN loss, bad id) is
+  dropped and counted; only ``MAX_SKIPS_IN_A_ROW`` failures in a row -- a broken learner -- end it;
+- each step: optimiser step -> ``trained_keys.jsonl`` (fsynced) -> publish -> ``Consumed(step)``;
+  the buffer keeps trained groups until a checkpoint covers them, so a restarted learner (from its
+  newest intact checkpoint) is served again what it trained since, and publishes one version above
+  the newest ever published: weights never appear to go back in time;
+- guard-rails run between backward and the optimiser step (``control.guard_action``); a rollback
+  reloads the newest checkpoint like a restart and never trains a group sampled by the discarded
+  weights (``run_dir/rollbacks.jsonl``, fsynced first).
+Exit ``core.proc.EXIT_WRITE_FAILED`` (75) when a checkpoint, the final model or the audit cannot be
+written; the run resumes from the newest intact checkpoint once space is freed.
 """
 
 from __future__ import annotations
@@ -75,7 +35,7 @@ from core import placement
 from core.metrics import MetricsWriter
 from core.proc import EXIT_WRITE_FAILED, die_with_parent, setup_logging, stop_event
 from core.stats import dense_histogram
-from learner import checkpoint, journal, tail
+from learner import audit, checkpoint, tail
 from learner.backends import NonFiniteError, make_backend
 from learner.batching import collate
 from learner.control import Control, Poisoned
@@ -92,14 +52,14 @@ class LearnerLoop:
         placement.check(cfg)  # as run.py checks it, so a learner started by hand fails the same way
         self.backend = make_backend(cfg, cfg.model.path)
         self.ckpt_root = os.path.join(run_dir, "checkpoints")
-        self.journal = journal.Journal(run_dir)
         self.counts = collections.Counter()  # dropped_stale, skipped_batches, ... (see _emit)
         self._recover()
         self.control = Control(cfg.control, cfg.buffer.max_staleness, start_step=self.step)
         self.poisoned = Poisoned(read_rollbacks(run_dir))
-        self._drop_poisoned_replay()
         self.publisher = make_publisher(cfg, run_dir, self.backend.named_tensors(), stop=stop)
-        self.client = client or LearnerClient(cfg, run_dir=run_dir, stop=stop)
+        # its Hello tells the buffer which weights this learner holds: what it trained since is served again
+        self.client = client or LearnerClient(cfg, run_dir=run_dir, stop=stop, step=self.step,
+                                              version=self._ckpt_version)
         self.metrics = metrics or MetricsWriter(run_dir, "learner", "learner0")
         self.tail = tail.writer_for(cfg, run_dir)  # run_dir/tail.jsonl; None when learner.tail_k = 0
         self.stale_hist: list[float] = []
@@ -109,26 +69,23 @@ class LearnerLoop:
     # ---- recovery ----------------------------------------------------------------------------
 
     def _recover(self) -> None:
-        """Newest intact checkpoint (or the initial weights) + the journal: see the docstring."""
-        self.step, ck_version, self.consumed_groups = 0, 0, 0
+        """Newest intact checkpoint (or the initial weights) + the audit: see the docstring."""
+        self.step, self._ckpt_version, self.consumed_groups = 0, 0, 0
         self._ckpt_step: int | None = None
+        self._covered = -1  # every step up to here is in a checkpoint a fallback can load
         path = checkpoint.latest(self.ckpt_root)
         if path:
             meta = checkpoint.load(path, self.backend)
-            self.step, ck_version = meta["step"], meta["version"]
+            self.step, self._ckpt_version = meta["step"], meta["version"]
             self.consumed_groups = meta.get("consumed_groups", 0)
             self._ckpt_step = self.step
-        rec = journal.recover(self.run_dir, self.step, ck_version, self.cfg.buffer.max_staleness)
-        self.version, self.replay, self.retired = rec.version, rec.replay, rec.retired
-        self._replay_keys = {g.key for g in rec.replay}
-        self._prev_ckpt_version = ck_version
+        rec = audit.recover(self.run_dir, self.step, self._ckpt_version)
+        self.version, self.retired = rec.version, rec.retired
         self._ckpt_at = time.time()
-        self.counts.update(dropped_rolled_back=rec.dropped_rolled_back, dropped_stale=rec.dropped_stale)
-        if path or rec.rolled_back_steps or rec.replay:
-            log.info("resumed from %s at step %d version %d (checkpoint version %d): %d steps rolled "
-                     "back, %d groups to train again, %d dropped as rolled back, %d as stale",
-                     path or "the initial weights", self.step, self.version, ck_version,
-                     rec.rolled_back_steps, len(rec.replay), rec.dropped_rolled_back, rec.dropped_stale)
+        if path or rec.rolled_back_steps:
+            log.info("resumed from %s at step %d version %d (checkpoint version %d): %d steps rolled back, "
+                     "their groups served again by the buffer", path or "the initial weights", self.step,
+                     self.version, self._ckpt_version, rec.rolled_back_steps)
 
     # ---- the loop ----------------------------------------------------------------------------
 
@@ -170,10 +127,9 @@ class LearnerLoop:
         log.info("learner finished at step %d version %d", self.step, self.version)
 
     def _fetch(self, t_start: float):
-        """The groups still to be trained again first, then the buffer's, until a full batch of
-        fresh-enough groups is there (or the budget ends)."""
+        """The buffer's groups until a full batch of fresh-enough ones is there (or the budget ends)."""
         want = self.cfg.learner.groups_per_step
-        groups = [g for g in self._take_replay(want) if self._fresh(g)]
+        groups = []
         while len(groups) < want and self.budget_left(t_start):
             heartbeat.beat(self.run_dir, "learner")  # waiting for data is not hung
             batch = self.client.sample(want - len(groups), self.version, timeout_s=0.5, **self._control_request())
@@ -181,16 +137,13 @@ class LearnerLoop:
                 self.control.resume()
                 log.info("actors resume: the buffer has no full batch left while they are paused")
             for g in batch.groups if batch is not None else ():
-                if g.key in self.retired:  # trained before a crash that lost its Consumed
-                    self.client.consumed([g.key], self.version)
+                if g.key in self.retired:  # in the checkpoint: trained before a crash that lost its Consumed
+                    self.client.consumed([g.key], self.version, self._ckpt_step or 0)
                 elif self._fresh(g):
                     groups.append(g)
                 else:
-                    self.client.consumed([g.key], self.version)
-        if len(groups) == want:
-            return groups
-        self.replay[:0] = [g for g in groups if g.key in self._replay_keys]  # kept for the next run
-        return None
+                    self._retire([g.key])
+        return groups if len(groups) == want else None
 
     def _control_request(self) -> dict:
         """What the next SampleRequest carries of the control state (only what departs from the
@@ -198,10 +151,8 @@ class LearnerLoop:
         out = {"max_staleness": self.control.max_staleness} if self.control.controller is not None else {}
         if self.control.paused:
             out["pause_actors"] = True
-        return out
-
-    def _take_replay(self, n: int) -> list[M.RolloutGroup]:
-        out, self.replay = self.replay[:n], self.replay[n:]
+        if self._covered >= 0:
+            out["covered_step"] = self._covered
         return out
 
     def _fresh(self, g: M.RolloutGroup) -> bool:
@@ -241,10 +192,10 @@ class LearnerLoop:
             return None, None
         self.version += 1
         self.step += 1
-        self.journal.append(self.step, self.version, [M.encode(g) for g in groups])
-        journal.audit(self.run_dir, self.step, self.version, batch.keys)
+        audit.append(self.run_dir, self.step, self.version, batch.keys)  # durable before it is published
         m.update(self.publish())
-        self._retire(batch.keys)
+        self.client.step, self.client.version = self.step, self.version
+        self.client.consumed(batch.keys, self.version, self.step)
         self.consumed_groups += len(batch.keys)
         return m, batch
 
@@ -288,22 +239,11 @@ class LearnerLoop:
         self.poisoned.add(after, upto)
         if path is None:  # no checkpoint yet: the initial weights, rebuilt as at the start
             self.backend = make_backend(self.cfg, self.cfg.model.path)
-        retired, replay_keys = self.retired, self._replay_keys
         self._recover()
-        self.retired, self._replay_keys = self.retired | retired, self._replay_keys | replay_keys
-        self._drop_poisoned_replay()
+        self.client.restart(self.step, self._ckpt_version)  # the buffer serves again what was trained since
         self.publish()
         log.warning("rolled back to %s: step %d, now version %d; groups with tokens of versions %d..%d "
                     "are dropped", path or "the initial weights", self.step, self.version, after + 1, upto)
-
-    def _drop_poisoned_replay(self) -> None:
-        """The journal's groups to train again, less those a rollback condemned (rewritten, so a
-        crash right after cannot bring them back)."""
-        keep = [g for g in self.replay if not self._poisoned(g)]
-        if len(keep) != len(self.replay):
-            self.counts["dropped_rolled_back"] += len(self.replay) - len(keep)
-            self.replay = keep
-            self.journal.reset(self.version, [M.encode(g) for g in keep])
 
     def _emit_control(self) -> None:
         """A step that trained nothing still reports the control state."""
@@ -321,11 +261,8 @@ class LearnerLoop:
             raise RuntimeError(f"{self._skips_in_a_row} batches in a row failed; the last: {err}") from err
 
     def _retire(self, keys) -> None:
-        """Tell the buffer these groups are done with -- except those it already retired (the
-        groups trained again after a recovery)."""
-        keys = [k for k in keys if k not in self._replay_keys]
-        if keys:
-            self.client.consumed(keys, self.version)
+        """Tell the buffer these groups will never be trained."""
+        self.client.consumed(keys, self.version)
 
     # ---- checkpoints -------------------------------------------------------------------------
 
@@ -336,12 +273,12 @@ class LearnerLoop:
             self.save()
 
     def save(self) -> str:
-        journal.sync_audit(self.run_dir)
         meta = {"version": self.version, "stage": "rl", "consumed_groups": self.consumed_groups,
                 "data_position": self.consumed_groups}
         path = checkpoint.save(self.ckpt_root, self.step, self.backend, meta)
-        self.journal.reset(self.version, [M.encode(g) for g in self.replay], keep_after=self._prev_ckpt_version)
-        self._prev_ckpt_version, self._ckpt_step, self._ckpt_at = self.version, self.step, time.time()
+        # the buffer may forget what the checkpoint before this one holds (that one is the fallback)
+        self._covered = self._ckpt_step if self._ckpt_step is not None else -1
+        self._ckpt_step, self._ckpt_at = self.step, time.time()
         return path
 
     # ---- metrics -----------------------------------------------------------------------------

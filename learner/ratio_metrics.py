@@ -1,12 +1,8 @@
-"""Train/inference mismatch metrics (ARCHITECTURE.md: Metric vocabulary): the ratio and its tail, measured honestly.
-
-Inputs are the learner's freshly recomputed log-probs (never the actor's cached ones), the actor's
-behaviour log-probs, the response mask and the staleness of each token. Everything is computed in
-float64 numpy on the masked tokens only, and percentiles are ``np.percentile`` with linear
-interpolation, so a dashboard figure can be reproduced from dumped arrays with plain numpy.
-
-Torch-free on purpose: torch tensors are accepted (detached and copied to host), and the buffer
-or monitor can use :func:`percentiles` without importing torch.
+"""The train/inference mismatch metrics ``ratio/*`` and ``mismatch/*`` (ARCHITECTURE.md: Metric
+vocabulary), from the learner's freshly recomputed log-probs (never the actor's cached ones) and the
+actor's behaviour log-probs. Float64 numpy over the response tokens only, percentiles by
+``np.percentile`` (linear), so a dashboard figure can be reproduced from dumped arrays; torch-free
+on purpose (tensors are copied to host), so the buffer or monitor can use :func:`percentiles`.
 """
 
 from __future__ import annotations
@@ -16,11 +12,9 @@ import math
 import numpy as np
 
 RATIO_QS = (("p50", 50.0), ("p90", 90.0), ("p99", 99.0), ("p999", 99.9))
-FIXED_KEYS = (
-    "ratio/mean", *(f"ratio/{name}" for name, _ in RATIO_QS), "ratio/min", "ratio/max",
-    "ratio/ess", "ratio/clip_frac", "mismatch/kl_k3", "mismatch/abs_logp_diff_mean",
-    "mismatch/abs_logp_diff_p99",
-)
+FIXED_KEYS = ("ratio/mean", *(f"ratio/{name}" for name, _ in RATIO_QS), "ratio/min", "ratio/max",
+              "ratio/ess", "ratio/clip_frac", "mismatch/kl_k3", "mismatch/abs_logp_diff_mean",
+              "mismatch/abs_logp_diff_p99")
 
 
 def percentiles(values, qs) -> list[float]:
@@ -41,43 +35,34 @@ def _host(x) -> np.ndarray:
 
 
 def ratio_metrics(logp, behaviour_logp, mask, staleness=None, eps_high: float = 2.0) -> dict[str, float]:
-    """The ``ratio/*`` and ``mismatch/*`` metrics (ARCHITECTURE.md: Metric vocabulary) over the response tokens.
+    """The metrics over the response tokens (``mask`` > 0) of ``[B, T]`` log-probs (torch or numpy).
 
-    logp, behaviour_logp, mask: ``[B, T]`` (torch or numpy); mask > 0 marks response tokens.
-    staleness: per token ``[B, T]`` or per sample ``[B]`` integers, or None to skip
-        ``ratio/p99_by_staleness/<s>`` (one key per staleness value present) and
-        ``mismatch/abs_logp_diff_p99_by_staleness/0`` (when lag 0 is present: with no policy drift
-        in it, that tail is the engine/learner numerics gap alone, what a guard-rail watches).
-    eps_high: the truncation threshold; ``ratio/clip_frac`` is the fraction with rho > eps_high.
-
-    With ``log r = logp - behaviour_logp`` and ``rho = exp(log r)`` per token:
-    ``ratio/ess = (sum rho)^2 / (n sum rho^2)`` in (0, 1] (1 = on-policy), and ``mismatch/kl_k3``
-    = mean of ``rho - 1 - log r``, an unbiased, non-negative estimate of KL(behaviour || learner)
-    from the actor's own samples. With no response tokens every fixed key is NaN ("no value").
+    With ``log r = logp - behaviour_logp`` and ``rho = exp(log r)`` per token: ``ratio/ess =
+    (sum rho)^2 / (n sum rho^2)`` in (0, 1] (1 = on-policy); ``mismatch/kl_k3`` = mean of ``rho - 1 -
+    log r``, an unbiased, non-negative estimate of KL(behaviour || learner); ``ratio/clip_frac`` the
+    fraction with rho > ``eps_high``. ``staleness`` (per token ``[B, T]`` or per sample ``[B]``)
+    adds ``ratio/p99_by_staleness/<s>`` per lag present and, with lag 0 (no policy drift: the
+    engine/learner numerics gap alone), ``mismatch/abs_logp_diff_p99_by_staleness/0``. With no
+    response tokens every fixed key is NaN ("no value").
     """
     lp, bl = _host(logp), _host(behaviour_logp)
     m = _host(mask) > 0
     if not lp.shape == bl.shape == m.shape:
-        raise ValueError(
-            f"logp {lp.shape}, behaviour_logp {bl.shape} and mask {m.shape} must have one shape"
-        )
+        raise ValueError(f"logp {lp.shape}, behaviour_logp {bl.shape} and mask {m.shape} must have one shape")
     log_r = (lp - bl)[m]
     n = log_r.size
     if n == 0:
         return dict.fromkeys(FIXED_KEYS, math.nan)
     with np.errstate(over="ignore"):  # an overflowing ratio is reported as inf, not hidden
         rho = np.exp(log_r)
-    out = {"ratio/mean": float(rho.mean())}
-    for (name, _), v in zip(RATIO_QS, percentiles(rho, [q for _, q in RATIO_QS])):
-        out[f"ratio/{name}"] = v
-    out["ratio/min"] = float(rho.min())
-    out["ratio/max"] = float(rho.max())
-    out["ratio/ess"] = float(rho.sum() ** 2 / (n * np.square(rho).sum()))
-    out["ratio/clip_frac"] = float((rho > eps_high).mean())
-    out["mismatch/kl_k3"] = float((np.expm1(log_r) - log_r).mean())
-    abs_diff = np.abs(log_r)
-    out["mismatch/abs_logp_diff_mean"] = float(abs_diff.mean())
-    out["mismatch/abs_logp_diff_p99"] = percentiles(abs_diff, [99.0])[0]
+    abs_diff, qs = np.abs(log_r), percentiles(rho, [q for _, q in RATIO_QS])
+    out = {"ratio/mean": float(rho.mean()), **{f"ratio/{name}": v for (name, _), v in zip(RATIO_QS, qs)},
+           "ratio/min": float(rho.min()), "ratio/max": float(rho.max()),
+           "ratio/ess": float(rho.sum() ** 2 / (n * np.square(rho).sum())),
+           "ratio/clip_frac": float((rho > eps_high).mean()),
+           "mismatch/kl_k3": float((np.expm1(log_r) - log_r).mean()),
+           "mismatch/abs_logp_diff_mean": float(abs_diff.mean()),
+           "mismatch/abs_logp_diff_p99": percentiles(abs_diff, [99.0])[0]}
     if staleness is not None:
         out.update(_p99_by_staleness(rho, abs_diff, staleness, m))
     return out
@@ -90,10 +75,7 @@ def _p99_by_staleness(rho: np.ndarray, abs_diff: np.ndarray, staleness, m: np.nd
     if s.shape != m.shape:
         raise ValueError(f"staleness must be [B] or [B, T] = {m.shape}, got {s.shape}")
     s = s[m].astype(np.int64)
-    out = {
-        f"ratio/p99_by_staleness/{v}": percentiles(rho[s == v], [99.0])[0]
-        for v in np.unique(s).tolist()
-    }
+    out = {f"ratio/p99_by_staleness/{v}": percentiles(rho[s == v], [99.0])[0] for v in np.unique(s).tolist()}
     if "ratio/p99_by_staleness/0" in out:
         out["mismatch/abs_logp_diff_p99_by_staleness/0"] = percentiles(abs_diff[s == 0], [99.0])[0]
     return out

@@ -1,28 +1,12 @@
 """Tail forensics: the tokens behind the ratio's tail, one JSON line per step in ``tail.jsonl``.
 
-``ratio/p99`` (learner/ratio_metrics.py) says *that* the tail moved; this says *which tokens*
-make it. Each step the learner keeps the ``learner.tail_k`` tokens with the largest ratio
-(direction "high": the learner now likes them more than the actor did) and the ``tail_k`` with
-the smallest ("low"), with where they sit and how old the sample was, so ``python run.py tail``
-(learner/tailview.py) can tell a stale-sample tail from a first-token, an EOS or a precision one.
-
-Worked example. One group (``actor_id`` "a0", ``seq`` 3) of two samples after a 2-token prompt,
-``ρ = exp(logp − behaviour_logp)`` per completion token, ``k = 1``::
-
-    sample 0   tokens  "4"   "2"   EOS        log ρ   +0.10  −0.30  +0.90
-    sample 1   tokens  "5"   EOS              log ρ   −1.20  +0.00
-
-"high" is sample 0's EOS (ρ = e^0.9 ≈ 2.46, position 2 of 3), "low" is sample 1's "5"
-(ρ = e^−1.2 ≈ 0.30, position 0 of 2); each record names its group "a0:3" and sample index.
-A token whose ratio is exactly 1 (sample 1's EOS) belongs to neither tail, and "high" only holds
-ρ > 1 and "low" only ρ < 1, so a token is never in both, even when ``2k`` exceeds the step's
-token count (then every token with ρ ≠ 1 is recorded once).
-
-Staleness is the token's own (``version`` − ``Batch.versions``: an update may land inside a
-running completion, so a sample's tokens can have different ages), falling back to the
-sample's (``Batch.staleness``) for a batch built without versions; ``prompt_id`` is the group's
-``group_id``. Cost is bounded: two top-k over the step's tokens, and only the ``≤ 2k`` picked
-tokens are decoded.
+``ratio/p99`` says *that* the tail moved; this says *which tokens* make it. Each step the learner
+keeps the ``learner.tail_k`` response tokens with the largest ratio ρ = exp(logp − behaviour_logp)
+above 1 ("high": the learner now likes them more than the actor did) and the ``tail_k`` with the
+smallest below 1 ("low"), so a token is never in both; with where they sit and how old they are,
+``python run.py tail`` (learner/tailview.py) can tell a stale-sample tail from a first-token, an EOS
+or a precision one. Staleness is the token's own (``version`` − ``Batch.versions``: an update may
+land inside a running completion), else the sample's. Only the ``≤ 2k`` picked tokens are decoded.
 """
 
 from __future__ import annotations
@@ -63,7 +47,8 @@ def pick(log_ratio: Tensor, mask: Tensor, k: int) -> list[tuple[str, int, int]]:
     if k < 0:
         raise ValueError(f"learner.tail_k must be >= 0, got {k}")
     if log_ratio.shape != mask.shape:
-        raise ValueError(f"log_ratio {tuple(log_ratio.shape)} and mask {tuple(mask.shape)} must have one shape")
+        raise ValueError(f"log_ratio {tuple(log_ratio.shape)} and mask {tuple(mask.shape)} "
+                         "must have one shape")
     width, sel = mask.shape[1], mask > 0
     high = _top(log_ratio, sel & (log_ratio > 0), k)
     low = _top(-log_ratio, sel & (log_ratio < 0), k)
@@ -76,50 +61,36 @@ def spans(mask: Tensor) -> tuple[list[int], list[int]]:
     return sel.int().argmax(dim=1).tolist(), sel.sum(dim=1).tolist()
 
 
-def _staleness_at(staleness: Tensor, row: int, col: int) -> int:
-    """Per sample ``[N]`` or per token ``[N, L-1]``."""
-    return int(staleness[row, col] if staleness.dim() == 2 else staleness[row])
-
-
-def _check(batch: Batch, logp: Tensor) -> None:
-    if tuple(logp.shape) != tuple(batch.mask.shape):
-        raise ValueError(f"logp {tuple(logp.shape)} must be shaped like the batch's mask {tuple(batch.mask.shape)}")
-    if batch.mask.shape[0] != len(batch.keys) * batch.group_size:
-        raise ValueError(f"{batch.mask.shape[0]} rows are not {len(batch.keys)} groups x {batch.group_size}")
-
-
 def records(batch: Batch, logp: Tensor, *, step: int, version: int, k: int, decode: Decode) -> list[dict]:
     """The step's tail records (keys :data:`RECORD_FIELDS`): "high" ones first, then "low".
-    ``version`` is the one whose weights scored the batch (its staleness counts from it).
-
-    ``logp`` is the learner's ``[N, L-1]`` log-probs of the step, aligned with ``batch.mask``
-    (``TorchBackend.last_logp``); row ``i`` is sample ``i % G`` of group ``batch.keys[i // G]``.
-    """
-    _check(batch, logp)
+    ``version`` is the one whose weights scored the batch; ``logp`` the learner's ``[N, L-1]``
+    log-probs of the step, aligned with ``batch.mask``; row ``i`` is sample ``i % G`` of group
+    ``batch.keys[i // G]``."""
+    mask = batch.mask
+    if tuple(logp.shape) != tuple(mask.shape):
+        raise ValueError(f"logp {tuple(logp.shape)} must be shaped like the batch's mask {tuple(mask.shape)}")
+    if mask.shape[0] != len(batch.keys) * batch.group_size:
+        raise ValueError(f"{mask.shape[0]} rows are not {len(batch.keys)} groups x {batch.group_size}")
     lr = logp.double() - batch.behaviour_logp.double()
-    picks = pick(lr, batch.mask, k)
-    start, length = spans(batch.mask)
+    picks = pick(lr, mask, k)
+    start, length = spans(mask)
     texts = decode([int(batch.ids[r, c + 1]) for _, r, c in picks])  # column j predicts ids[:, j+1]
-    head = {"step": step, "version": version}
-    return [{**head, **_token(batch, logp, lr, d, r, c), "text": text, "position": c - start[r],
-             "length": length[r], **_origin(batch, version, r, c)} for (d, r, c), text in zip(picks, texts)]
-
-
-def _token(batch: Batch, logp: Tensor, lr: Tensor, direction: str, r: int, c: int) -> dict:
-    log_r = float(lr[r, c])
-    return {"direction": direction, "ratio": math.exp(min(log_r, MAX_LOG_RATIO)), "log_ratio": log_r,
-            "logp": float(logp[r, c]), "behaviour_logp": float(batch.behaviour_logp[r, c]),
-            "token_id": int(batch.ids[r, c + 1])}
-
-
-def _origin(batch: Batch, version: int, r: int, c: int) -> dict:
-    """Staleness (the token's own when the batch has per-token versions, else the sample's),
-    prompt id, group key ("actor_id:seq") and sample index of row ``r``'s token ``c``."""
-    g = r // batch.group_size
-    actor_id, seq = batch.keys[g]
-    stale = version - int(batch.versions[r, c]) if batch.versions is not None else _staleness_at(batch.staleness, r, c)
-    return {"staleness": stale, "prompt_id": batch.group_ids[g] if batch.group_ids else "",
-            "group": f"{actor_id}:{seq}", "sample": r % batch.group_size}
+    out = []
+    for (direction, r, c), text in zip(picks, texts):
+        g, log_r = r // batch.group_size, float(lr[r, c])
+        actor_id, seq = batch.keys[g]
+        if batch.versions is not None:
+            stale = version - int(batch.versions[r, c])
+        else:  # per sample [N] or per token [N, L-1]
+            stale = int(batch.staleness[r, c] if batch.staleness.dim() == 2 else batch.staleness[r])
+        out.append({"step": step, "version": version, "direction": direction,
+                    "ratio": math.exp(min(log_r, MAX_LOG_RATIO)), "log_ratio": log_r,
+                    "logp": float(logp[r, c]), "behaviour_logp": float(batch.behaviour_logp[r, c]),
+                    "token_id": int(batch.ids[r, c + 1]), "text": text, "position": c - start[r],
+                    "length": length[r], "staleness": stale,
+                    "prompt_id": batch.group_ids[g] if batch.group_ids else "",
+                    "group": f"{actor_id}:{seq}", "sample": r % batch.group_size})
+    return out
 
 
 def token_decoder(tokenizer) -> Decode:
@@ -129,12 +100,10 @@ def token_decoder(tokenizer) -> Decode:
 
 
 class TailWriter:
-    """Appends one line per step to ``run_dir/tail.jsonl``: ``{step, version, tokens, k, records}``.
-
-    Opened, written and closed per step (flushed, not fsynced: forensics, not recovery state). A
-    resumed run trains rolled-back steps again and writes their lines again; readers keep the
-    last line per step. A failed write raises :class:`WriteError` like every learner write.
-    """
+    """Appends ``{step, version, tokens, k, records}`` per step to ``run_dir/tail.jsonl``, opened
+    and closed each time (not fsynced: forensics, not recovery state). A resumed run writes the
+    lines of rolled-back steps again: readers keep the last line per step. A failed write raises
+    :class:`WriteError` like every learner write."""
 
     def __init__(self, run_dir: str, k: int, decode: Decode):
         if k < 1:

@@ -1,18 +1,12 @@
-"""``python run.py tail [RUN_DIR]``: what makes a run's ratio tail, from ``run_dir/tail.jsonl``.
+"""``python run.py tail [RUN_DIR]``: what makes a run's ratio tail, from ``run_dir/tail.jsonl``
+(learner/tail.py): which tokens, how stale their samples were (a stale tail shrinks with
+``buffer.max_staleness``; a staleness-0 one is engine/learner numerics), where in the response they
+sit, which texts keep coming back, and whether the tail grows over the run. Rich tables on a
+terminal, aligned plain text otherwise, or one JSON line (``--json``).
 
-learner/tail.py writes each step's most extreme tokens; this reads them back and answers the
-questions a moving ``ratio/p99`` raises: which tokens, how old their samples were (a stale tail
-shrinks with ``buffer.max_staleness``; a staleness-0 tail is engine/learner numerics), where in
-the response they sit (first token, EOS), which token texts keep coming back, and whether the
-tail grows over the run. Shown as rich tables on a terminal, aligned plain text otherwise, or
-(``--json``) as one JSON line.
-
-Position buckets: with ``n = ceil(length / 10)``, "first 10%" is positions ``< n``, "last 10%"
-positions ``>= length - n`` (a response of at most 10 tokens: its first and its last token), the
-rest is "middle"; a 1-token response counts as "first 10%". Shares are of all tail records; a
-bucket's share of *all* tokens is about 10% / 80% / 10%, so a much larger share is a finding.
-
-A resumed run writes the lines of rolled-back steps again: the last line of each step wins.
+Position buckets, with ``n = ceil(length / 10)``: "first 10%" is positions ``< n``, "last 10%"
+``>= length - n``, the rest "middle" (of all tokens about 10/80/10 %, so a much larger share is a
+finding). The last line of a step wins (a resumed run writes rolled-back steps again).
 """
 
 from __future__ import annotations
@@ -34,9 +28,6 @@ TREND_BUCKETS = 8
 BUCKETS = ("first 10%", "middle", "last 10%")
 
 
-# ---- reading ---------------------------------------------------------------------------------
-
-
 def _parse(path: str) -> list[dict]:
     """JSON lines of ``path``; a torn last line (the learner died mid-write) is skipped."""
     with open(path, encoding="utf-8") as f:
@@ -49,8 +40,10 @@ def _parse(path: str) -> list[dict]:
             if n < len(lines):
                 raise ValueError(f"{path}:{n} is not a JSON line: {e}") from None
             continue
-        if not (isinstance(rec, dict) and isinstance(rec.get("step"), int) and isinstance(rec.get("records"), list)):
-            raise ValueError(f"{path}:{n} is not a tail line (needs an int `step` and a `records` list): {line[:80]!r}")
+        if not (isinstance(rec, dict) and isinstance(rec.get("step"), int)
+                and isinstance(rec.get("records"), list)):
+            raise ValueError(f"{path}:{n} is not a tail line (needs an int `step` and a `records` list): "
+                             f"{line[:80]!r}")
         out.append(rec)
     return out
 
@@ -63,9 +56,6 @@ def load(run_dir: str, last: int = 0) -> list[dict]:
     by_step = {line["step"]: line for line in _parse(path)}
     steps = [by_step[s] for s in sorted(by_step)]
     return steps[-last:] if last > 0 else steps
-
-
-# ---- summarising -----------------------------------------------------------------------------
 
 
 def bucket(position: int, length: int) -> str:
@@ -81,18 +71,6 @@ def _shares(counter: Counter, total: int, order) -> dict:
             for key in order}
 
 
-def by_staleness(recs: list[dict]) -> dict:
-    """``{lag: {count, share, high, low}}`` over the tail records, by the sample's staleness."""
-    counts = Counter(r["staleness"] for r in recs)
-    dirs = Counter((r["staleness"], r["direction"]) for r in recs)
-    return {key: {**v, "high": dirs[int(key), "high"], "low": dirs[int(key), "low"]}
-            for key, v in _shares(counts, len(recs), sorted(counts)).items()}
-
-
-def by_position(recs: list[dict]) -> dict:
-    return _shares(Counter(bucket(r["position"], r["length"]) for r in recs), len(recs), BUCKETS)
-
-
 def top_tokens(recs: list[dict], n: int = TOP_TOKENS) -> list[dict]:
     """The ``n`` token ids most often in the tail: text, count, per direction, mean log-ratio."""
     groups = defaultdict(list)
@@ -100,26 +78,23 @@ def top_tokens(recs: list[dict], n: int = TOP_TOKENS) -> list[dict]:
         groups[r["token_id"]].append(r)
     ranked = sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0]))[:n]
     return [{"token_id": tid, "text": rs[0]["text"], "count": len(rs),
-             "high": sum(r["direction"] == "high" for r in rs), "low": sum(r["direction"] == "low" for r in rs),
+             "high": sum(r["direction"] == "high" for r in rs),
+             "low": sum(r["direction"] == "low" for r in rs),
              "mean_log_ratio": sum(r["log_ratio"] for r in rs) / len(rs)} for tid, rs in ranked]
-
-
-def _chunks(steps: list[dict], n: int) -> list[list[dict]]:
-    size = max(1, math.ceil(len(steps) / n))
-    return [steps[i : i + size] for i in range(0, len(steps), size)]
 
 
 def trend(steps: list[dict], n: int = TREND_BUCKETS) -> list[dict]:
     """Per bucket of consecutive steps: the largest "high" and smallest "low" ratio, and the mean
     |log-ratio| of the tail records."""
-    out = []
-    for chunk in _chunks(steps, n):
+    out, size = [], max(1, math.ceil(len(steps) / n))
+    for chunk in (steps[i:i + size] for i in range(0, len(steps), size)):
         recs = [r for s in chunk for r in s["records"]]
         high = [r["ratio"] for r in recs if r["direction"] == "high"]
         low = [r["ratio"] for r in recs if r["direction"] == "low"]
+        mean = sum(abs(r["log_ratio"]) for r in recs) / len(recs) if recs else None
         out.append({"first_step": chunk[0]["step"], "last_step": chunk[-1]["step"], "records": len(recs),
                     "max_ratio": max(high, default=None), "min_ratio": min(low, default=None),
-                    "mean_abs_log_ratio": sum(abs(r["log_ratio"]) for r in recs) / len(recs) if recs else None})
+                    "mean_abs_log_ratio": mean})
     return out
 
 
@@ -127,16 +102,20 @@ def summarise(steps: list[dict], top: int = TOP) -> dict:
     recs = [r for s in steps for r in s["records"]]
     high = sorted((r for r in recs if r["direction"] == "high"), key=lambda r: -r["log_ratio"])
     low = sorted((r for r in recs if r["direction"] == "low"), key=lambda r: r["log_ratio"])
+    lags = Counter(r["staleness"] for r in recs)
+    dirs = Counter((r["staleness"], r["direction"]) for r in recs)  # {lag: {count, share, high, low}}
+    by_staleness = {key: {**v, "high": dirs[int(key), "high"], "low": dirs[int(key), "low"]}
+                    for key, v in _shares(lags, len(recs), sorted(lags)).items()}
+    by_position = _shares(Counter(bucket(r["position"], r["length"]) for r in recs), len(recs), BUCKETS)
     return {"steps": len(steps), "first_step": steps[0]["step"] if steps else None,
             "last_step": steps[-1]["step"] if steps else None, "records": len(recs),
             "tokens": sum(s.get("tokens", 0) for s in steps), "high": high[:top], "low": low[:top],
-            "by_staleness": by_staleness(recs), "by_position": by_position(recs),
+            "by_staleness": by_staleness, "by_position": by_position,
             "top_tokens": top_tokens(recs), "trend": trend(steps)}
 
 
-# ---- showing ---------------------------------------------------------------------------------
-
-EXTREME_HEADERS = ("ratio", "log ρ", "token", "pos/len", "stale", "logp", "behaviour", "group", "sample", "step")
+EXTREME_HEADERS = ("ratio", "log ρ", "token", "pos/len", "stale", "logp", "behaviour", "group", "sample",
+                   "step")
 
 
 def _extreme_row(r: dict) -> tuple:
@@ -146,12 +125,8 @@ def _extreme_row(r: dict) -> tuple:
 
 
 def _share_rows(table: dict) -> list[tuple]:
-    return [(key, str(v["count"]), f"{100 * v['share']:.1f}%" if v["count"] else "–") for key, v in table.items()]
-
-
-def _trend_rows(buckets: list[dict]) -> list[tuple]:
-    return [(f"{b['first_step']}-{b['last_step']}", str(b["records"]), fmt(b["max_ratio"]), fmt(b["min_ratio"]),
-             fmt(b["mean_abs_log_ratio"])) for b in buckets]
+    return [(key, str(v["count"]), f"{100 * v['share']:.1f}%" if v["count"] else "–")
+            for key, v in table.items()]
 
 
 def sections(s: dict) -> list[tuple[str, tuple, list[tuple]]]:
@@ -164,7 +139,9 @@ def sections(s: dict) -> list[tuple[str, tuple, list[tuple]]]:
         ("most frequent tail tokens", ("token", "id", "count", "high", "low", "mean log ρ"),
          [(repr(t["text"]), str(t["token_id"]), str(t["count"]), str(t["high"]), str(t["low"]),
            fmt(t["mean_log_ratio"])) for t in s["top_tokens"]]),
-        ("tail by step", ("steps", "records", "max ratio", "min ratio", "mean |log ρ|"), _trend_rows(s["trend"])),
+        ("tail by step", ("steps", "records", "max ratio", "min ratio", "mean |log ρ|"),
+         [(f"{b['first_step']}-{b['last_step']}", str(b["records"]), fmt(b["max_ratio"]),
+           fmt(b["min_ratio"]), fmt(b["mean_abs_log_ratio"])) for b in s["trend"]]),
     ]
 
 

@@ -1,6 +1,2 @@
-"""What actor and learner share about the model: the decoder and its KV cache (``decoder``), the
-sampler's truncation rule (``sampling``), HF-format load/save (``hf``), the checkpoint's
-tokenizer and special ids (``tokenizer``), and the tiny base-model builder (``basemodel``).
-
-Imports flow one way: core <- model <- {actor, learner}.
-"""
+"""What actor and learner share about the model: decoder, KV cache, sampler rule, HF load/save,
+tokenizer, tiny base-model builder. Imports flow one way: core <- model <- {actor, learner}."""

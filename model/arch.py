@@ -1,27 +1,11 @@
-"""What a checkpoint's ``config.json`` says, and whether driftrl's decoder can run it exactly.
+"""What a checkpoint's config.json says, and whether driftrl's decoder can run it exactly.
 
-:class:`ArchConfig` is the one parsed view of an HF config that ``model/decoder.py`` builds from.
-Three families share that decoder; they differ only in a few switches, one :class:`Family` row
-each, and in transformers' defaults for keys a ``config.json`` may leave out (``FAMILIES``):
-
-    llama   attention_bias -> q/k/v/o biases, mlp_bias -> MLP biases, head_dim = hidden/heads
-    qwen2   q/k/v biases always (o_proj none), head_dim = hidden/heads
-    qwen3   RMSNorm on each head's q and k, attention_bias -> q/k/v/o biases, head_dim 128
-
-All three default ``tie_word_embeddings`` to False in transformers; only a directly constructed
-ArchConfig (the tiny built-in model, ``model/basemodel.py``) defaults to a tied Qwen3.
-
-Round trip: :meth:`ArchConfig.from_hf` parses the family's keys into fields and keeps every other
-key in ``extra`` verbatim -- ``architectures``, the rope settings in the input's own spelling
-(``rope_scaling`` or ``rope_parameters``), ``layer_types``, ``transformers_version`` -- and
-remembers which keys it read, so :meth:`ArchConfig.to_hf` writes exactly the input's keys and
-values, which ``transformers`` loads as the same model. Only ``dtype`` / ``torch_dtype`` change,
-to say what was written.
-
-Refusals: whatever the decoder would only approximate (another activation, sliding-window
-layers, dropout in attention, quantised weights, a rope type it does not implement,
-``model/rope.py``) raises ValueError naming the key and its value, at load time, before any
-weight is read.
+:class:`ArchConfig` is the one parsed view of an HF config; one :class:`Family` row per model
+family holds its switches and transformers' defaults for keys config.json may omit (all three
+default to an untied head; a directly built ArchConfig, the tiny model's, is a tied Qwen3).
+:meth:`ArchConfig.from_hf` keeps every key it does not parse in ``extra`` and remembers which keys
+it read, so :meth:`ArchConfig.to_hf` writes back exactly the input's keys. Whatever the decoder
+would only approximate is refused by key and value before any weight is read.
 """
 
 from __future__ import annotations
@@ -119,9 +103,8 @@ class ArchConfig:
         return rope_parameters({**self.extra, "rope_theta": self.rope_theta}, self.max_position_embeddings)
 
     def to_hf(self, dtype: str | None = None) -> dict:
-        """The config.json to write. Read from one: exactly its keys (fields under their HF names,
-        the rest from ``extra``); built here: a complete config of the family. ``dtype`` names the
-        weights' dtype in whichever of ``dtype`` / ``torch_dtype`` the input used (else both)."""
+        """The config.json to write: exactly the input's keys (built here: a complete one), ``dtype``
+        in whichever of ``dtype`` / ``torch_dtype`` the input used (else both)."""
         fam = FAMILIES[self.model_type]
         if self.source_keys is None:
             own = {"architectures": [fam.architecture], "hidden_act": "silu", "attention_dropout": 0.0,
@@ -150,7 +133,6 @@ class ArchConfig:
 
 
 def _refuse_unsupported(d: dict, fam: Family) -> None:
-    """ValueError naming the key for every setting the decoder would not reproduce exactly."""
     act = d.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise ValueError(f"config.json hidden_act={act!r} is not supported: driftrl's MLP is SwiGLU (silu)")
@@ -166,8 +148,7 @@ def _refuse_unsupported(d: dict, fam: Family) -> None:
 
 
 def _refuse_sliding(d: dict) -> None:
-    """Qwen2/Qwen3 layers slide when listed so in layer_types, or (layer_types absent) when
-    use_sliding_window is on and the layer's index is at least max_window_layers."""
+    """Layers slide when layer_types says so, or else from max_window_layers on with use_sliding_window."""
     kinds = d.get("layer_types")
     if kinds:
         sliding = [i for i, kind in enumerate(kinds) if kind != "full_attention"]

@@ -1,25 +1,11 @@
 """The tiny base model: built by driftrl itself, deterministically, then cached.
 
-No model hub is reachable, so a built-in task's run pre-trains its own "base model" on text of
-that task. The task writes every pre-training completion (``Task.pretrain_completion(prompt, rng,
-model_cfg)``) and names what else shapes its corpus (``Task.pretrain_recipe(model_cfg)``), so a
-habit is the task's: the arithmetic task states each sum correctly with probability
-``pretrain_correct_frac`` and otherwise writes its digits backwards, leaving the base model knowing
-the arithmetic but answering correctly only some of the time. That is the zero-RL setting in
-miniature: the ability is latent and RL has to elicit it.
-
-A task that can write its working out (the scratch task reads ``model.pretrain_worked_frac``;
-tasks that cannot ignore it) is pre-trained in two stages. In the method stage, the first
-:data:`METHOD_FRAC` of the steps, every completion is worked: a tiny model learns the long-division
-method from worked solutions alone in ~600 steps, but had not begun to after 1200 larger steps
-in which 70% of each batch was bare answers it could not yet compute (measured). In the habit
-stage that follows, only ``pretrain_worked_frac`` of the completions are worked, so the base model
-keeps the method but answers mostly without it -- what RL then has to elicit.
-
-The result is an HF-format directory (config.json, model.safetensors, tokenizer.json) keyed by a
-hash of everything that shapes it, built into a temporary directory and renamed into place, so a
-crash mid-build never leaves a half model behind and concurrent builders don't collide. A build
-shows a progress bar on a terminal (core/progress.py), plain lines otherwise.
+No model hub is reachable, so a built-in task's run pre-trains its own base model on text the
+task writes, with habits that leave the skill latent for RL to elicit. A task with worked
+solutions is pre-trained all worked for the first :data:`METHOD_FRAC` of the steps (a tiny model
+learnt long division from worked solutions alone in ~600 steps, but had not begun after 1200 with
+70% bare answers -- measured), then at ``pretrain_worked_frac``. Built in a temporary directory
+renamed into place, keyed by a hash of the recipe: no half model, no colliding builders.
 """
 
 from __future__ import annotations
@@ -44,29 +30,13 @@ from model.hf import save_pretrained
 
 log = logging.getLogger("driftrl.basemodel")
 BUILD_VERSION = 4  # bump when the recipe below changes
-# built models that ship with driftrl (bench/base_model.py --ship writes them): the default
-# recipe's, so the default job starts from the same weights on every CPU, without a build
+# the default recipe's built model ships (bench/base_model.py --ship): same weights on every CPU
 SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shipped")
 METHOD_FRAC = 0.8  # share of the steps in the method stage (module docstring)
 
 
-def _arch(mc, vocab_size: int, special_ids: dict) -> ArchConfig:
-    return ArchConfig(
-        vocab_size=vocab_size,
-        hidden_size=mc.hidden_size,
-        intermediate_size=mc.intermediate_size,
-        num_hidden_layers=mc.num_layers,
-        num_attention_heads=mc.num_heads,
-        num_key_value_heads=mc.num_kv_heads,
-        head_dim=mc.hidden_size // mc.num_heads,
-        max_position_embeddings=mc.max_position_embeddings,
-        **special_ids,
-    )
-
-
 def recipe_key(cfg, task_recipe: dict | None = None) -> str:
-    """Hash of everything that shapes the model: the architecture, the optimiser schedule and
-    the corpus -- the fields every task shares plus ``task_recipe`` (``Task.pretrain_recipe``)."""
+    """Hash of everything that shapes the model, ``task_recipe`` (``Task.pretrain_recipe``) included."""
     m, t = cfg.model, cfg.task
     recipe = dict(
         v=BUILD_VERSION, seed=m.pretrain_seed, hidden=m.hidden_size, layers=m.num_layers, heads=m.num_heads,
@@ -80,8 +50,7 @@ def recipe_key(cfg, task_recipe: dict | None = None) -> str:
 
 
 def _corpus_batch(task, rng: random.Random, n: int, mc):
-    """Token rows ``prompt COMPLETION EOS`` (right-padded) and a mask over the completion tokens;
-    the task writes each completion (``pretrain_completion``), so the habits taught are the task's."""
+    """Right-padded token rows ``prompt COMPLETION EOS`` and a mask over the completion tokens."""
     rows, starts = [], []
     tok = task.tok
     for _ in range(n):
@@ -102,8 +71,7 @@ def _corpus_batch(task, rng: random.Random, n: int, mc):
 
 
 def _prefixed(ids: list[int], tok, rng: random.Random, prefixes: list[str]) -> list[int]:
-    """``ids`` with one of ``prefixes`` (drawn uniformly) after BOS, as a plain-text system prompt
-    is placed (model/tokenizer.py ``prompt``); unchanged without prefixes."""
+    """``ids`` with one of ``prefixes`` after BOS, where a plain-text system prompt goes."""
     if not prefixes:
         return ids
     head = 1 if tok.bos_id is not None and ids[:1] == [tok.bos_id] else 0
@@ -111,15 +79,17 @@ def _prefixed(ids: list[int], tok, rng: random.Random, prefixes: list[str]) -> l
 
 
 def _stage_cfg(mc, step: int):
-    """The model config a step's corpus is drawn with: in the method stage every completion is
-    worked; tasks without working (``pretrain_worked_frac`` = 0) have no such stage."""
+    """The model config a step's corpus is drawn with: all worked in the method stage."""
     if mc.pretrain_worked_frac > 0 and step < METHOD_FRAC * mc.pretrain_steps:
         return msgspec.structs.replace(mc, pretrain_worked_frac=1.0)
     return mc
 
 
 def _init_model(mc, vocab_size: int, special_ids: dict) -> Qwen3:
-    model = Qwen3(_arch(mc, vocab_size, special_ids))
+    model = Qwen3(ArchConfig(
+        vocab_size=vocab_size, hidden_size=mc.hidden_size, intermediate_size=mc.intermediate_size,
+        num_hidden_layers=mc.num_layers, num_attention_heads=mc.num_heads, num_key_value_heads=mc.num_kv_heads,
+        head_dim=mc.hidden_size // mc.num_heads, max_position_embeddings=mc.max_position_embeddings, **special_ids))
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() >= 2:
@@ -128,7 +98,6 @@ def _init_model(mc, vocab_size: int, special_ids: dict) -> Qwen3:
 
 
 def _loss(model, ids, mask, pad_id: int):
-    """Mean next-token NLL over the masked (completion) positions."""
     pos = torch.arange(ids.shape[1]).expand_as(ids)
     hidden = model(ids[:, :-1], pos[:, :-1], ids[:, :-1] != pad_id)
     nll = F.cross_entropy(model.logits(hidden).transpose(1, 2), ids[:, 1:], reduction="none")
@@ -136,8 +105,7 @@ def _loss(model, ids, mask, pad_id: int):
 
 
 def _train(model, opt, sched, task, rng: random.Random, mc) -> float:
-    """The pre-training steps (the corpus drawn per step, :func:`_stage_cfg`) under a progress
-    bar (plain lines off a terminal); the last loss."""
+    """The pre-training steps under a progress bar; the last loss."""
     loss_v = float("nan")
     with progress("building the tiny base model (first use only)", mc.pretrain_steps) as advance:
         for step in range(mc.pretrain_steps):
@@ -155,8 +123,7 @@ def _train(model, opt, sched, task, rng: random.Random, mc) -> float:
 
 @contextlib.contextmanager
 def _one_thread():
-    """Train on one thread, then give the caller back its setting: a tiny model's matmuls are too
-    small to split, and on shared cores a second thread made each step 15x slower (measured)."""
+    """One thread for a tiny model's matmuls (a second made each step 15x slower on shared cores)."""
     prev = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -166,8 +133,7 @@ def _one_thread():
 
 
 def pretrain(cfg, task, files: dict[str, bytes], special_ids: dict, out_dir: str) -> dict:
-    """Pre-train on ``task``'s prompts and its pre-training completions (its tokenizer:
-    ``task.tok``); write the model, ``files`` (the tokenizer's) and a build record into ``out_dir``."""
+    """Pre-train on ``task``'s corpus; write the model, ``files`` and a build record into ``out_dir``."""
     mc = cfg.model
     torch.manual_seed(mc.pretrain_seed)
     rng = random.Random(mc.pretrain_seed)
@@ -185,8 +151,7 @@ def pretrain(cfg, task, files: dict[str, bytes], special_ids: dict, out_dir: str
 
 
 def verified(model_dir: str) -> str:
-    """``model_dir`` if its weights hash to the ``sha256`` its build record names (a shipped
-    model); a damaged or replaced file is refused by name, never loaded."""
+    """``model_dir`` if its weights hash to its build record's ``sha256`` (a shipped model)."""
     with open(os.path.join(model_dir, "driftrl_base.json")) as f:
         want = json.load(f)["sha256"]
     path = os.path.join(model_dir, "model.safetensors")
@@ -198,9 +163,7 @@ def verified(model_dir: str) -> str:
 
 
 def ensure_base_model(cfg, build=None, task_recipe: dict | None = None) -> str:
-    """Path of the HF-format base model: ``cfg.model.path`` if set, else the cached tiny model,
-    built on first use by ``build(out_dir)`` (the built-in task's :func:`pretrain` call) and
-    keyed by :func:`recipe_key` with the task's own recipe fields."""
+    """``cfg.model.path`` if set, else the cached tiny model, built on first use by ``build(out_dir)``."""
     if cfg.model.path:
         if not os.path.exists(os.path.join(cfg.model.path, "config.json")):
             raise FileNotFoundError(f"model.path={cfg.model.path!r} has no config.json")

@@ -1,19 +1,10 @@
-"""One compact decoder for the Llama, Qwen2 and Qwen3 families, plus the body's precision policy.
+"""One compact decoder for the Llama, Qwen2 and Qwen3 families.
 
-Why our own module instead of ``transformers``' models: the actor needs a KV cache whose weights
-can be swapped between decode steps, and the learner needs the attention softmax and the LM head
-precision under its control (ARCHITECTURE.md: Precision and the ratio). The three families differ only in switches that
-``model/arch.py`` reads from ``config.json`` (q/k-norm, attention and MLP biases, tied head, rope
-scaling: ``model/rope.py``); parameter names, shapes and numerics follow transformers exactly
-(``tests/unit/test_families.py`` compares log-probs against it), so checkpoints load in both
-directions and weights travel to actors under their HF names. HF-format load/save: model/hf.py.
-
-Precision policy: learner master weights FP32, the body's matmuls in ``body_dtype`` under
-autocast; the engine's weights in its own dtype. On both paths the attention island
-(``fp32_attn_softmax``: :func:`attention_probs`, :func:`attention_values`) computes scores,
-softmax and PV in FP32; RMSNorm statistics are FP32 as in HF; rope frequencies and cos/sin stay
-FP32 whatever the weights' dtype; the LM head and log-softmax live in ``learner/logprobs.py``; the
-sampler's truncation rule, which both sides share, in ``model/sampling.py``.
+Our own module rather than transformers' models: the actor needs a KV cache whose weights can be
+swapped between decode steps, and the learner needs the attention and LM-head precision under its
+control. The families differ only in switches ``model/arch.py`` reads from config.json; names,
+shapes and numerics follow transformers exactly (tests/unit/test_families.py compares log-probs),
+so weights load and travel under their HF names. RMSNorm statistics and rope cos/sin stay FP32.
 """
 
 from __future__ import annotations
@@ -77,14 +68,10 @@ class Attention(nn.Module):
         return self.o_proj(cache.attend(self.layer, q, k, v, bias, fp32_softmax))
 
     def _attend_full(self, q, k, v, bias, fp32_softmax: bool):
-        """Cache-free attention (the learner's path): same values and dtypes as the cached path,
-        laid out for CPU speed. Queries are grouped per kv head, ``[B, nkv, rep*T, hd]``, so K/V
-        are not repeat_interleave'd (nor summed back in backward), and the scores are built
-        transposed, ``[B, nkv, S, rep*T]``, so the softmax runs over dim -2: torch's CPU softmax
-        over a short last dim (T ~ 10) is ~4x slower fwd+bwd than over a non-last dim. Measured
-        (interleaved medians, default model, batch 128x11, 1 thread): learner step 51.8 -> 45.6 ms.
-        The actor's cached path keeps the plain layout: there the same change moved generate by
-        -7% or +7% depending on glibc malloc's mmap/page-fault behaviour, so it is left as is."""
+        """Cache-free attention (the learner's path), the cached path's values laid out for CPU speed:
+        queries grouped per kv head (no repeat_interleave of K/V) and scores built transposed,
+        ``[B, nkv, S, rep*T]``, since torch's CPU softmax over a short last dim is ~4x slower
+        (learner step 51.8 -> 45.6 ms, measured; the cached path gained nothing from it)."""
         b, _, t, hd = q.shape
         rep = self.nh // self.nkv
         qg = q.reshape(b, self.nkv, rep * t, hd)
@@ -129,8 +116,7 @@ class Body(nn.Module):
 
 
 class Rotary(nn.Module):
-    """cos/sin of each position, ``[B, 1, T, hd]`` FP32, already multiplied by the rope type's
-    attention factor (YaRN's; 1 elsewhere), as transformers' rotary embedding does."""
+    """FP32 cos/sin ``[B, 1, T, hd]`` of each position, times the rope type's attention factor."""
 
     def __init__(self, cfg: ArchConfig):
         super().__init__()
@@ -138,8 +124,7 @@ class Rotary(nn.Module):
         self.register_buffer("inv_freq", inv, persistent=False)
 
     def _apply(self, fn, recurse=True):
-        """Moves apply, downcasts do not: ``model.to(bfloat16)`` would round the frequencies to 8
-        bits, a phase error of whole radians a few thousand positions in."""
+        """Moves apply, downcasts do not: BF16 frequencies are radians off a few thousand positions in."""
         inv = self.inv_freq
         super()._apply(fn, recurse)
         if not inv.is_meta:
@@ -172,9 +157,8 @@ class Decoder(nn.Module):
 
     @classmethod
     def from_state(cls, cfg: ArchConfig, state: dict[str, torch.Tensor]) -> "Decoder":
-        """A model holding ``state``'s tensors (HF names, all of them): built on the meta device
-        and the tensors assigned, so no weight is first initialised and then overwritten (minutes
-        and a second model-sized allocation for a 7B checkpoint)."""
+        """A model holding ``state``'s tensors, assigned on the meta device: no weight is initialised
+        first (minutes and a second model-sized allocation for a 7B checkpoint)."""
         with torch.device("meta"):
             model = cls(cfg)
         model.load_state_dict(state, strict=True, assign=True)

@@ -1,22 +1,11 @@
-"""HF-format model directories: load into / save from :class:`model.decoder.Decoder`.
+"""HF-format model directories (``model.safetensors`` or sharded with an index, plus the tokenizer's
+files): load into / save from :class:`model.decoder.Decoder`.
 
-A directory holds ``config.json``, the weights as ``model.safetensors`` or as shards listed in
-``model.safetensors.index.json`` (the two layouts transformers writes), and the tokenizer's files.
-
-Loading checks before it reads: ``config.json`` first (``model/arch.py`` refuses what the
-decoder would only approximate, naming the key), then the safetensors headers against the
-model's own names, shapes and float dtypes -- a missing, unexpected or misshapen tensor is an
-error listing them, never a partly random model. Only then are the shards read, one at a time,
-each tensor cast to the requested dtype as it arrives (peak memory: the model plus one tensor),
-with a ``driftrl.hf`` log line per shard. Pickled ``*.bin`` weights are refused: nothing pickled
-is ever loaded.
-
-Saving writes one ``model.safetensors`` in the requested dtype (default: the model's own; the
-learner's FP32 master weights stay FP32) and a ``config.json`` carrying every key of the input's
-(``ArchConfig.to_hf``) with ``dtype``/``torch_dtype`` saying what was written; a tied head is not
-written twice, as transformers does, so ``transformers.AutoModelForCausalLM.from_pretrained``
-loads the directory unchanged. The input's tokenizer files travel along, so every checkpoint
-is usable on its own.
+Loading checks config.json (``model/arch.py``) and the safetensors headers against the model's
+names, shapes and float dtypes before reading anything -- never a partly random model -- then
+reads one shard at a time, casting as it goes (peak: the model plus one tensor). Pickled ``*.bin``
+weights are refused. Saving writes the input's config keys unchanged (only the dtype says what was
+written) and no tied head twice, so transformers loads the directory as is.
 """
 
 from __future__ import annotations
@@ -33,7 +22,6 @@ from model.decoder import DTYPES, ArchConfig, Decoder
 
 log = logging.getLogger("driftrl.hf")
 
-# files that travel with the weights: what a tokenizer and a generation loop need
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "chat_template.jinja")
 INDEX = "model.safetensors.index.json"
@@ -96,26 +84,19 @@ def _check(path: str, cfg: ArchConfig, found: dict, expected: dict) -> None:
             f"non-float dtypes {dtypes[:8]}")
 
 
-def _read_shard(file: str, keys: list[str], dtype, state: dict) -> int:
-    """Read ``keys`` of one safetensors file into ``state`` cast to ``dtype``; bytes read."""
+def _read(path: str, files: list[str], found: dict, dtype) -> dict[str, torch.Tensor]:
+    """Every tensor, one shard at a time, each cast to ``dtype`` as it arrives."""
     from safetensors import safe_open
 
-    nbytes = 0
-    with safe_open(file, framework="pt") as f:
-        for key in keys:
-            tensor = f.get_tensor(key)
-            nbytes += tensor.numel() * tensor.element_size()
-            state[key] = tensor.to(dtype)
-    return nbytes
-
-
-def _read(path: str, files: list[str], found: dict, dtype) -> dict[str, torch.Tensor]:
-    state, start = {}, time.perf_counter()
-    total = 0
+    state, start, total = {}, time.perf_counter(), 0
     for i, name in enumerate(files, 1):
-        t0 = time.perf_counter()
+        t0, nbytes = time.perf_counter(), 0
         keys = [k for k, (file, _, _) in found.items() if file == name and not k.endswith(IGNORED_SUFFIX)]
-        nbytes = _read_shard(os.path.join(path, name), keys, dtype, state)
+        with safe_open(os.path.join(path, name), framework="pt") as f:
+            for key in keys:
+                tensor = f.get_tensor(key)
+                nbytes += tensor.numel() * tensor.element_size()
+                state[key] = tensor.to(dtype)
         total += nbytes
         log.info("loaded %s shard %d/%d %s: %d tensors, %.1f MB in %.2f s", path, i, len(files), name,
                  len(keys), nbytes / 1e6, time.perf_counter() - t0)
@@ -146,7 +127,7 @@ def load_pretrained(path: str, dtype: str = "float32") -> Decoder:
 
 
 def tokenizer_files(model_dir: str) -> dict[str, bytes]:
-    """The tokenizer files of ``model_dir`` (those it has), to be written beside new weights."""
+    """The tokenizer files ``model_dir`` has, to be written beside new weights."""
     out = {}
     for name in TOKENIZER_FILES:
         p = os.path.join(model_dir, name)
@@ -158,12 +139,8 @@ def tokenizer_files(model_dir: str) -> dict[str, bytes]:
 
 def save_pretrained(model: Decoder, path: str, extra_files: dict[str, bytes] | None = None,
                     dtype: str | None = None) -> None:
-    """Write config.json + model.safetensors (+ extra files such as tokenizer.json) into ``path``,
-    the weights in ``dtype`` (default: the model's own).
-
-    Plain writes: callers that need atomicity write into a temporary directory and rename it
-    (``core.files.atomic_dir``).
-    """
+    """Write config.json, model.safetensors in ``dtype`` (default: the model's) and ``extra_files``
+    into ``path``; plain writes (callers wanting atomicity use ``core.files.atomic_dir``)."""
     from safetensors.torch import save_file
 
     names = {v: k for k, v in DTYPES.items()}

@@ -1,34 +1,11 @@
-"""The actor's KV cache: preallocated per-slot K/V, and the cached attention over it.
+"""The actor's KV cache: preallocated per-slot K/V (zeroed: a masked column is never NaN), one
+length per slot, and the cached attention over it.
 
-The cache owns its layout, so the decoder hands it the new queries, keys and values
-(:meth:`KVCache.attend`) and it writes them and computes attention; the decoder's ``forward``
-calls :meth:`KVCache.advance` once all layers have run.
-
-Layout. Per layer, K and V are ``[slots, nkv, capacity, hd]`` tensors allocated once (zeroed, so
-a masked-out column is finite and can never turn a softmax into NaN). Every slot (row) has its
-own length, so a continuous-batching engine can run sequences of different ages side by side and
-refill a finished slot with a new prompt without touching the others:
-
-- a forward over ``B`` rows works on slots ``[0, B)`` unless :meth:`bind` names other slots (the
-  engine binds the freshly admitted slots for their prefill; a decode step over the running
-  sequences, which the engine keeps packed at the front with :meth:`move`, needs no binding);
-- row ``b``'s ``T`` new keys are written at its own length; :meth:`advance` then adds the row's
-  real token count (``valid`` of :meth:`bind`: a right-padded prefill row is shorter than ``T``,
-  and its padding is simply overwritten by the next token);
-- attention reads the first ``S = key_mask.shape[1]`` columns; the decoder's bias (from the
-  caller's ``key_mask``) hides every column a row does not own. Reading slots ``[0, B)`` is a
-  view, so a decode step copies no K/V at all: its only O(S) work is the two attention matmuls.
-  The decoder's causal part assumes the ``T`` new tokens are the last ``T`` of the ``S`` columns,
-  so a forward with ``T > 1`` is either a prefill of empty rows (``S = T``) or lock-step use
-  (every row at the same length, left-padded prompts, no binding); a ``T = 1`` decode step may
-  mix rows of any lengths.
-
-Grouped-query attention without ``repeat_interleave``: the queries of the ``rep`` heads sharing
-a kv head are stacked, ``[B, nkv, rep*T, hd]``, and multiplied against that kv head's keys.
-Measured at the SmolLM-135M shape (30 layers, 9 heads / 3 kv heads, batch 8, 200 cached
-positions, 1 thread, torch profiler): the ``repeat_interleave`` of K and V cost 33 ms of a
-~200 ms decode step (it copies ``[B, nh, S, hd]`` per layer and step); the grouped layout
-removes it, and its attention matmuls took 21 ms a step against 26 for the interleaved ones.
+A forward over B rows uses slots [0, B) -- a view, no copy -- unless :meth:`bind` names others
+(a prefill of freshly admitted slots). The decoder's causal part assumes the T new tokens are the
+last T of the S columns: a T > 1 forward is a prefill of empty rows or lock-step use; a T = 1
+decode step may mix rows of any length. GQA without ``repeat_interleave`` (the queries of a kv
+head stacked): the interleave cost 33 ms of a ~200 ms 135M-shape decode step (measured).
 """
 
 from __future__ import annotations
@@ -53,8 +30,7 @@ class KVCache:
         return slots <= self.slots and max_len <= self.max_len
 
     def bind(self, rows: torch.Tensor, valid: torch.Tensor | None = None) -> None:
-        """The next forward's row ``b`` is slot ``rows[b]`` and holds ``valid[b]`` real tokens
-        (default: all ``T``); both reset once :meth:`advance` has run."""
+        """The next forward's row ``b`` is slot ``rows[b]`` with ``valid[b]`` real tokens (default: T)."""
         self._rows, self._valid = rows, valid
 
     def reset(self, slots) -> None:
@@ -62,9 +38,7 @@ class KVCache:
         self.lengths[slots] = 0
 
     def move(self, src: int, dst: int) -> None:
-        """Copy slot ``src``'s sequence into slot ``dst`` (the engine packs running rows at the
-        front when a sequence finishes and no prompt is waiting): O(its length), once, instead
-        of a gather of every row on every later step."""
+        """Copy slot ``src``'s sequence into slot ``dst``: once, instead of a gather on every later step."""
         n = int(self.lengths[src])
         for k, v in zip(self.k, self.v):
             k[dst, :, :n] = k[src, :, :n]
@@ -85,8 +59,7 @@ class KVCache:
         return self._where
 
     def update(self, layer: int, k, v, s: int):
-        """Write ``k``/``v`` [B, nkv, T, hd] at each row's length; return the rows' first ``s``
-        keys and values (a view for unbound rows, a gathered copy for bound ones)."""
+        """Write ``k``/``v`` at each row's length; return the rows' first ``s`` keys and values."""
         rows, pos = self._targets(k.shape[0], k.shape[2])
         self.k[layer][rows, :, pos] = k.transpose(1, 2).to(self.k[layer].dtype)
         self.v[layer][rows, :, pos] = v.transpose(1, 2).to(self.v[layer].dtype)
@@ -101,16 +74,9 @@ class KVCache:
         self._rows = self._valid = self._where = None
 
     def attend(self, layer: int, q, k, v, bias, fp32_softmax: bool = True):
-        """Write ``k``/``v`` [B, nkv, T, hd] and attend ``q`` [B, nh, T, hd] over each row's first
-        ``S`` keys; ``bias`` [B, 1, T, S] is 0 where allowed, -inf-like elsewhere. Precision is the
-        decoder's (``model.decoder.attention_probs``): FP32 scores and softmax when
-        ``fp32_softmax``, the cache's dtype throughout otherwise. Returns [B, T, nh*hd].
-
-        Plain matmuls and softmax, the learner's formulation, rather than
-        ``scaled_dot_product_attention``: over 30 layers of the 135M shape, one decode step
-        (1 thread, median of 5) took 61 ms this way at batch 32 x 172 positions against 66 for
-        SDPA on the grouped queries and 73 for SDPA with ``enable_gqa``; 22.6 / 23.2 / 23.3 ms
-        at batch 8 x 300."""
+        """Write ``k``/``v`` [B, nkv, T, hd], attend ``q`` [B, nh, T, hd] over each row's first S keys
+        (``bias`` [B, 1, T, S]); returns [B, T, nh*hd]. Plain matmuls, not SDPA: a 135M-shape
+        decode step took 61 ms so against 66-73 ms with SDPA (batch 32 x 172, measured)."""
         keys, vals = self.update(layer, k, v, bias.shape[-1])
         b, nh, t, hd = q.shape
         rep = nh // keys.shape[1]

@@ -1,19 +1,10 @@
 """Rotary position embeddings: a checkpoint's rope settings -> inverse frequencies and cos/sin scale.
 
-HF spells the same settings three ways: transformers 4 writes a top-level ``rope_theta`` plus
-``rope_scaling`` (``{"type" | "rope_type": ..., "factor": ...}``), transformers 5 writes
-``rope_parameters`` with ``rope_theta`` inside, and either may leave parts out.
-:func:`rope_parameters` reads any of them into one flat dict with the precedence of
-transformers' ``RotaryEmbeddingConfigMixin`` (``rope_scaling`` over ``rope_parameters``, a theta
-inside the dict over the top-level one, ``original_max_position_embeddings`` defaulting to
-``max_position_embeddings``), and refuses what the decoder cannot reproduce exactly.
-
-:func:`inv_freq` follows ``modeling_rope_utils`` operation for operation in FP32 (the same
-arange, the same division order), so our frequencies are bit-identical to transformers' and
-log-probs agree within float noise, not within an approximation. Supported: ``default``,
-``linear``, ``llama3``, ``yarn``. ``dynamic`` and ``longrope`` change the frequencies with the
-running sequence length, which a KV cache written at an earlier length cannot follow, so they
-are refused, as is a partial rotary factor (these families rotate the whole head).
+:func:`rope_parameters` reads transformers 4's ``rope_theta`` + ``rope_scaling`` and transformers
+5's ``rope_parameters`` into one dict, with transformers' precedence. :func:`inv_freq` follows
+``modeling_rope_utils`` operation for operation in FP32, so frequencies are bit-identical.
+Supported: default, linear, llama3, yarn. ``dynamic`` and ``longrope`` change with the running
+sequence length, which a KV cache written earlier cannot follow: refused, as is partial rotary.
 """
 
 from __future__ import annotations
@@ -26,8 +17,7 @@ SCALED = ("llama3", "yarn", "longrope")  # the types that carry original_max_pos
 
 
 def rope_parameters(d: dict, max_position_embeddings: int, default_theta: float = 10000.0) -> dict:
-    """The effective rope settings of an HF config dict ``d``: ``rope_type``, ``rope_theta`` and
-    the type's own keys. ValueError (naming the key and value) for anything not supported."""
+    """The effective rope settings of config dict ``d`` (``rope_type``, ``rope_theta``, the type's keys)."""
     raw = d.get("rope_scaling") or d.get("rope_parameters") or {}
     if not isinstance(raw, dict):
         raise ValueError(f"config.json rope_scaling/rope_parameters={raw!r}: expected an object")

@@ -1,10 +1,5 @@
-"""The sampler's rule, shared by the actor's engine and the learner's numerator.
-
-Behaviour log-probs are those of the distribution actually sampled from: logits / temperature,
-then top-k / top-p truncation and renormalisation, all in FP32. The learner applies the same
-:func:`truncation_mask` before its numerator (``learner/logprobs.py``), so the ratio compares
-like with like. One function, so the two sides can never drift apart.
-"""
+"""The sampler's rule (temperature, then top-k / top-p truncation, FP32), shared by the actor's engine
+and the learner's numerator so that the two can never drift apart."""
 
 from __future__ import annotations
 
@@ -16,8 +11,6 @@ from torch import Tensor
 
 @dataclass(frozen=True)
 class SamplingSpec:
-    """What defines the behaviour distribution; the learner's numerator must use the same."""
-
     temperature: float = 1.0
     top_k: int = 0  # 0 = off
     top_p: float = 1.0
@@ -29,14 +22,9 @@ class SamplingSpec:
 
 @torch.no_grad()
 def truncation_mask(logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
-    """Boolean ``[n, V]`` mask of the tokens a top-k / top-p sampler may draw from.
-
-    Order and tie rules are the usual sampler ones (HF ``generate``): logits are already divided
-    by the temperature; top-k keeps every token whose logit ties the k-th largest; top-p then keeps
-    the smallest prefix, by descending probability of the top-k-renormalised distribution, whose
-    mass reaches ``top_p`` (the most likely token is always kept). An actor that samples through
-    this same function draws from exactly the support the learner renormalises over.
-    """
+    """Boolean ``[n, V]`` mask of the tokens a top-k / top-p sampler may draw from (HF ``generate``'s
+    rules on temperature-scaled logits: top-k keeps ties of the k-th; top-p then keeps the smallest
+    prefix of the top-k-renormalised distribution reaching ``top_p``, the top token always)."""
     keep = torch.ones_like(logits, dtype=torch.bool)
     vocab = logits.shape[-1]
     if 0 < top_k < vocab:

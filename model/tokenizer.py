@@ -1,23 +1,12 @@
-"""A model directory's own tokenizer and its special token ids.
+"""A model directory's own tokenizer and its special token ids (never module constants).
 
-Tasks tokenise through this, and engines stop on its EOS ids, so special ids come from the
-checkpoint, never from module constants. Where each id is looked up, first hit wins:
+Lookup order, first hit wins: bos -- config.json ``bos_token_id``, tokenizer_config.json
+``bos_token``; eos -- generation_config.json, config.json (int or list), tokenizer_config.json;
+pad -- config.json, tokenizer_config.json, the first EOS (padding is masked, any id will do).
 
-    bos   config.json ``bos_token_id`` · tokenizer_config.json ``bos_token`` (by name)
-    eos   generation_config.json ``eos_token_id`` · config.json ``eos_token_id`` (int or list) ·
-          tokenizer_config.json ``eos_token``
-    pad   config.json ``pad_token_id`` · tokenizer_config.json ``pad_token`` · the first EOS
-          (padding is masked everywhere, so any in-vocabulary id is correct)
-
-Chat templates render exactly as ``transformers``' ``apply_chat_template`` does
-(``transformers/utils/chat_template_utils.py``): the template comes from ``chat_template.jinja``
-(what transformers 5 writes) or else tokenizer_config.json's ``chat_template`` (a string, or a
-list of ``{name, template}`` of which "default" is used); it is rendered by jinja2's immutable
-sandbox -- templates ship with checkpoints, so they are untrusted code -- with
-``trim_blocks``/``lstrip_blocks``, the ``raise_exception``/``strftime_now`` globals, the
-non-HTML-escaping ``tojson`` filter, the ``{% generation %}`` tag and the special tokens' names
-(``bos_token``, ``eos_token``, ...) as variables; the text is then encoded without adding special
-tokens again (a template that wants BOS writes ``{{ bos_token }}`` itself).
+Chat templates render as transformers' ``apply_chat_template`` does (chat_template.jinja over
+tokenizer_config.json's ``chat_template``), in jinja2's immutable sandbox: a checkpoint's
+template is untrusted code. The text is encoded without adding special tokens again.
 """
 
 from __future__ import annotations
@@ -25,12 +14,10 @@ from __future__ import annotations
 import functools
 import json
 import os
-import re
 from dataclasses import dataclass
 from datetime import datetime
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
-# the special tokens transformers passes to a template by name (``special_tokens_map``)
 TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
@@ -52,8 +39,7 @@ def _token_name(value) -> str | None:
 
 
 def read_chat_template(path: str, tok_config: dict) -> str | None:
-    """The model directory's chat template: ``chat_template.jinja`` wins over tokenizer_config.json
-    (transformers' order); None when it has none."""
+    """``chat_template.jinja``, else tokenizer_config.json's (its "default" of a list); None if neither."""
     file = os.path.join(path, CHAT_TEMPLATE_FILE)
     if os.path.exists(file):
         with open(file, encoding="utf-8") as f:
@@ -66,10 +52,6 @@ def read_chat_template(path: str, tok_config: dict) -> str | None:
         raise ValueError(f"{path}/tokenizer_config.json: chat_template lists {sorted(map(str, named))} "
                          "but no template named 'default'")
     return named["default"]
-
-
-def _template_tokens(tok_config: dict) -> tuple[tuple[str, str], ...]:
-    return tuple((k, _token_name(tok_config[k])) for k in TEMPLATE_TOKENS if tok_config.get(k) is not None)
 
 
 @dataclass(frozen=True)
@@ -90,15 +72,13 @@ class Tokenizer:
         return self.tok.get_vocab_size()
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``, no special tokens added."""
         return self.tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
     def apply_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of ``messages`` (``{"role", "content"}`` dicts) rendered by the chat template,
-        as ``transformers``' ``apply_chat_template(messages, add_generation_prompt=...)`` gives."""
+        """Token ids of ``messages`` as transformers' ``apply_chat_template`` gives them."""
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template (no chat_template.jinja, no chat_template "
                              "in tokenizer_config.json)")
@@ -108,8 +88,7 @@ class Tokenizer:
         return self.encode(text)
 
     def wants_chat(self, mode: str) -> bool:
-        """Whether prompts go through the chat template: ``mode`` is task.chat_template ("on",
-        "off", or "auto" = when the checkpoint has one)."""
+        """Whether prompts go through the chat template under task.chat_template = ``mode``."""
         if mode not in ("auto", "on", "off"):
             raise ValueError(f"task.chat_template = {mode!r}: expected auto, on or off")
         if mode == "on" and self.chat_template is None:
@@ -118,9 +97,8 @@ class Tokenizer:
         return mode == "on" or (mode == "auto" and self.chat_template is not None)
 
     def prompt(self, text: str, chat: bool, system: str = "") -> list[int]:
-        """Prompt ids of a user's ``text``: the chat template (with a ``system`` message when not
-        empty) followed by the assistant's header, or else BOS (if any), ``system`` and ``text`` as
-        plain text: a model without a template still sees which tier it is asked for."""
+        """Prompt ids of a user's ``text``: through the chat template (``system`` as its system
+        message), else BOS, ``system`` and ``text`` as plain text (a tier's prompt still shows)."""
         if chat:
             system_msg = [{"role": "system", "content": system}] if system else []
             return self.apply_chat([*system_msg, {"role": "user", "content": text}])
@@ -151,28 +129,13 @@ class Tokenizer:
         bos = config.get("bos_token_id", by_name("bos_token"))
         pad = config.get("pad_token_id")
         pad = pad if pad is not None else by_name("pad_token")
-        return cls(tok, bos, eos, eos[0] if pad is None else int(pad), chat_template, _template_tokens(tok_config))
-
-
-# ---- chat templates: transformers' sandboxed jinja environment ------------------------------
-
-def _require_jinja() -> None:
-    """jinja2 >= 3.1.6, as transformers requires: older versions have known sandbox escapes, and a
-    checkpoint's template is untrusted code."""
-    try:
-        import jinja2
-    except ImportError:
-        raise ImportError("rendering a chat template needs jinja2>=3.1.6: pip install jinja2 "
-                          "(or set task.chat_template=off)") from None
-    version = tuple(int(x) for x in re.findall(r"\d+", jinja2.__version__)[:3])
-    if version < (3, 1, 6):
-        raise ImportError(f"jinja2 {jinja2.__version__} has known sandbox escapes: pip install -U 'jinja2>=3.1.6'")
+        names = tuple((k, _token_name(tok_config[k])) for k in TEMPLATE_TOKENS if tok_config.get(k) is not None)
+        return cls(tok, bos, eos, eos[0] if pad is None else int(pad), chat_template, names)
 
 
 @functools.lru_cache(maxsize=16)
 def _compile(template: str):
-    _require_jinja()
-    import jinja2.ext
+    import jinja2.ext  # >= 3.1.6 (pyproject): older versions have known sandbox escapes
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
@@ -196,8 +159,7 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
 
 @functools.cache
 def _generation_tag():
-    """``{% generation %}...{% endgeneration %}`` (marks assistant text for training masks in
-    transformers); for a prompt it renders its body unchanged."""
+    """``{% generation %}...{% endgeneration %}`` (transformers' training-mask tag): renders its body."""
     import jinja2.ext
     from jinja2 import nodes
 
@@ -217,8 +179,7 @@ def _generation_tag():
 
 @functools.cache
 def _namespace_class():
-    """jinja's ``namespace`` refusing underscore-prefixed names, so a template cannot reach
-    CPython internals through attributes it stores (transformers' ``TemplateNamespace``)."""
+    """jinja's ``namespace`` refusing underscore-prefixed names (transformers' ``TemplateNamespace``)."""
     from jinja2.exceptions import SecurityError
     from jinja2.utils import Namespace
 

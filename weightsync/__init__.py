@@ -1,12 +1,9 @@
 """Parameter server: the learner publishes weight versions, actors apply them between decode steps.
 
-Transports (``weightsync.transport``), a seam like the others (core/registry.py): ``shm`` and
-``filesystem`` are one implementation, weights as versioned files (:mod:`weightsync.files`; in a
-private /dev/shm directory, or in ``run_dir/weights`` for hosts that share only a file system),
-``nccl`` (GPUs across hosts, via cupy), ``cuda_ipc`` (one shared GPU). See :mod:`weightsync.base`
-for the interface. Classes are named as strings and imported only when chosen
-(:func:`weightsync.base.make_publisher`), so this package imports nothing: no torch, and no
-circle through it.
+Transports (``weightsync.transport``) are named as strings and imported only when chosen
+(:func:`weightsync.base.make_publisher`), so this package imports nothing: no torch, no circle.
+An engine declares what it receives (``Engine.receives``); :data:`DELIVERS` says which transports
+serve it, and the driver checks the pair before anything starts (jobs.check_seams).
 """
 
 PUBLISHERS = {
@@ -14,10 +11,16 @@ PUBLISHERS = {
     "filesystem": "weightsync.files:FsPublisher",
     "nccl": "weightsync.nccl:NcclPublisher",
     "cuda_ipc": "weightsync.cuda_ipc:CudaIpcPublisher",
+    "torch_dist": "weightsync.nccl:NcclPublisher",
 }
 SUBSCRIBERS = {
     "shm": "weightsync.files:ShmSubscriber",
     "filesystem": "weightsync.files:FsSubscriber",
     "nccl": "weightsync.nccl:NcclSubscriber",
     "cuda_ipc": "weightsync.cuda_ipc:CudaIpcSubscriber",
+    "torch_dist": "weightsync.nccl:GroupLink",
 }
+# what an engine receives -> the transports that deliver it: "tensors" (a subscriber copies or maps
+# into the engine's own tensors) or "group" (a server joins a torch.distributed group and receives
+# the broadcasts itself; its subscriber is a GroupLink that only follows the publisher)
+DELIVERS = {"tensors": ("shm", "filesystem", "nccl", "cuda_ipc"), "group": ("torch_dist",)}

@@ -1,26 +1,17 @@
 """Weight sync interface: the learner publishes numbered weight versions, actors apply them.
 
-``Publisher`` (learner side) and ``Subscriber`` (actor side) hold the checks every transport
-shares -- increasing versions, a layout fixed at start, updates under ``no_grad`` (in-place
-copies, or for shm by default a zero-copy mapping), timing and counters -- and delegate the
-moving of bytes to ``_write`` / ``_apply`` in the transports that ``weightsync.PUBLISHERS`` /
-``weightsync.SUBSCRIBERS`` name (:mod:`weightsync.files` for ``shm`` and ``filesystem``,
-:mod:`weightsync.nccl`, :mod:`weightsync.cuda_ipc`). :func:`make_publisher` /
-:func:`make_subscriber` resolve ``cfg.weightsync.transport`` there by name, so this module
-imports no transport and no transport's import comes back here in a circle.
+``Publisher`` / ``Subscriber`` hold what every transport shares (increasing versions, a layout
+fixed at start, updates under ``no_grad``, timing and counters); transports move the bytes in
+``_write`` / ``_apply``. An actor calls ``latest_version()`` between decode steps (cheap) and
+``apply(params)`` when it is newer, so an update lands between two decode steps.
 
-An actor calls ``latest_version()`` between decode steps (cheap: a small file read, or a
-non-blocking socket poll) and ``apply(params)`` when it is newer than what it holds, so a weight
-update lands between two decode steps without stopping generation.
-
-Every blocking wait (a subscriber waiting for its publisher, an NCCL publisher waiting for its
-subscribers) has a deadline and takes ``stop``: a ``threading.Event`` (anything with
-``is_set``) or a callable returning True to give up, e.g. the worker's SIGTERM event. A wait
-that sees it set raises :class:`Stopped` within one poll interval.
+Every blocking wait has a deadline and takes ``stop`` (an Event-like with ``is_set``, or a
+callable): once it is set the wait raises :class:`Stopped` within one poll interval.
 """
 
 from __future__ import annotations
 
+import abc
 import time
 from dataclasses import dataclass
 from typing import Callable, Mapping
@@ -52,13 +43,12 @@ class SubscriberStats:
     mapped: int = 0  # tensors the last apply mapped from the version file instead of copying (shm)
 
 
-class _Closable:
-    """``close()`` once (idempotent; ``_close`` is the transport's part) and ``with`` support."""
+class _Closable(abc.ABC):
+    """Idempotent ``close()`` (``_close`` is the transport's part) and ``with`` support."""
 
     _closed = False
 
     def close(self) -> None:
-        """Idempotent."""
         if not self._closed:
             self._closed = True
             self._close()
@@ -74,9 +64,8 @@ class _Closable:
 
 
 class Publisher(_Closable):
-    """Learner side. Subclasses implement ``_write(version, named) -> payload bytes``, or None
-    when the transport dropped that version (cuda_ipc with every device slot in use): ``publish``
-    then returns None and ``skipped`` counts it."""
+    """Learner side. ``_write`` returns the payload bytes, or None when the transport dropped
+    that version (cuda_ipc with every device slot in use): ``publish`` then returns None."""
 
     transport = "?"
 
@@ -85,7 +74,6 @@ class Publisher(_Closable):
         self.last_stats: PublishStats | None = None
         self._last_version = -1
         self.skipped = 0
-        self._closed = False
 
     def publish(self, version: int, named: Mapping[str, torch.Tensor]) -> PublishStats | None:
         if self._closed:
@@ -107,41 +95,38 @@ class Publisher(_Closable):
         return self.last_stats
 
     @classmethod
+    @abc.abstractmethod
     def from_config(cls, cfg, run_dir: str, template: Mapping[str, torch.Tensor], *, stop=None) -> "Publisher":
-        """The learner's publisher of this transport, from the run's config (:func:`make_publisher`)."""
-        raise NotImplementedError
+        """The learner's publisher of this transport, from the run's config."""
 
+    @abc.abstractmethod
     def _write(self, version: int, named: Mapping[str, torch.Tensor]) -> int | None:
-        raise NotImplementedError
+        ...
 
     def metrics(self) -> dict[str, float]:
         s = self.last_stats
-        return {
-            "weightsync/publish_s": s.seconds if s else 0.0,
-            "weightsync/bytes": float(s.bytes) if s else 0.0,
-            "weightsync/publishes_skipped": float(self.skipped),
-        }
-
+        return {"weightsync/publish_s": s.seconds if s else 0.0, "weightsync/bytes": float(s.bytes) if s else 0.0,
+                "weightsync/publishes_skipped": float(self.skipped)}
 
 
 class Subscriber(_Closable):
-    """Actor side. Subclasses implement ``latest_version()`` and
-    ``_apply(named, after) -> (version, payload bytes) | None`` (copy, or map, the newest
-    complete version newer than ``after`` into ``named``)."""
+    """Actor side. ``_apply(named, after)`` copies (or maps) the newest complete version newer
+    than ``after`` into ``named`` and returns ``(version, payload bytes)``, or None."""
 
     transport = "?"
 
     def __init__(self):
         self.stats = SubscriberStats()
-        self._closed = False
 
     @classmethod
-    def from_config(cls, cfg, run_dir: str, timeout_s: float = 60, *, stop=None, device=None) -> "Subscriber":
-        """An actor's subscriber of this transport, from the run's config (:func:`make_subscriber`)."""
-        raise NotImplementedError
+    @abc.abstractmethod
+    def from_config(cls, cfg, run_dir: str, timeout_s: float = 60, *, stop=None, device=None,
+                    actor_id: str = "") -> "Subscriber":
+        """An actor's subscriber of this transport, from the run's config."""
 
+    @abc.abstractmethod
     def latest_version(self) -> int:
-        raise NotImplementedError
+        ...
 
     def apply(self, named: Mapping[str, torch.Tensor]) -> int | None:
         if self._closed:
@@ -162,18 +147,14 @@ class Subscriber(_Closable):
         s.bytes = nbytes
         return version
 
+    @abc.abstractmethod
     def _apply(self, named: Mapping[str, torch.Tensor], after: int) -> tuple[int, int] | None:
-        raise NotImplementedError
+        ...
 
     def metrics(self) -> dict[str, float]:
         s = self.stats
-        return {
-            "weightsync/apply_s": s.apply_s,
-            "weightsync/apply_s_total": s.apply_s_total,
-            "weightsync/bytes": float(s.bytes),
-            "weightsync/versions_skipped": float(s.versions_skipped),
-        }
-
+        return {"weightsync/apply_s": s.apply_s, "weightsync/apply_s_total": s.apply_s_total,
+                "weightsync/bytes": float(s.bytes), "weightsync/versions_skipped": float(s.versions_skipped)}
 
 
 class Stopped(RuntimeError):
@@ -181,18 +162,9 @@ class Stopped(RuntimeError):
 
 
 def stop_check(stop) -> Callable[[], bool]:
-    """``stop`` (None, an Event-like with ``is_set``, or a callable) as a callable."""
     if stop is None:
         return lambda: False
     return stop.is_set if hasattr(stop, "is_set") else stop
-
-
-def pause(stop, seconds: float) -> None:
-    """Sleep ``seconds``, waking at once when ``stop`` is an Event that gets set."""
-    if hasattr(stop, "wait"):
-        stop.wait(seconds)
-    else:
-        time.sleep(seconds)
 
 
 def wait_until(ready, timeout_s: float, what: str, poll_s: float = 0.05, stop=None):
@@ -208,24 +180,17 @@ def wait_until(ready, timeout_s: float, what: str, poll_s: float = 0.05, stop=No
             return got
         if time.monotonic() >= deadline:
             raise TimeoutError(f"waited {timeout_s:.0f}s for {what}")
-        pause(stop, poll_s)
+        getattr(stop, "wait", time.sleep)(poll_s)  # an Event wakes the moment it is set
 
 
 def make_publisher(cfg, run_dir: str, template: Mapping[str, torch.Tensor], *, stop=None) -> Publisher:
-    """The learner's publisher for ``cfg.weightsync.transport``; ``template`` fixes the layout.
-    ``stop`` ends the nccl transport's wait for its subscribers (see :func:`wait_until`). With
-    ``actor.engine=sglang`` the actors' servers join a torch.distributed group instead: the nccl
-    transport's ``backend="sglang"`` mode (``NcclPublisher.from_config``)."""
-    transport = cfg.weightsync.transport
-    if cfg.actor.engine == "sglang" and transport != "nccl":
-        raise ValueError(f"actor.engine=sglang receives weights over NCCL: set weightsync.transport=nccl "
-                         f"(got weightsync.transport={transport!r})")
-    return resolve(PUBLISHERS, transport, "weightsync transport").from_config(cfg, run_dir, template, stop=stop)
+    """The learner's publisher for ``cfg.weightsync.transport``; ``template`` fixes the layout."""
+    return resolve(PUBLISHERS, cfg.weightsync.transport, "weightsync transport").from_config(
+        cfg, run_dir, template, stop=stop)
 
 
-def make_subscriber(cfg, run_dir: str, timeout_s: float = 60, *, stop=None, device=None) -> Subscriber:
-    """An actor's subscriber; waits up to ``timeout_s`` for the publisher to exist, or until
-    ``stop`` is set (then raises :class:`Stopped`). ``device``: the actor's own (core/placement.py:
-    actor_device), where the nccl and cuda_ipc transports put what they receive."""
+def make_subscriber(cfg, run_dir: str, timeout_s: float = 60, *, stop=None, device=None, actor_id: str = ""):
+    """An actor's subscriber; waits up to ``timeout_s`` for the publisher. ``device``: the actor's
+    own (core/placement.py: actor_device), where nccl and cuda_ipc put what they receive."""
     cls = resolve(SUBSCRIBERS, cfg.weightsync.transport, "weightsync transport")
-    return cls.from_config(cfg, run_dir, timeout_s, stop=stop, device=device)
+    return cls.from_config(cfg, run_dir, timeout_s, stop=stop, device=device, actor_id=actor_id)

@@ -1,32 +1,15 @@
 """CUDA IPC transport (one shared GPU): weight slots in device memory, never through the host.
 
-When the learner and an actor share a GPU (core/placement.py: one GPU, every role on
-``cuda:0``), copying the weights to ``/dev/shm`` and back costs two PCIe crossings per version;
-here the publisher keeps ``N`` flat device slots and an actor copies the newest one device to
-device into its own parameters.
+The publisher keeps ``N`` flat device slots; which one is free is the shm transport's question,
+answered by its files: file ``i`` holds only a *record* of slot ``i`` (:class:`IpcSlot`: the CUDA
+IPC handle ``UntypedStorage._share_cuda_()`` returns, and the layout) and is reused only when no
+reader has it open. A reader keeps the record's file open until its device copy is done and
+synchronised, and a record is published only after its slot is written and synchronised, so no
+slot is rewritten mid-copy and no actor sees a half-written version.
 
-Which device slot is free is the shm transport's question, answered by its files
-(weightsync/files.py): the publisher keeps a small shm directory whose version files hold only a
-*record* of device slot ``i`` -- a msgspec :class:`IpcSlot` with the CUDA IPC handle of that
-slot's memory (the tuple ``UntypedStorage._share_cuda_()`` returns, taken once per slot at
-start, exactly the arguments ``UntypedStorage._new_shared_cuda`` takes, as
-torch/multiprocessing/reductions.py passes them), and the weight layout. File ``i`` always
-describes device slot ``i``, and a file is reused only when no reader has it open; a reader keeps
-the record's file open until its device copy is done (and synchronised): a device slot is never
-rewritten while an actor copies out of it, and the record is published (renamed into place) only
-after its slot is written and the stream synchronised, so an actor never sees a half-written
-version. Every slot is opened once per reader and cached by its handle (dropped when a restarted
-learner's directory replaces the old one).
-
-Copied, never mapped: an actor that rebound its parameters to the learner's slots would compute
-with freed memory after a learner crash (CUDA IPC memory dies with its exporter, unlike shm's
-file), and the launcher restarts crashed learners. So a version costs two device copies, one
-into a slot (publish) and one out of it (apply): ``gpu_check``'s ``ratio`` is at most ~0.5.
-
-Nothing is pickled: the record is msgspec bytes, length-prefixed in a fixed-size record file.
-``share`` / ``opener`` are the two CUDA calls; the unit tests pass in-process stand-ins for
-them to test the records and the slot discipline without a GPU (tests/unit/test_cuda_ipc.py);
-the real path is tests/gpu/test_weightsync_gpu.py and ``python -m bench.gpu_check``.
+Copied, never mapped: CUDA IPC memory dies with its exporter, and a restarted learner must not
+leave an actor computing with freed memory. Nothing is pickled (msgspec records). ``share`` /
+``opener`` are the two CUDA calls; the unit tests pass stand-ins for them.
 """
 
 from __future__ import annotations
@@ -66,8 +49,7 @@ _encoder = msgspec.msgpack.Encoder()
 
 
 def share_cuda(flat: torch.Tensor) -> tuple:
-    """``flat``'s storage shared by CUDA IPC: ``(device, handle, size_bytes, offset_bytes,
-    ref_counter_handle, ref_counter_offset, event_handle, event_sync_required)``."""
+    """``flat``'s storage shared by CUDA IPC: the fields of :class:`IpcSlot` from ``device`` on."""
     if flat.device.type != "cuda":
         raise ValueError(f"cuda_ipc shares CUDA memory, but the slot is on {flat.device}: set learner.device "
                          "and actor.device to one CUDA device (or use weightsync.transport=shm)")
@@ -75,7 +57,6 @@ def share_cuda(flat: torch.Tensor) -> tuple:
 
 
 def open_cuda(rec: IpcSlot) -> torch.Tensor:
-    """The publisher's device slot ``rec`` as a flat uint8 tensor of this process."""
     torch.cuda._lazy_init()
     storage = torch.UntypedStorage._new_shared_cuda(
         rec.device, rec.handle, rec.size_bytes, rec.offset_bytes, rec.ref_counter_handle,
@@ -85,7 +66,7 @@ def open_cuda(rec: IpcSlot) -> torch.Tensor:
 
 
 def encode_record(rec: IpcSlot, capacity: int) -> torch.Tensor:
-    """``rec`` as a ``capacity``-byte uint8 tensor: its length, its msgpack bytes, zeros."""
+    """``rec`` as ``capacity`` uint8 bytes: its length, its msgpack bytes, zeros."""
     raw = _encoder.encode(rec)
     if _LEN.size + len(raw) > capacity:
         raise ValueError(f"an IpcSlot record of {len(raw)} bytes does not fit {capacity} bytes")
@@ -95,7 +76,6 @@ def encode_record(rec: IpcSlot, capacity: int) -> torch.Tensor:
 
 
 def decode_record(buf: torch.Tensor) -> IpcSlot:
-    """The record in ``buf`` (encode_record's layout); ValueError if it is not one."""
     data = buf.numpy().tobytes()
     (n,) = _LEN.unpack_from(data)
     if not 0 < n <= len(data) - _LEN.size:
@@ -113,9 +93,8 @@ def _sync(device: torch.device) -> None:
 
 
 class _Control(ShmPublisher):
-    """The shm transport's files, file ``i`` holding the record of device slot ``i``; ``fill(i)``
-    writes device slot ``i`` and returns its record. One version stays visible; at most
-    ``max_files`` files, one per device slot."""
+    """shm files, file ``i`` holding the record of device slot ``i`` (``fill(i)`` writes the slot
+    and returns it); one version visible, at most one file per slot."""
 
     keep = 1
 
@@ -133,8 +112,8 @@ class _Control(ShmPublisher):
 
 
 class CudaIpcPublisher(Publisher):
-    """Learner side: ``slots`` device copies (default ``2 + max_readers``: one visible, one being
-    written, one per reader copying; a publish never waits) on the template's device."""
+    """``slots`` device copies (default ``2 + max_readers``: one visible, one being written, one
+    per reader copying; a publish never waits)."""
 
     transport = "cuda_ipc"
 
@@ -180,8 +159,7 @@ class CudaIpcPublisher(Publisher):
 
 
 class CudaIpcSubscriber(Subscriber):
-    """Actor side: copies the newest version device to device into the targets (any dtype:
-    ``copy_`` converts); ``device`` is the actor's, where the targets live."""
+    """Copies the newest version device to device into the targets (``device``: the actor's)."""
 
     transport = "cuda_ipc"
 
@@ -194,7 +172,8 @@ class CudaIpcSubscriber(Subscriber):
         self._opened_from = self._control.dir
 
     @classmethod
-    def from_config(cls, cfg, run_dir: str, timeout_s: float = 60, *, stop=None, device=None) -> "CudaIpcSubscriber":
+    def from_config(cls, cfg, run_dir: str, timeout_s: float = 60, *, stop=None, device=None,
+                    actor_id: str = "") -> "CudaIpcSubscriber":
         return cls(run_dir, timeout_s, device=device, stop=stop)
 
     def latest_version(self) -> int:

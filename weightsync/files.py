@@ -1,23 +1,17 @@
 """Weights as versioned files (transports ``shm`` and ``filesystem``).
 
-Why: the kernel already keeps what a hand-built shared-memory allocator had to. ``rename`` makes a
-version appear whole or not at all; a reader that opened or mapped a file keeps it however the
-publisher renames or unlinks it; a dead reader leaves nothing to reclaim; and a write lease
-(``F_SETLEASE``) is granted only when no other process has a file open, so the publisher reuses a
-retired version's file only then. No slots, pins, reader table or liveness checks.
-
-Layout: ``shm`` writes into a private (0700) directory of random name in /dev/shm (the run
-directory where there is none) recorded in ``run_dir/weights.shm``; ``filesystem`` into
-``run_dir/weights``, which every node sees (a new file per version: a lease cannot see a remote
-reader). Inside: ``v<version>`` files and ``LATEST``, naming the newest (shm: a symlink, one
-``readlink`` per ``latest_version()``; filesystem: a file, which NFS revalidates on open). A file is a checksummed prefix and msgpack header (never pickle), then
-the layout's buckets page-aligned (weightsync/layout.py), so a CPU target of the published dtype
-is re-pointed at a read-only view of the mapped file (no byte copied) and any other target is
-read into (``preadv``). A damaged or truncated file is refused with :class:`DamagedFile`.
+The kernel keeps what a shared-memory allocator would: ``rename`` makes a version appear whole;
+a reader that opened or mapped a file keeps it whatever the publisher does; and a write lease
+(``F_SETLEASE``) is granted only when no other process has the file open, so a retired file is
+reused only then. ``shm``: a private directory in /dev/shm recorded in ``run_dir/weights.shm``;
+``filesystem``: ``run_dir/weights`` (a new file per version: a lease cannot see a remote reader).
+A file is a checksummed prefix and msgpack header (never pickle), then the page-aligned buckets,
+so a CPU target of the published dtype is mapped (no byte copied) and others are read into.
 """
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import errno
 import fcntl
@@ -41,7 +35,7 @@ import torch
 from core.files import atomic_write
 from core.messages import WeightUpdateHeader
 from weightsync import layout
-from weightsync.base import Publisher, Subscriber, wait_until
+from weightsync.base import Publisher, Subscriber, _Closable, wait_until
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +73,6 @@ class UnsafeDirectory(PermissionError):
 
 
 def weights_dir(run_dir: str) -> str:
-    """``run_dir/weights``: the filesystem transport's directory (and the nccl endpoint's)."""
     return os.path.join(run_dir, "weights")
 
 
@@ -88,8 +81,7 @@ def _shm_root(run_dir: str) -> str:
 
 
 def _check_private(st: os.stat_result, path: str, is_dir: bool = False) -> None:
-    """Refuse what another uid owns or group/other may use: its bytes, and so the weights, would
-    be theirs to choose."""
+    """Refuse what another uid owns or group/other may use: the weights would be theirs to choose."""
     if not (stat.S_ISDIR if is_dir else stat.S_ISREG)(st.st_mode):
         raise UnsafeDirectory(f"refusing {path}: not a {'directory' if is_dir else 'regular file'}")
     if st.st_uid != os.geteuid():
@@ -129,7 +121,7 @@ def recorded_dir(run_dir: str) -> str | None:
 
 
 def _dir_state(path: str) -> str:
-    """``gone``; ``live`` (a publisher holds its lock); ``dead`` (ours, unheld); ``foreign``."""
+    """``gone``, ``live`` (a publisher holds its lock), ``dead`` (ours, unheld) or ``foreign``."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except FileNotFoundError:
@@ -149,7 +141,7 @@ def _dir_state(path: str) -> str:
 
 
 def _remove_files(path: str, only_ours: bool = False) -> int:
-    """Unlink the files in ``path`` (a reader that maps one keeps its pages); how many."""
+    """Unlink the files in ``path`` (a reader that maps one keeps its pages); how many went."""
     try:
         names = os.listdir(path)
     except FileNotFoundError:
@@ -176,9 +168,8 @@ def _recorded_or_none(run_dir: str) -> str | None:
 
 
 def remove_dead_region(run_dir: str) -> int:
-    """Remove ``run_dir``'s shm weights directory and its record unless a live publisher holds it;
-    returns how many files went. run.py calls it once the roles are gone, and every shm publisher
-    before it makes its own, so /dev/shm keeps nothing of a crashed or finished run."""
+    """Remove ``run_dir``'s shm weights directory and record unless a live publisher holds it (how
+    many files went): once the roles are gone, and by every new publisher, so /dev/shm keeps nothing."""
     path = _recorded_or_none(run_dir)
     if path is None:
         return 0
@@ -222,8 +213,8 @@ def _fs_dir(run_dir: str) -> str:
 
 
 def _lock_dir(path: str) -> int:
-    """An fd of ``path`` holding its flock for the publisher's life: a second live publisher is
-    refused, and remove_dead_region spares a live one. The kernel drops it with the process."""
+    """An fd holding ``path``'s flock for the publisher's life: a second live publisher is refused
+    and remove_dead_region spares a live one."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         _check_private(os.fstat(fd), path, is_dir=True)
@@ -243,7 +234,7 @@ def _lock_dir(path: str) -> int:
 
 
 def _encode_header(header: WeightUpdateHeader) -> tuple[bytes, int]:
-    """(the msgpack FileHeader, where the payload starts) of every version of ``header``."""
+    """(the msgpack FileHeader, where the payload starts) of every version."""
     payload_at = (_PREFIX.size + len(_encoder.encode(FileHeader(header, 2**62, 2**62))) + PAGE - 1) // PAGE * PAGE
     raw = _encoder.encode(FileHeader(header, payload_at, payload_at + layout.total_nbytes(header)))
     return raw, payload_at
@@ -255,23 +246,16 @@ def _prefix(version: int, payload_crc: int, raw: bytes) -> bytes:
 
 
 def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    # one C++ call for all tensors (dtype-converting and strided copies included) instead of a
-    # Python loop of copy_: the loop costs ~1 us per tensor, a visible share for small models
-    if _foreach_copy is not None:
-        # a combination it does not take (e.g. mixed devices) falls back below: copies are idempotent
-        with contextlib.suppress(RuntimeError):
-            _foreach_copy(dst, src)
-            return
-    for d, s in zip(dst, src):
-        d.copy_(s)
-
-
-_foreach_copy = getattr(torch, "_foreach_copy_", None)
+    try:  # one C++ call instead of ~1 us of Python per tensor, a visible share for small models
+        torch._foreach_copy_(dst, src)
+    except RuntimeError:  # a combination it does not take (mixed devices); copies are idempotent
+        for d, s in zip(dst, src):
+            d.copy_(s)
 
 
 def _unshared(fd: int) -> bool | None:
-    """Whether no other open file, in any process, refers to ``fd``'s file (a mapping counts):
-    the kernel grants a write lease only then. None where leases are not supported."""
+    """Whether no other open file (or mapping), in any process, refers to ``fd``'s file: the kernel
+    grants a write lease only then. None where leases are not supported."""
     if not hasattr(fcntl, "F_SETLEASE"):
         return None
     try:
@@ -283,8 +267,8 @@ def _unshared(fd: int) -> bool | None:
 
 
 class _File:
-    """A file the publisher made: its fd, its writable mapping, a view per tensor (layout order),
-    its current name and ``index`` (its number among the publisher's files, kept when reused)."""
+    """A file the publisher made: fd, writable mapping, a view per tensor, its current name and
+    ``index`` (its number among the publisher's files, kept when reused)."""
 
     def __init__(self, name: str, index: int, fd: int, mm: mmap.mmap, views: list[torch.Tensor]):
         self.name, self.index, self.fd, self.mm, self.views = name, index, fd, mm, views
@@ -313,7 +297,7 @@ class _File:
 
 
 def _point_latest(directory: str, version: int) -> None:
-    """Replace ``LATEST`` by a symlink to ``v<version>`` (made aside, renamed over it: atomic)."""
+    """``LATEST`` -> ``v<version>``: a symlink made aside and renamed over it (atomic)."""
     tmp = os.path.join(directory, ".LATEST-new")
     try:
         os.symlink(f"v{version}", tmp)
@@ -334,8 +318,7 @@ def _reserve(fd: int, size: int, directory: str) -> None:
 
 
 class _Store:
-    """A publisher's directory and files; :meth:`close` is also its finalizer (it holds no
-    reference to the publisher)."""
+    """A publisher's directory and files; :meth:`close` is also its finalizer."""
 
     def __init__(self, path: str, lock_fd: int, remove_on_close: str | None):
         self.path, self.lock_fd = path, lock_fd
@@ -361,9 +344,8 @@ class _Store:
 
 
 class FilePublisher(Publisher):
-    """Writes each version as a file in ``self.dir`` (see the module docstring). ``keep``:
-    versions left visible after a publish; ``max_files``: files it may hold at once (None: as
-    many as readers keep open); a publish that would need more is skipped."""
+    """``keep``: versions left visible; ``max_files``: files held at once (None: as many as readers
+    keep open); a publish that would need more is skipped."""
 
     keep = 2
     recycle = True  # reuse a retired file nobody has open (never across hosts: a lease sees this one)
@@ -377,16 +359,16 @@ class FilePublisher(Publisher):
         self.names = list(self.header.names)
         self._raw_header, self.payload_at = _encode_header(self.header)
         self._store = self._open_store(run_dir)
-        # also at interpreter exit or garbage collection, so a finished learner leaves nothing in
-        # /dev/shm (a SIGKILLed one's directory is removed by remove_dead_region)
+        # also at exit or GC (a SIGKILLed publisher's directory goes by remove_dead_region)
         self._finalizer = weakref.finalize(self, self._store.close)
 
     @classmethod
     def from_config(cls, cfg, run_dir: str, template: Mapping[str, torch.Tensor], *, stop=None) -> "FilePublisher":
         return cls(run_dir, template, cfg.weightsync.bucket_mb << 20)
 
+    @abc.abstractmethod
     def _open_store(self, run_dir: str) -> _Store:
-        raise NotImplementedError
+        ...
 
     @property
     def dir(self) -> str:
@@ -482,8 +464,8 @@ class ShmPublisher(FilePublisher):
 
 
 class FsPublisher(FilePublisher):
-    """Versions in ``run_dir/weights`` for readers on other hosts: a new file per version (no
-    lease here sees a remote reader), fsynced, checksummed, three kept; they outlive close()."""
+    """For readers on other hosts: a new file per version, fsynced, checksummed, three kept, and
+    they outlive close()."""
 
     transport = "filesystem"
     keep, recycle, durable, checksum = 3, False, True, True
@@ -504,8 +486,8 @@ class FsPublisher(FilePublisher):
 
 
 def _read_header(fd: int, path: str, version: int, plans: dict) -> tuple["_Plan", int]:
-    """(the reading plan, the payload crc32c or -1) of an opened version file, checked; its header
-    is decoded once per publisher (``plans``, by its bytes). DamagedFile naming ``path`` otherwise."""
+    """(the reading plan, the payload crc32c or -1) of an opened version file, checked (else
+    DamagedFile); a header is decoded once per publisher (``plans``, by its bytes)."""
     size = os.fstat(fd).st_size
     first = os.pread(fd, min(size, 1 << 16), 0)  # prefix and header at once, mostly
     if len(first) < _PREFIX.size:
@@ -547,9 +529,8 @@ def _strides(shape: list[int]) -> tuple[int, ...]:
 
 
 class _Plan:
-    """What a reader derives once per layout: each tensor's dtype and its place in the file
-    (``tensors``: name, file offset, bytes, shape, contiguous strides, element offset in the
-    payload; in payload order)."""
+    """A reader's per-layout facts: ``tensors`` in payload order as (name, file offset, bytes, shape,
+    contiguous strides, element offset in the payload)."""
 
     def __init__(self, head: FileHeader):
         h = self.layout = head.layout
@@ -565,9 +546,8 @@ class _Plan:
 
 
 class _Binding:
-    """How one dict of targets takes one layout, checked once and reused while the dict holds the
-    same tensor objects: which are mapped (``zero_copy``, on the CPU, of the published dtype) and
-    which are read into."""
+    """Which targets of one dict are mapped (``zero_copy``, CPU, published dtype) and which read
+    into; checked once, reused while the dict holds the same tensor objects."""
 
     def __init__(self, plan: _Plan, named: Mapping[str, torch.Tensor], zero_copy: bool, role: str):
         layout.check_targets(plan.layout, named, role=role)
@@ -582,13 +562,11 @@ class _Binding:
 
 
 def _writable_bytes(t: torch.Tensor):
-    """A writable buffer over the bytes of the contiguous CPU tensor ``t``."""
     return t.detach().reshape(-1).view(torch.uint8).numpy()
 
 
-class Version:
-    """One opened, checked version file. While it is open (``with``), the publisher cannot reuse
-    the file; tensors :meth:`apply` mapped keep it afterwards."""
+class Version(_Closable):
+    """One opened, checked version file: while it is open the publisher cannot reuse the file."""
 
     def __init__(self, path: str, fd: int, version: int, plan: _Plan, payload_crc: int):
         self.path, self.fd, self.version, self.plan, self.payload_crc = path, fd, version, plan, payload_crc
@@ -611,7 +589,7 @@ class Version:
         return self.plan.layout
 
     def verify(self, scratch) -> None:
-        """Check the payload against its crc32c (when the file carries one) before any byte is used."""
+        """Check the payload's crc32c (when the file has one) before any byte is used."""
         if self.payload_crc < 0:
             return
         head = self.plan.head
@@ -625,8 +603,8 @@ class Version:
             raise DamagedFile(f"{self.path}: payload checksum mismatch (damaged)")
 
     def apply(self, bound: _Binding, scratch) -> int:
-        """Read every target of ``bound`` that is not mapped, then point the mapped ones at a
-        read-only mapping of the file (``set_``: no byte copied); how many were mapped."""
+        """Read the targets that are not mapped, point the others at a read-only mapping of the
+        file (``set_``: no byte copied); how many were mapped."""
         plan = bound.plan
         for t, mapped, (n, off, nbytes, *_) in zip(bound.targets, bound.maps, plan.tensors):
             if not mapped and nbytes:
@@ -647,8 +625,7 @@ class Version:
     def _map(self, bound: _Binding) -> None:
         head = self.plan.head
         mm = mmap.mmap(self.fd, head.file_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-        # the targets stay normal tensors inside the engine's inference_mode (a parameter made an
-        # inference tensor could not be used outside it)
+        # inference_mode(False): a parameter made an inference tensor could not be used outside it
         with warnings.catch_warnings(), torch.inference_mode(False), torch.no_grad():
             warnings.simplefilter("ignore")  # read-only memory: an in-place write faults, never corrupts
             storage = torch.frombuffer(mm, dtype=torch.uint8, count=head.file_bytes - head.payload_at,
@@ -664,24 +641,14 @@ class Version:
         self.apply(_Binding(self.plan, out, False, "copy_out"), lambda n: torch.empty(n, dtype=torch.uint8))
         return out
 
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)  # a mapping made by apply() keeps the file on its own
-            self.fd = -1
-
-    def __enter__(self) -> "Version":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def _close(self) -> None:
+        os.close(self.fd)  # a mapping made by apply() keeps the file on its own
 
 
 class FileSubscriber(Subscriber):
-    """Reads the newest version of ``self.dir``; waits up to ``timeout_s`` for the directory (or
-    until ``stop`` is set: :class:`weightsync.base.Stopped`). ``zero_copy``: map same-dtype CPU
-    targets (rebinding the given tensor objects: pass the model's own Parameters, not
-    ``state_dict()`` aliases); ``poll_s``: ``latest_version()`` reads ``LATEST`` at most this often.
-    A directory another user owns or may use is refused with :class:`UnsafeDirectory`."""
+    """``zero_copy``: map same-dtype CPU targets (rebinding the given tensor objects: pass the
+    model's own Parameters, not ``state_dict()`` aliases); ``poll_s``: how often at most
+    ``latest_version()`` reads ``LATEST``."""
 
     zero_copy, poll_s = True, 0.0
 
@@ -699,14 +666,17 @@ class FileSubscriber(Subscriber):
                               f"({self._where()}); is the learner up?", stop=stop)
 
     @classmethod
-    def from_config(cls, cfg, run_dir: str, timeout_s: float = 60, *, stop=None, device=None) -> "FileSubscriber":
+    def from_config(cls, cfg, run_dir: str, timeout_s: float = 60, *, stop=None, device=None,
+                    actor_id: str = "") -> "FileSubscriber":
         return cls(run_dir, timeout_s, stop=stop)
 
+    @abc.abstractmethod
     def _find(self) -> str | None:
-        raise NotImplementedError
+        """The directory to read, once it exists."""
 
+    @abc.abstractmethod
     def _where(self) -> str:
-        raise NotImplementedError
+        """Where :meth:`_find` looks, for a timeout's message."""
 
     def _moved(self) -> bool:
         """Called when ``LATEST`` is missing: whether ``self.dir`` moved to a successor's (shm)."""
@@ -714,7 +684,7 @@ class FileSubscriber(Subscriber):
 
     @staticmethod
     def _pointer(path: str) -> str:
-        """``LATEST``'s target (``v<version>``): a symlink read, never followed (one syscall)."""
+        """``LATEST``'s target: a symlink read, never followed (one syscall)."""
         return os.readlink(path)
 
     @property
@@ -743,8 +713,7 @@ class FileSubscriber(Subscriber):
         return int(m.group(1))
 
     def open_newest(self, after: int) -> Version | None:
-        """The newest version if newer than ``after``, opened and checked; None if there is none.
-        While it is open the publisher cannot reuse its file."""
+        """The newest version if newer than ``after``, opened and checked; None if there is none."""
         deadline = time.monotonic() + self.apply_timeout_s
         while True:
             version = self._read_latest()
@@ -784,8 +753,7 @@ class FileSubscriber(Subscriber):
 
 
 class ShmSubscriber(FileSubscriber):
-    """The shm transport's reader; after its publisher closed it follows a successor (a
-    restarted learner's new directory, found through ``run_dir/weights.shm``)."""
+    """Follows a successor (a restarted learner's new directory) once its publisher closed."""
 
     transport = "shm"
     _next_find = 0.0
@@ -810,8 +778,7 @@ class ShmSubscriber(FileSubscriber):
 
 
 class FsSubscriber(FileSubscriber):
-    """The filesystem transport's reader: copies (a mapping of a file on a network file system
-    could fault once its publisher unlinks it) and reads ``LATEST`` at most every 20 ms."""
+    """Copies (a mapping of a file on a network file system could fault once it is unlinked)."""
 
     transport = "filesystem"
     zero_copy, poll_s = False, 0.02

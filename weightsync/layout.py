@@ -1,20 +1,15 @@
 """Bucket layout of a weight update: where each named tensor lives in a flat byte buffer.
 
-A :class:`~core.messages.WeightUpdateHeader` lists every tensor (name, dtype, shape) and groups
-them into buckets: each bucket holds tensors of one dtype, back to back, every tensor starting at
-a multiple of :data:`ALIGN` bytes, and the bucket's padded size is at most ``bucket_bytes`` --
-except a single tensor larger than that, which gets a bucket of its own (tensors are never split,
-so every tensor stays a plain view of its bucket). Buckets of one slot are laid out one after
-another, so a whole update is one flat buffer of :func:`total_nbytes` bytes.
-
-The planning half (:func:`plan`, :func:`layout_hash`, :func:`bucket_starts`) is pure Python; the
-tensor half (:func:`header_for`, :func:`views`, :func:`check_targets`) imports torch lazily, so
-this module can be imported where torch is absent.
+Buckets hold tensors of one dtype back to back, each at a multiple of :data:`ALIGN` bytes, at most
+``bucket_bytes`` per bucket unless one tensor is larger (tensors are never split, so each stays a
+plain view). A whole update is the buckets one after another: :func:`total_nbytes` bytes. The
+planning half is pure Python; the tensor half imports torch lazily.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 
 import msgspec
@@ -27,20 +22,8 @@ if TYPE_CHECKING:
 # 256 B: every tensor view satisfies any dtype's alignment and CUDA's coalescing preference
 ALIGN = 256
 
-ITEMSIZE = {
-    "float64": 8,
-    "float32": 4,
-    "bfloat16": 2,
-    "float16": 2,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-    "int64": 8,
-    "int32": 4,
-    "int16": 2,
-    "int8": 1,
-    "uint8": 1,
-    "bool": 1,
-}
+ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
+            "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
 
 
 class LayoutError(ValueError):
@@ -51,29 +34,16 @@ def _round_up(n: int, k: int = ALIGN) -> int:
     return (n + k - 1) // k * k
 
 
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def tensor_nbytes(dtype: str, shape: Sequence[int]) -> int:
-    return _numel(shape) * ITEMSIZE[dtype]
+    return math.prod(shape) * ITEMSIZE[dtype]
 
 
-def plan(
-    version: int, specs: Iterable[tuple[str, str, Sequence[int]]], bucket_bytes: int
-) -> WeightUpdateHeader:
-    """Header for tensors given as ``(name, dtype name, shape)``, in the given order.
-
-    Dtypes are grouped in order of first appearance; within a dtype, tensors keep their order.
-    """
+def plan(version: int, specs: Iterable[tuple[str, str, Sequence[int]]], bucket_bytes: int) -> WeightUpdateHeader:
+    """Header for ``(name, dtype name, shape)`` tensors: dtypes grouped in order of first
+    appearance, tensors in their given order within a dtype."""
     if bucket_bytes < 1:
         raise LayoutError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
-    names: list[str] = []
-    dtypes: list[str] = []
-    shapes: list[list[int]] = []
+    names, dtypes, shapes = [], [], []
     by_dtype: dict[str, list[int]] = {}
     for name, dtype, shape in specs:
         if dtype not in ITEMSIZE:
@@ -93,9 +63,7 @@ def plan(
 
     buckets: list[Bucket] = []
     for dtype, idxs in by_dtype.items():
-        cur_names: list[str] = []
-        cur_offsets: list[int] = []
-        end = 0
+        cur_names, cur_offsets, end = [], [], 0
         for i in idxs:
             size = tensor_nbytes(dtype, shapes[i])
             off = _round_up(end)
@@ -137,9 +105,6 @@ def payload_nbytes(header: WeightUpdateHeader) -> int:
     return sum(tensor_nbytes(d, s) for d, s in zip(header.dtypes, header.shapes))
 
 
-# ---- torch half ----------------------------------------------------------------------------
-
-
 def torch_dtype(name: str) -> "torch.dtype":
     got = _TORCH_DTYPES.get(name)
     if got is None:
@@ -165,14 +130,8 @@ def header_for(version: int, named: Mapping[str, "torch.Tensor"], bucket_bytes: 
     return plan(version, ((n, dtype_name(t.dtype), tuple(t.shape)) for n, t in named.items()), bucket_bytes)
 
 
-def views(
-    header: WeightUpdateHeader, flat: "torch.Tensor", bucket: int | None = None
-) -> dict[str, "torch.Tensor"]:
-    """Typed, shaped views into ``flat`` (a 1-D uint8 tensor), without copying.
-
-    ``bucket=None``: ``flat`` holds the whole update (buckets back to back); otherwise ``flat``
-    holds only that bucket.
-    """
+def views(header: WeightUpdateHeader, flat: "torch.Tensor", bucket: int | None = None) -> dict[str, "torch.Tensor"]:
+    """Typed, shaped views into ``flat`` (1-D uint8): the whole update, or only ``bucket``."""
     import torch
 
     if flat.dtype != torch.uint8 or flat.dim() != 1:
@@ -182,7 +141,7 @@ def views(
         raise LayoutError(f"flat buffer has {flat.numel()} bytes, layout needs {need}")
     index = {n: i for i, n in enumerate(header.names)}
     chosen = [(0, header.buckets[bucket])] if bucket is not None else zip(bucket_starts(header), header.buckets)
-    out: dict[str, torch.Tensor] = {}
+    out = {}
     for start, b in chosen:
         dt = torch_dtype(b.dtype)
         for name, off in zip(b.names, b.offsets):
@@ -192,14 +151,10 @@ def views(
     return out
 
 
-def check_targets(
-    header: WeightUpdateHeader, named: Mapping[str, "torch.Tensor"], *, role: str, same_dtype: bool = False
-) -> None:
-    """Raise :class:`LayoutError` unless ``named`` has exactly the header's names and shapes.
-
-    Readers may hold other dtypes (copies convert) but never other shapes (``copy_`` would
-    silently broadcast); a publisher passes ``same_dtype=True``: its layout is fixed at start.
-    """
+def check_targets(header: WeightUpdateHeader, named: Mapping[str, "torch.Tensor"], *, role: str,
+                  same_dtype: bool = False) -> None:
+    """:class:`LayoutError` unless ``named`` has exactly the header's names and shapes. Readers may
+    hold other dtypes (copies convert), never other shapes (``copy_`` would silently broadcast)."""
     if len(named) != len(header.names) or any(n not in named for n in header.names):
         want = set(header.names)
         missing = sorted(want - set(named))

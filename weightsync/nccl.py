@@ -1,62 +1,33 @@
 """NCCL transport (across GPUs and hosts): a header over ZeroMQ, then bucketed broadcasts.
 
-Rendezvous, once:
+Rendezvous, once: the publisher (rank 0, the learner) binds a ROUTER and writes
+``run_dir/weights/nccl.json``; each subscriber says ``Hello`` with :class:`RankDevice` (its host
+and device); once ``world_size - 1`` have, the publisher refuses two ranks on one CUDA device of
+one host (NCCL would fail later with "Duplicate GPU detected") and answers each with
+:class:`CollectiveInit`. Every rank builds the communicator on *its own* device, never the
+current one (two actors of one host would both land on ``cuda:0``).
 
-1. The publisher (rank 0, the learner) binds a ROUTER on ``net.host`` (CURVE when not loopback,
-   see core.net) and writes ``run_dir/weights/nccl.json`` = ``{"host", "port"}`` atomically
-   (across hosts ``run_dir`` must be on a shared filesystem).
-2. Each subscriber (an actor) waits for that file, connects a DEALER and sends ``Hello`` with
-   :class:`RankDevice`: the host and the device its rank will use (its ``actor.device``).
-3. When ``world_size - 1`` subscribers have said hello, the publisher checks that no two ranks
-   claim one CUDA device of one host (NCCL would fail later with "Duplicate GPU detected";
-   here the error names the ranks and their devices), answers each with
-   :class:`CollectiveInit` (its rank, the NCCL unique id, the layout), and every rank creates
-   the communicator on *its own* device (``cupy.cuda.nccl.NcclCommunicator(world, uid, rank)``
-   under ``cupy.cuda.Device(index)``, a collective call). No rank ever falls back to the
-   current device: two actors on one host would both land on ``cuda:0``.
+Per version: the header to every subscriber, then one raw-byte broadcast per bucket (bitwise, so
+bfloat16 needs no NCCL dtype), bounded by ``collective_timeout_s`` (then aborted). A subscriber's
+``apply()`` receives *every* queued version in order (NCCL needs every rank in every collective),
+so an actor that stops calling it stalls the learner. Nothing is pickled; cupy is imported lazily.
+``backend="gloo"`` runs the same protocol on CPU tensors (the CPU tests).
 
-Per version: the publisher packs the tensors into one flat device buffer per bucket (buckets
-hold one dtype each, layout.plan), sends the ``WeightUpdateHeader`` to every subscriber, and
-broadcasts each bucket from rank 0 as raw bytes (``NCCL_UINT8``: a broadcast is bitwise, so
-bfloat16 needs no NCCL dtype support) on a side stream, then waits for completion -- bounded by
-``collective_timeout_s``, after which the communicator is aborted and a TimeoutError names why.
-
-A subscriber's ``latest_version()`` is a non-blocking socket poll that queues headers.
-``apply()`` runs the broadcasts of *every* queued header in order -- NCCL needs every rank in
-every collective, so a version can be skipped only after it has been received -- and copies the
-newest into the targets. Hence the publisher blocks until each actor reaches its next decode
-step boundary; an actor that stops calling ``latest_version()``/``apply()`` stalls the learner.
-
-Every wait has a deadline (``join_timeout_s``, ``timeout_s``, ``collective_timeout_s``) and
-honours ``stop`` (see weightsync.base.wait_until): the joins poll it every :data:`STOP_POLL_S`
-and raise ``Stopped``; an NCCL broadcast in flight is aborted when it is set. (A Gloo broadcast
-cannot be interrupted; its own timeout bounds it.)
-
-Every message is msgspec (core.messages.encode); nothing is pickled. cupy is imported lazily.
-``backend="gloo"`` runs the identical protocol over torch's Gloo process group on CPU tensors:
-that is how the CPU test suite exercises this module without GPUs.
-
-``backend="sglang"``: the subscribers are SGLang servers (actor/engines/sglang.py), which receive
-with ``torch.distributed``, not cupy -- a cupy communicator and a torch process group cannot share
-one NCCL clique -- so rank 0 joins the group the way SGLang 0.5.23's ``init_weights_update_group``
-builds its side (``utils/common.py: init_custom_process_group``): a ``TCPStore`` on
-``host:port`` (rank 0 is its master), ``PrefixStore(SGLANG_GROUP)``, then
-``_new_process_group_helper`` under the group name :data:`SGLANG_GROUP`. Each ``SGLangLink`` says
-``Hello`` (no ``RankDevice``: the server picks its GPU, so the shared-device check cannot run)
-and gets ``CollectiveInit(rank, world_size, "sglang", b"host:port", layout)``; its server then
-joins with ``rank_offset=rank`` (one rank per server: tensor parallelism 1). Per version: the
-header, then for each bucket in order one broadcast of its tensors packed back to back as uint8
-with no padding (:func:`packed_views`; SGLang's ``FlattenedTensorBucket``, not layout.views'
-aligned offsets). A repeat ``Hello`` (a restarted server: its old rank is gone) rebuilds the group
-before the next version: every peer gets a new ``CollectiveInit`` and must join again.
-``torch_backend`` is the group's torch backend: ``"nccl"`` on CUDA tensors, ``"gloo"`` on CPU --
-the CPU tests run this identical code path.
+``backend="torch_dist"`` (transport ``torch_dist``): the subscribers are inference servers that
+receive with ``torch.distributed`` (a cupy communicator and a torch group cannot share a clique),
+through an engine's :class:`GroupLink`. Rank 0 builds the group as a server's
+``init_custom_process_group`` does (``TCPStore`` master, ``PrefixStore(GROUP_NAME)``,
+``_new_process_group_helper``); ``CollectiveInit.unique_id`` is ``b"host:port"`` of that store;
+each bucket is broadcast packed back to back with no padding (:func:`packed_views`). A repeat
+``Hello`` (a restarted server) rebuilds the group before the next version, and every peer joins again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
+import logging
 import os
 import socket as _socket
 import time
@@ -71,12 +42,15 @@ from core import net
 from core.messages import SCHEMA_VERSION, Hello, Shutdown, WeightUpdateHeader, decoder, encode
 from weightsync import layout
 from core.files import atomic_write, read_json
-from weightsync.base import Publisher, Stopped, Subscriber, stop_check, wait_until
+from weightsync.base import (Publisher, Stopped, Subscriber, SubscriberStats, _Closable, stop_check,
+                             wait_until)
 from weightsync.files import weights_dir
 
+log = logging.getLogger(__name__)
+
 STOP_POLL_S = 0.1  # how often a blocked join looks at its stop flag
-SGLANG_GROUP = "driftrl_weights"  # the group (and PrefixStore) name both sides of backend="sglang" use
-BACKENDS = ("nccl", "gloo", "sglang")
+GROUP_NAME = "driftrl_weights"  # the torch_dist group (and PrefixStore) name both sides use
+BACKENDS = ("nccl", "gloo", "torch_dist")
 
 
 class RankDevice(msgspec.Struct, frozen=True, array_like=True, tag="ws_device"):
@@ -89,8 +63,8 @@ class CollectiveInit(msgspec.Struct, frozen=True, array_like=True, tag="ws_init"
     # publisher -> one subscriber, once: its place in the communicator
     rank: int
     world_size: int
-    backend: str  # "nccl" | "gloo" | "sglang"
-    unique_id: bytes  # NCCL unique id (128 B) or b"host:port" of the Gloo / torch.distributed store
+    backend: str  # BACKENDS
+    unique_id: bytes  # NCCL unique id (128 B), else b"host:port" of the Gloo / torch.distributed store
     layout: WeightUpdateHeader  # version -1
 
 
@@ -136,17 +110,12 @@ class _NcclComm:
     def bcast(self, buf: torch.Tensor) -> None:
         self.comm.bcast(buf.data_ptr(), buf.numel(), self._nccl.NCCL_UINT8, 0, self.stream.cuda_stream)
 
-    def end(self, timeout_s: float, what: str, stopped=lambda: False) -> None:
-        event = self.stream.record_event()
-        deadline = time.monotonic() + timeout_s
-        while not event.query():
-            if stopped():
-                self.comm.abort()
-                raise Stopped(f"stopped during the NCCL broadcast of {what}; aborted")
-            if time.monotonic() > deadline:
-                self.comm.abort()
-                raise TimeoutError(f"NCCL broadcast of {what} did not complete in {timeout_s:.0f}s; aborted")
-            time.sleep(1e-4)
+    def end(self, timeout_s: float, what: str, stopped=None) -> None:
+        try:
+            wait_until(self.stream.record_event().query, timeout_s, f"the NCCL broadcast of {what}", 1e-4, stopped)
+        except (Stopped, TimeoutError):
+            self.comm.abort()
+            raise
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
     def close(self) -> None:
@@ -183,7 +152,7 @@ class _GlooComm:
     def bcast(self, buf: torch.Tensor) -> None:
         self.pg.broadcast([buf], self._opts).wait()
 
-    def end(self, timeout_s: float, what: str, stopped=lambda: False) -> None:
+    def end(self, timeout_s: float, what: str, stopped=None) -> None:
         pass
 
     def close(self) -> None:
@@ -191,12 +160,10 @@ class _GlooComm:
 
 
 class _TorchGroup:
-    """Rank 0 of the torch.distributed group SGLang's servers join (backend="sglang"). Built
-    with ``_new_process_group_helper``, private but the very call SGLang's receiver makes (so both
-    sides derive the same store keys), because the public constructors do not fit a one-off group
-    with outside ranks: ``init_process_group`` makes the process's *default* group (the learner's
-    own, when it has one) and ``new_group`` rendezvouses through the default group's store, which
-    SGLang never sees."""
+    """Rank 0 of the torch_dist group. ``_new_process_group_helper`` is private but the very call
+    a server's receiver makes (so both derive the same store keys): ``init_process_group`` would
+    make the process's *default* group and ``new_group`` rendezvouses through the default store,
+    which the servers never see."""
 
     def __init__(self, store, world: int, backend: str, timeout_s: float):
         import torch.distributed as dist
@@ -206,7 +173,7 @@ class _TorchGroup:
         self._dist, self.backend = dist, backend
         self.store = store  # the TCPStore master: it must outlive the group
         self.pg, _ = _new_process_group_helper(
-            world, 0, [], Backend(backend), PrefixStore(SGLANG_GROUP, store), group_name=SGLANG_GROUP,
+            world, 0, [], Backend(backend), PrefixStore(GROUP_NAME, store), group_name=GROUP_NAME,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
         _world.pg_group_ranks[self.pg] = {r: r for r in range(world)}  # destroy_process_group reads it
@@ -219,17 +186,13 @@ class _TorchGroup:
         # group_src: a rank of this group, whatever the learner's own default group numbers it
         self._works.append(self._dist.broadcast(buf, group=self.pg, group_src=0, async_op=True))
 
-    def end(self, timeout_s: float, what: str, stopped=lambda: False) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not all(w.is_completed() for w in self._works):
-            if stopped():
-                self._abort()
-                raise Stopped(f"stopped during the {self.backend} broadcast of {what} to SGLang")
-            if time.monotonic() > deadline:
-                self._abort()
-                raise TimeoutError(f"{self.backend} broadcast of {what} to SGLang did not complete in "
-                                   f"{timeout_s:.0f}s (a server that never receives it stalls every rank)")
-            time.sleep(1e-4)
+    def end(self, timeout_s: float, what: str, stopped=None) -> None:
+        try:  # a server that never receives stalls every rank
+            wait_until(lambda: all(w.is_completed() for w in self._works), timeout_s,
+                       f"the {self.backend} broadcast of {what} to the group", 1e-4, stopped)
+        except (Stopped, TimeoutError):
+            self._abort()
+            raise
         for w in self._works:
             w.wait()  # raises a failed broadcast's error; NCCL: orders the caller's stream after it
 
@@ -247,31 +210,25 @@ class _TorchGroup:
 
 
 def _refuse_split_source(dist) -> None:
-    """With an eagerly bound default group, torch would build the new NCCL communicator by
-    splitting the learner's own (``ncclCommSplit``), which SGLang's ranks are not part of."""
+    """With an eagerly bound default group, torch would split the new NCCL communicator from the
+    learner's own (``ncclCommSplit``), which the servers' ranks are not part of."""
     if dist.is_initialized() and dist.distributed_c10d._get_default_group().bound_device_id is not None:
-        raise ValueError("weightsync backend='sglang': the learner's default process group is bound to a device "
-                         "(init_process_group(device_id=...)), so torch would split SGLang's group from it; "
+        raise ValueError("weightsync.transport=torch_dist: the learner's default process group is bound to a device "
+                         "(init_process_group(device_id=...)), so torch would split the servers' group from it; "
                          "initialise the learner's group without device_id")
 
 
-# ---- publisher ------------------------------------------------------------------------------
-
-
 class NcclPublisher(Publisher):
-    """Rank 0. Blocks in the constructor until ``world_size - 1`` subscribers have joined
-    (at most ``join_timeout_s``; ``stop`` set: :class:`Stopped`)."""
+    """Rank 0. The constructor waits (at most ``join_timeout_s``) for ``world_size - 1`` subscribers."""
 
     transport = "nccl"
 
-    def __init__(
-        self, run_dir: str, template: Mapping[str, torch.Tensor], bucket_bytes: int = 64 << 20, *,
-        world_size: int, host: str = "127.0.0.1", curve: net.Curve | None = None,
-        backend: str = "nccl", join_timeout_s: float = 300, collective_timeout_s: float = 300, stop=None,
-        torch_backend: str = "nccl",
-    ):
+    def __init__(self, run_dir: str, template: Mapping[str, torch.Tensor], bucket_bytes: int = 64 << 20, *,
+                 world_size: int, host: str = "127.0.0.1", curve: net.Curve | None = None, backend: str = "nccl",
+                 join_timeout_s: float = 300, collective_timeout_s: float = 300, stop=None,
+                 torch_backend: str = "nccl"):
         super().__init__(layout.header_for(-1, template, bucket_bytes))
-        self._stopped = stop_check(stop)
+        self._stop, self._stopped = stop, stop_check(stop)
         device = next(iter(template.values())).device
         check_backend(backend, torch_backend, device)
         self.backend, self.torch_backend = backend, torch_backend
@@ -280,9 +237,9 @@ class NcclPublisher(Publisher):
         self.world_size = world_size
         self.collective_timeout_s = collective_timeout_s
         self.bad_frames = 0
-        self.rebuilds = 0  # groups rebuilt for a repeat Hello (backend="sglang")
+        self.rebuilds = 0  # groups rebuilt for a repeat Hello (torch_dist)
         self._payload = layout.payload_nbytes(self.header)
-        self._bufs, self._views = _buffers(self.header, device, packed=backend == "sglang")
+        self._bufs, self._views = _buffers(self.header, device, packed=backend == "torch_dist")
 
         self._ctx = zmq.Context()
         self._sock = net.socket(self._ctx, zmq.ROUTER, linger_ms=1000)
@@ -302,14 +259,11 @@ class NcclPublisher(Publisher):
 
     @classmethod
     def from_config(cls, cfg, run_dir: str, template: Mapping[str, torch.Tensor], *, stop=None) -> "NcclPublisher":
-        """Rank 0 for the run's actors. With ``actor.engine=sglang`` the subscribers are SGLang
-        servers receiving by torch.distributed (``backend="sglang"``); each says hello only once its
-        server is healthy, so the wait for them covers its start."""
-        kw = {"world_size": 1 + cfg.actor.num_actors, "host": cfg.net.host, "curve": net.curve_from_config(cfg.net),
-              "stop": stop}
-        if cfg.actor.engine == "sglang":
-            kw.update(backend="sglang", join_timeout_s=300 + cfg.actor.sglang.start_timeout_s)
-        return cls(run_dir, template, cfg.weightsync.bucket_mb << 20, **kw)
+        """Rank 0 for the run's actors (``torch_dist``: servers, each joining once it is up)."""
+        backend = "torch_dist" if cfg.weightsync.transport == "torch_dist" else "nccl"
+        return cls(run_dir, template, cfg.weightsync.bucket_mb << 20, world_size=1 + cfg.actor.num_actors,
+                   host=cfg.net.host, curve=net.curve_from_config(cfg.net), backend=backend,
+                   join_timeout_s=cfg.weightsync.join_timeout_s, stop=stop)
 
     def _gather_peers(self, timeout_s: float) -> list[bytes]:
         peers: list[bytes] = []
@@ -321,27 +275,26 @@ class NcclPublisher(Publisher):
             if self._stopped():
                 raise Stopped(f"nccl publisher: stopped with {len(peers)} of {self.world_size - 1} subscribers joined")
             if left <= 0:
-                raise TimeoutError(
-                    f"nccl publisher: {len(peers)} of {self.world_size - 1} subscribers joined in {timeout_s:.0f}s"
-                )
+                raise TimeoutError(f"nccl publisher: {len(peers)} of {self.world_size - 1} subscribers joined "
+                                   f"in {timeout_s:.0f}s")
             if not self._sock.poll(int(min(left, STOP_POLL_S) * 1000) + 1):
                 continue
             frames = self._sock.recv_multipart()
-            sglang = self.backend == "sglang"
-            join = _decode_sglang_hello(frames) if sglang else _decode_join(frames)
+            group = self.backend == "torch_dist"
+            join = _decode_join(frames, group)
             if join is None:
                 self.bad_frames += 1  # not one of ours, or another schema: count it, keep waiting
                 continue
             if frames[0] not in peers:
                 peers.append(frames[0])
-                self._ids.append(join.id if sglang else "")
-                self._claims.append(None if sglang else join)
+                self._ids.append(join.id if group else "")
+                self._claims.append(None if group else join)
         return peers
 
     def _check_devices(self) -> None:
         """Ranks by device; refuse (telling every subscriber why) two ranks on one CUDA device.
-        SGLang servers claim none (each picks its GPU from its own --base-gpu-id)."""
-        if self.backend == "sglang":
+        torch_dist servers claim none (each picks its own GPU)."""
+        if self.backend == "torch_dist":
             return
         claims = [(self.host, self.rank_devices[0]), *((c.host, c.device) for c in self._claims)]
         self.rank_devices = {rank: device for rank, (_, device) in enumerate(claims)}
@@ -354,8 +307,8 @@ class NcclPublisher(Publisher):
             raise ValueError(why)
 
     def _init_comm(self, backend: str, host: str, device: torch.device):
-        if backend == "sglang":
-            return self._sglang_group()
+        if backend == "torch_dist":
+            return self._group()
         store = None
         if backend == "nccl":
             uid = _NcclComm.new_id()
@@ -371,22 +324,20 @@ class NcclPublisher(Publisher):
             init = CollectiveInit(rank, self.world_size, backend, uid, self.header)
             self._sock.send_multipart([peer, encode(init)])
 
-    def _sglang_group(self) -> _TorchGroup:
-        """A fresh store (port chosen by the OS, so no race for a free one) and group. The
-        CollectiveInits go out before joining: the servers' ranks connect only once they have
-        them, and a Gloo group is built only when every rank is there (NCCL: at the first
-        broadcast), bounded by ``collective_timeout_s``."""
+    def _group(self) -> _TorchGroup:
+        """A fresh store (port chosen by the OS: no race for a free one) and group. The
+        CollectiveInits go out first: the servers connect only once they have them."""
         store, addr = _GlooComm.new_store(self._advertised, self.world_size, self.collective_timeout_s)
-        self._send_inits("sglang", addr)
+        self._send_inits("torch_dist", addr)
         return _TorchGroup(store, self.world_size, self.torch_backend, self.collective_timeout_s)
 
     def _rejoin(self) -> None:
-        """A peer that said Hello again (its SGLang server restarted, so its old rank is gone)
-        gets a new group, and so does every other peer: a group needs all its ranks."""
+        """A peer that said Hello again (its server restarted: its old rank is gone) gets a new
+        group, and so does every other peer: a group needs all its ranks."""
         if not self._repeat_hellos():
             return
         self._comm.close()
-        self._comm = self._sglang_group()
+        self._comm = self._group()
         self.rebuilds += 1
 
     def _repeat_hellos(self) -> bool:
@@ -395,7 +346,7 @@ class NcclPublisher(Publisher):
         again = False
         while self._sock.poll(0):
             frames = self._sock.recv_multipart()
-            hello = _decode_sglang_hello(frames)
+            hello = _decode_join(frames, True)
             if hello is not None and frames[0] in self._peers:
                 again = True
             elif hello is not None and hello.id in self._ids:
@@ -406,7 +357,7 @@ class NcclPublisher(Publisher):
         return again
 
     def _write(self, version: int, named: Mapping[str, torch.Tensor]) -> int:
-        if self.backend == "sglang":
+        if self.backend == "torch_dist":
             self._rejoin()
         for views in self._views:
             for name, view in views:
@@ -417,59 +368,39 @@ class NcclPublisher(Publisher):
         self._comm.begin()
         for buf in self._bufs:
             self._comm.bcast(buf)
-        self._comm.end(self.collective_timeout_s, f"version {version}", self._stopped)
+        self._comm.end(self.collective_timeout_s, f"version {version}", self._stop)
         return self._payload
 
     def _close_sockets(self) -> None:
         for peer in getattr(self, "_peers", []):
-            try:
+            with contextlib.suppress(zmq.ZMQError):
                 self._sock.send_multipart([peer, encode(Shutdown("publisher closed"))], zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
         self._sock.close()
         self._ctx.term()
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self._endpoint)
-        except FileNotFoundError:
-            pass
 
     def _close(self) -> None:
         self._comm.close()
         self._close_sockets()
 
 
-# ---- subscriber -----------------------------------------------------------------------------
-
-
 class NcclSubscriber(Subscriber):
-    """Rank >= 1. ``device``: this rank's device (the actor's ``actor.device``): under NCCL its
-    receive buffers and communicator live there, and it is required to be CUDA -- never a
-    default, so two actors of one host cannot both land on ``cuda:0``. Under Gloo the buffers
-    are on the CPU (Gloo broadcasts host memory) and ``device`` (default ``cpu``) is still the
-    one claimed to the publisher. Waits up to ``timeout_s`` for the publisher's endpoint and
-    rank; ``stop`` set: :class:`Stopped`."""
+    """Rank >= 1. ``device``: this rank's (``actor.device``), required to be CUDA under NCCL (never
+    a default); under Gloo the buffers are on the CPU and ``device`` is only claimed."""
 
     transport = "nccl"
 
-    def __init__(
-        self, run_dir: str, timeout_s: float = 60, *, curve: net.Curve | None = None,
-        device: torch.device | str | None = None, actor_id: str = "", collective_timeout_s: float = 300,
-        stop=None,
-    ):
+    def __init__(self, run_dir: str, timeout_s: float = 60, *, curve: net.Curve | None = None,
+                 device: torch.device | str | None = None, actor_id: str = "", collective_timeout_s: float = 300,
+                 stop=None):
         super().__init__()
-        self._stopped = stop_check(stop)
+        self._stop = stop
         self.collective_timeout_s = collective_timeout_s
         self.publisher_closed = False
-        path = endpoint_path(run_dir)
         deadline = time.monotonic() + timeout_s
-        ep = wait_until(
-            lambda: read_json(path), timeout_s, f"the nccl weight publisher's endpoint {path}; is the learner up?",
-            stop=stop,
-        )
-        self._ctx = zmq.Context()
-        self._sock = net.socket(self._ctx, zmq.DEALER, linger_ms=0)
+        self._ctx, self._sock = _connect(run_dir, timeout_s, curve, stop)
         try:
-            net.connect(self._sock, ep["host"], ep["port"], curve)
             self.device = torch.device(device if device is not None else "cpu")
             hello = Hello("weightsync", actor_id or f"{_socket.gethostname()}:{os.getpid()}")
             self._sock.send_multipart([encode(hello), encode(RankDevice(_socket.gethostname(), str(self.device)))])
@@ -478,9 +409,7 @@ class NcclSubscriber(Subscriber):
             self._hash = layout.layout_hash(self.header)
             self._payload = layout.payload_nbytes(self.header)
             self.buffer_device = rank_buffer_device(init.backend, device)
-            self._bufs = [torch.empty(b.nbytes, dtype=torch.uint8, device=self.buffer_device)
-                          for b in self.header.buckets]
-            self._views = [list(layout.views(self.header, buf, i).items()) for i, buf in enumerate(self._bufs)]
+            self._bufs, self._views = _buffers(self.header, self.buffer_device, packed=False)
             if init.backend == "nccl":
                 self._comm = _NcclComm(init.world_size, init.unique_id, init.rank, self.buffer_device)
             else:
@@ -492,19 +421,14 @@ class NcclSubscriber(Subscriber):
         self._pending: deque[WeightUpdateHeader] = deque()
 
     @classmethod
-    def from_config(cls, cfg, run_dir: str, timeout_s: float = 60, *, stop=None, device=None) -> "NcclSubscriber":
-        return cls(run_dir, timeout_s, curve=net.curve_from_config(cfg.net), device=device, stop=stop)
+    def from_config(cls, cfg, run_dir: str, timeout_s: float = 60, *, stop=None, device=None,
+                    actor_id: str = "") -> "NcclSubscriber":
+        return cls(run_dir, timeout_s, curve=net.curve_from_config(cfg.net), device=device, actor_id=actor_id,
+                   stop=stop)
 
     def _await_init(self, timeout_s: float) -> CollectiveInit:
-        deadline = time.monotonic() + timeout_s
-        while not self._sock.poll(int(STOP_POLL_S * 1000)):
-            if self._stopped():
-                raise Stopped("nccl subscriber: stopped while waiting for the publisher to assign a rank")
-            if time.monotonic() >= deadline:
-                raise TimeoutError(
-                    f"nccl subscriber: the publisher did not assign a rank in {timeout_s:.0f}s "
-                    "(it waits until all world_size - 1 actors have joined)"
-                )
+        wait_until(lambda: self._sock.poll(0), timeout_s, "the nccl publisher to assign a rank (it waits until "
+                   "all world_size - 1 actors have joined)", STOP_POLL_S, self._stop)
         msg = _to_subscriber.decode(self._sock.recv())
         if isinstance(msg, Shutdown):
             raise RuntimeError(f"nccl subscriber: the publisher refused to start: {msg.reason}")
@@ -540,7 +464,7 @@ class NcclSubscriber(Subscriber):
             version = self._pending.popleft().version
             for buf in self._bufs:
                 self._comm.bcast(buf)
-        self._comm.end(self.collective_timeout_s, f"version {version}", self._stopped)
+        self._comm.end(self.collective_timeout_s, f"version {version}", self._stop)
         for views in self._views:
             for name, view in views:
                 named[name].copy_(view)
@@ -554,39 +478,127 @@ class NcclSubscriber(Subscriber):
         self._ctx.term()
 
 
-def _decode_join(frames: list[bytes]) -> RankDevice | None:
-    """A subscriber's [identity, Hello, RankDevice] frames as its device claim; None if they
-    are not that (a stranger, another schema)."""
-    if len(frames) != 3:
-        return None
+class GroupLink(_Closable):
+    """Actor side of ``torch_dist``, for an engine whose server receives the broadcasts itself: it
+    moves no bytes. :meth:`join` says Hello and returns the group to join (``CollectiveInit``);
+    headers queue in ``pending`` and the engine has its server receive each, in order. When a
+    peer's server restarts the publisher rebuilds the group and sends every peer a new
+    ``CollectiveInit``: ``rejoin`` holds it until the engine's server left the old group."""
+
+    transport = "torch_dist"
+
+    def __init__(self, run_dir: str, timeout_s: float = 60, *, curve: net.Curve | None = None, actor_id: str = "",
+                 stop=None):
+        self._ctx, self._sock = _connect(run_dir, timeout_s, curve, stop)
+        self.timeout_s, self._stop = timeout_s, stop
+        self.actor_id = actor_id or f"{_socket.gethostname()}:{os.getpid()}"
+        self.init: CollectiveInit | None = None
+        self.rejoin: CollectiveInit | None = None
+        self.pending: list[WeightUpdateHeader] = []
+        self.stats = SubscriberStats()  # the engine times its pushes here
+        self.restarts = 0  # the engine's server restarts
+
+    @classmethod
+    def from_config(cls, cfg, run_dir: str, timeout_s: float = 60, *, stop=None, device=None,
+                    actor_id: str = "") -> "GroupLink":
+        # a server says hello only once it is up, and gets its rank once every peer has: wait as
+        # long as the publisher does
+        return cls(run_dir, max(timeout_s, cfg.weightsync.join_timeout_s), curve=net.curve_from_config(cfg.net),
+                   actor_id=actor_id, stop=stop)
+
+    def join(self) -> CollectiveInit:
+        """Say hello (again, after a restart) and wait for a rank. Versions queued for an earlier
+        group can no longer be received: dropped."""
+        self.pending.clear()
+        self._sock.send(encode(Hello("weightsync", self.actor_id)))
+        msg = wait_until(self._next_init, self.timeout_s, "the learner to assign a rank", STOP_POLL_S, self._stop)
+        self.init, self.rejoin = _check_group(msg), None
+        return msg
+
+    def _next_init(self) -> CollectiveInit | None:
+        msg = self._recv()
+        return msg if isinstance(msg, CollectiveInit) else None
+
+    def _recv(self):
+        """One message (queueing a header), or None when none is there."""
+        if not self._sock.poll(0):
+            return None
+        msg = _to_subscriber.decode(self._sock.recv())
+        if isinstance(msg, WeightUpdateHeader):
+            self.pending.append(msg)
+        elif isinstance(msg, CollectiveInit) and self.init is not None and msg != self.init:
+            # a rebuilt group: headers queued before it were broadcast in the old one, which
+            # every rank had to finish before the rebuild
+            self.pending.clear()
+            self.init = self.rejoin = _check_group(msg)
+        elif isinstance(msg, Shutdown):
+            log.warning("the learner's weight publisher closed: %s", msg.reason)
+        return msg
+
+    def latest_version(self) -> int:
+        """Queue every header that arrived (non-blocking); the newest queued version, else -1."""
+        while self._recv() is not None:
+            pass
+        return self.pending[-1].version if self.pending else -1
+
+    def metrics(self) -> dict[str, float]:
+        s = self.stats
+        return {"weightsync/apply_s": s.apply_s, "weightsync/apply_s_total": s.apply_s_total,
+                "weightsync/versions_skipped": 0.0, "weightsync/bytes": 0.0,
+                "actor/engine_restarts": float(self.restarts)}
+
+    def _close(self) -> None:
+        self._sock.close()
+        self._ctx.term()
+
+
+def _check_group(msg: CollectiveInit) -> CollectiveInit:
+    if msg.backend != "torch_dist":
+        raise ValueError(f"the learner's publisher set up backend={msg.backend!r}, not a torch_dist group a server "
+                         "can join: set weightsync.transport=torch_dist")
+    if not 1 <= msg.rank < msg.world_size:
+        raise ValueError(f"CollectiveInit: rank {msg.rank} outside [1, {msg.world_size})")
+    return msg
+
+def _connect(run_dir: str, timeout_s: float, curve, stop):
+    """(context, DEALER) connected to the publisher, once its endpoint file exists."""
+    path = endpoint_path(run_dir)
+    ep = wait_until(lambda: read_json(path), timeout_s, f"the weight publisher's endpoint {path}; is the learner up?",
+                    stop=stop)
+    ctx = zmq.Context()
+    sock = net.socket(ctx, zmq.DEALER, linger_ms=0)
     try:
-        hello, claim = _hello.decode(frames[1]), _rank_device.decode(frames[2])
-        torch.device(claim.device)
-    except (msgspec.DecodeError, RuntimeError, ValueError):  # RuntimeError: not a device string
-        return None
-    return claim if hello.schema_version == SCHEMA_VERSION else None
+        net.connect(sock, ep["host"], ep["port"], curve)
+    except BaseException:
+        sock.close()
+        ctx.term()
+        raise
+    return ctx, sock
 
 
-def _decode_sglang_hello(frames: list[bytes]) -> Hello | None:
-    """An SGLangLink's [identity, Hello] frames (it claims no device) as its Hello; None if not."""
-    if len(frames) != 2:
+def _decode_join(frames: list[bytes], group: bool = False) -> RankDevice | Hello | None:
+    """A subscriber's [identity, Hello, RankDevice] frames as its device claim, or a GroupLink's
+    [identity, Hello] (no device) as its Hello; None if not that (a stranger, another schema)."""
+    if len(frames) != (2 if group else 3):
         return None
     try:
         hello = _hello.decode(frames[1])
-    except msgspec.DecodeError:
+        got = hello if group else _rank_device.decode(frames[2])
+        torch.device("cpu" if group else got.device)
+    except (msgspec.DecodeError, RuntimeError, ValueError):  # RuntimeError: not a device string
         return None
-    return hello if hello.schema_version == SCHEMA_VERSION else None
+    return got if hello.schema_version == SCHEMA_VERSION else None
 
 
 def check_backend(backend: str, torch_backend: str, device: torch.device) -> None:
-    """The publisher's ``backend`` (and, for sglang, its group's ``torch_backend``) against
-    where the learner's weights are: NCCL broadcasts CUDA memory only."""
+    """The publisher's ``backend`` (and torch_dist's ``torch_backend``) against where the
+    learner's weights are: NCCL broadcasts CUDA memory only."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "sglang" and torch_backend not in ("nccl", "gloo"):
+    if backend == "torch_dist" and torch_backend not in ("nccl", "gloo"):
         raise ValueError(f"torch_backend must be 'nccl' (CUDA) or 'gloo' (CPU tests), got {torch_backend!r}")
-    if backend == "sglang" and torch_backend == "nccl" and device.type != "cuda":
-        raise ValueError(f"SGLang servers receive weights over NCCL, which broadcasts CUDA memory, but the "
+    if backend == "torch_dist" and torch_backend == "nccl" and device.type != "cuda":
+        raise ValueError(f"the torch_dist group's servers receive over NCCL, which broadcasts CUDA memory, but the "
                          f"learner's weights are on {device}: set learner.device to a CUDA device")
     if backend == "nccl" and device.type != "cuda":
         raise ValueError(f"the nccl transport needs CUDA tensors, but the learner's weights are on {device}: "
@@ -595,8 +607,7 @@ def check_backend(backend: str, torch_backend: str, device: torch.device) -> Non
 
 def packed_views(header: WeightUpdateHeader, flat: torch.Tensor, bucket: int) -> list[tuple[str, torch.Tensor]]:
     """Bucket ``bucket``'s tensors as views into ``flat``, packed back to back in the bucket's
-    order with no padding: SGLang's ``FlattenedTensorBucket`` layout, whose receive buffer for
-    that bucket's ``/update_weights_from_distributed`` is exactly these bytes."""
+    order with no padding: what a server's flattened-bucket receive buffer holds."""
     b, shapes = header.buckets[bucket], dict(zip(header.names, header.shapes))
     if flat.dtype != torch.uint8 or flat.numel() != packed_nbytes(header, bucket):
         raise layout.LayoutError(f"bucket {bucket}: packed buffer must be {packed_nbytes(header, bucket)} uint8 "
@@ -615,8 +626,7 @@ def packed_nbytes(header: WeightUpdateHeader, bucket: int) -> int:
 
 
 def _buffers(header: WeightUpdateHeader, device: torch.device, *, packed: bool):
-    """One uint8 buffer per bucket and its (name, view) pairs: layout.views' aligned offsets,
-    or SGLang's packed ones."""
+    """One uint8 buffer per bucket and its (name, view) pairs: aligned (layout.views) or packed."""
     if packed:
         bufs = [torch.empty(packed_nbytes(header, i), dtype=torch.uint8, device=device)
                 for i in range(len(header.buckets))]
@@ -626,8 +636,8 @@ def _buffers(header: WeightUpdateHeader, device: torch.device, *, packed: bool):
 
 
 def shared_devices(claims: list[tuple[str, str]]) -> list[list[int]]:
-    """Groups of ranks (indices into ``claims`` of ``(host, device)``) that claim one CUDA
-    device of one host; CPU ranks (Gloo) may share."""
+    """Groups of ranks (indices into ``claims`` of ``(host, device)``) claiming one CUDA device
+    of one host; CPU ranks (Gloo) may share."""
     by_device: dict[tuple[str, str], list[int]] = {}
     for rank, (host, device) in enumerate(claims):
         if torch.device(device).type == "cuda":
@@ -636,8 +646,7 @@ def shared_devices(claims: list[tuple[str, str]]) -> list[list[int]]:
 
 
 def rank_buffer_device(backend: str, device) -> torch.device:
-    """Where a subscriber's receive buffers live: its own CUDA device under NCCL (required,
-    never the current device), the CPU under Gloo."""
+    """A subscriber's receive buffers: on its own CUDA device under NCCL, the CPU under Gloo."""
     if backend != "nccl":
         return torch.device("cpu")
     dev = torch.device(device) if device is not None else None

@@ -1,31 +1,9 @@
 """The ``Engine`` seam: generate completions with behaviour log-probs and per-token versions.
 
-Weights: an engine holds a weight *source* (a ``weightsync`` Subscriber, or None for fixed
-weights) and :meth:`Engine.refresh_weights` adopts the newest complete version from it. Who calls
-it, and when, is the only difference between the two kinds of engine:
-
-- in process (``torch``): the engine calls it itself before every forward (a decode step, or the
-  prefill of newly admitted prompts), so an update lands between two tokens of a running
-  sequence and each token records the version that produced it;
-- out of process (an inference server such as SGLang, which cannot run a Python callback between
-  its decode steps): it pushes the update through the server's own API (HTTP load-from-disk, or
-  an NCCL broadcast into the server) when the worker calls it between batches, and tags tokens
-  with the version the server reports having applied.
-
-The worker never touches weights directly: it calls ``refresh_weights`` and reads ``version``.
-
-Two ways to get completions: :meth:`Engine.generate` returns one Sample per prompt, in order;
-:meth:`Engine.stream` yields ``(index, Sample)`` as each sequence finishes (a continuous-batching
-engine finishes short completions first), so the worker can send a group the moment its last
-sample is done instead of waiting for the batch's longest sequence. An engine implements
-``stream``; ``generate`` is the whole stream put back in prompt order.
-
-Lengths: ``max_new_tokens`` is one limit for every prompt, a list of one per prompt (tier limits
-and the length curriculum, ``actor/curriculum.py``), or None for the engine's own
-(``actor.max_new_tokens``); :func:`budgets` is the one reading of it. A sequence that reaches its
-own limit without EOS finishes "length".
-
-One file per engine, one line in :data:`ENGINES` (``actor.engine`` selects it).
+An engine holds a weight source (:meth:`Engine.weight_source`; None: fixed weights) and
+:meth:`Engine.refresh_weights` adopts the newest version: in process before every forward (an
+update lands between two tokens), a server engine between batches through the server's API.
+One file per engine, one line in :data:`ENGINES`, its knobs in a subsection of ``[actor]``.
 """
 
 from __future__ import annotations
@@ -48,34 +26,29 @@ class Sample:
 
 
 def budgets(max_new_tokens: int | Sequence[int] | None, n: int, default: int) -> list[int]:
-    """Each of ``n`` prompts' token limit: ``default`` for None, one int for all, or a list of
-    exactly one per prompt; every limit an integer >= 1."""
-    if max_new_tokens is None:
-        max_new_tokens = default
-    if isinstance(max_new_tokens, Integral):
-        return [_limit(max_new_tokens, "max_new_tokens")] * n
-    limits = list(max_new_tokens)
+    """Each of ``n`` prompts' token limit from ``max_new_tokens``: None (``default``), one int for
+    all, or one per prompt (tier limits, the length curriculum); every limit an integer >= 1."""
+    one = max_new_tokens is None or isinstance(max_new_tokens, Integral)
+    limits = [default if max_new_tokens is None else max_new_tokens] * n if one else list(max_new_tokens)
     if len(limits) != n:
         raise ValueError(f"max_new_tokens has {len(limits)} limits for {n} prompts: give one per prompt")
-    return [_limit(b, f"max_new_tokens[{i}]") for i, b in enumerate(limits)]
-
-
-def _limit(b, name: str) -> int:
-    if isinstance(b, bool) or not isinstance(b, Integral) or b < 1:
-        raise ValueError(f"{name} = {b!r}: a limit is an integer >= 1")
-    return int(b)
+    for i, b in enumerate(limits):
+        if isinstance(b, bool) or not isinstance(b, Integral) or b < 1:
+            raise ValueError(f"max_new_tokens{'' if one else f'[{i}]'} = {b!r}: a limit is an integer >= 1")
+    return [int(b) for b in limits]
 
 
 class EngineStopped(RuntimeError):
-    """Generation given up because the engine's ``stop`` event was set (SIGTERM mid-batch): the
-    unfinished samples were never sent, so nothing accepted is lost."""
+    """The engine's ``stop`` event was set (SIGTERM mid-batch); unfinished samples were never sent."""
 
 
 class Engine(abc.ABC):
     name = ""
+    # how it takes the learner's weights: a key of weightsync.DELIVERS, "tensors" (its own) or
+    # "group" (a server joining a torch.distributed group); checked by jobs.check_seams
+    receives = "tensors"
     stop = None  # a threading.Event the worker sets on SIGTERM; a long generate checks it per step
-    # called once per decode step by an engine that has steps (the worker's heartbeat: one long
-    # sequence of a big model can take minutes between two finished samples, and is not a hang)
+    # called once per decode step, if the engine has steps: the worker's heartbeat (a long sequence is no hang)
     on_step = None
 
     def __init__(self, weights=None):
@@ -89,23 +62,19 @@ class Engine(abc.ABC):
 
     @classmethod
     def weight_source(cls, cfg, run_dir: str, actor_id: str, *, stop=None, device=None):
-        """How this engine receives the learner's weights: by default a subscriber of
-        ``weightsync.transport`` (weightsync/base.py); a server engine that receives them itself
-        (SGLang over NCCL) returns its own link. The worker asks, and names no engine."""
+        """The subscriber of ``weightsync.transport`` the worker hands this engine."""
         from weightsync.base import make_subscriber
 
-        return make_subscriber(cfg, run_dir, stop=stop, device=device)
+        return make_subscriber(cfg, run_dir, stop=stop, device=device, actor_id=actor_id)
 
     @abc.abstractmethod
     def stream(self, prompts: list[list[int]], *, max_new_tokens: int | Sequence[int] | None = None,
                greedy: bool = False) -> Iterator[tuple[int, Sample]]:
-        """``(index into prompts, Sample)`` for every prompt, each index exactly once, as soon as
-        its sequence finishes (completion order); sampled as configured unless ``greedy``.
-        ``max_new_tokens``: one limit, one per prompt, or None for the engine's (:func:`budgets`)."""
+        """``(index, Sample)`` for every prompt, once each, as its sequence finishes (completion
+        order); one that reaches its limit (:func:`budgets`) without EOS finishes "length"."""
 
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int | Sequence[int] | None = None,
                  greedy: bool = False) -> list[Sample]:
-        """One Sample per prompt, in prompt order (the whole of :meth:`stream`)."""
         out: list[Sample | None] = [None] * len(prompts)
         for i, sample in self.stream(prompts, max_new_tokens=max_new_tokens, greedy=greedy):
             out[i] = sample
@@ -120,11 +89,10 @@ class Engine(abc.ABC):
         """Apply the newest version from ``self.weights`` if newer than ``self.version``."""
 
     def refresh_weights(self) -> int:
-        """Adopt the newest complete weights, if any; returns the version now in effect."""
+        """The version now in effect, after adopting the newest complete weights, if any."""
         if self.weights is not None:
             applied = self._apply_weights()
-            if applied is not None:
-                self.version = applied
+            self.version = self.version if applied is None else applied
         return self.version
 
     def close(self) -> None:

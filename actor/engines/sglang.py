@@ -1,88 +1,19 @@
 """The SGLang engine: generation in an SGLang 0.5.23 server, weights pushed into it over NCCL.
 
-Why a server: on GPUs SGLang is the generation engine users expect (paged KV cache, CUDA graphs,
-radix prefix cache). It pins its own torch, so it lives in its own venv, never driftrl's CPU
-default: ``actor.sglang.python`` names that venv's interpreter and the engine starts
-``<actor.sglang.python> -m sglang.launch_server`` as a child process. Setting the venv up on a GPU host::
+SGLang pins its own torch, so it lives in its own venv (``actor.sglang.python``, README) and the
+engine runs ``<python> -m sglang.launch_server`` as a child process. Every request and response
+shape here is read from 0.5.23's ``entrypoints/http_server.py``, ``managers/io_struct.py`` and
+``api/v1/api_types.py``; ``.ci/sglang-contract`` checks them against SGLang's own structs on CPU.
 
-    python3 -m venv .venv-sglang-gpu
-    .venv-sglang-gpu/bin/pip install "sglang[all]==0.5.23"   # its own CUDA torch, ~11 GB
-    python run.py actor.engine=sglang actor.sglang.python=$PWD/.venv-sglang-gpu/bin/python \\
-        weightsync.transport=nccl
-
-On CPU, ``.ci/sglang-contract`` builds a light venv (``--no-deps`` plus what SGLang's request
-structs import) and runs ``tests/sglang``: every body built here is validated by SGLang's own
-structs and every parser reads responses laid out the way SGLang's own code lays them out.
-
-Lifecycle (every wait has a deadline; each request and response shape is read from 0.5.23's
-``entrypoints/http_server.py``, ``managers/io_struct.py`` and ``api/v1/api_types.py``)::
-
-    start   argv = <python> -m sglang.launch_server --model-path DIR --host 127.0.0.1 --port P
-                   --dtype D --mem-fraction-static F --max-running-requests B --random-seed S
-                   --enable-fp32-lm-head --skip-tokenizer-init --weight-version V
-                   [--base-gpu-id N, from actor.device cuda:N]
-            GET /health_generate until 200 (it runs one real token; 503 while loading), at most
-            actor.sglang.start_timeout_s; the server's stdout/stderr is the actor's log
-    join    POST /init_weights_update_group {master_address, master_port, rank_offset,
-            world_size, group_name, backend}                                   (once)
-    update  POST /pause_generation {mode: "retract"} -> /begin_weight_update {} -> per bucket
-            /update_weights_from_distributed {names, dtypes, shapes, group_name,
-            load_format: "flattened_bucket", flush_cache, weight_version} -> /end_weight_update {}
-            -> /continue_generation {}.  flush_cache (the radix cache holds K/V of the old
-            weights) and weight_version only on the last bucket, so the version changes once,
-            after every tensor landed: no token is tagged with a half-applied version
-    generate POST /generate {input_ids, sampling_params, return_logprob: true,
-            return_sampling_mask (when top-k/top-p truncate)}, one request per prompt (with
-            that prompt's own max_new_tokens), in flight together (SGLang batches them continuously); each Sample is handed over as
-            its response arrives (completion order, as ``Engine.stream`` promises)
-    stop    POST /abort_request {abort_all: true} on the stop event; SIGTERM to the server's
-            process group with the engine (SIGKILL after a grace period)
-
-Response (``tokenizer_manager._handle_batch_output``, skip_tokenizer_init):
-``{"output_ids": [...], "meta_info": {"finish_reason": {"type": "stop"|"length"|"abort", ...},
-"output_token_logprobs": [[logprob, token_id, null], ...], "weight_version": str,
-"weight_versions": [{"version", "start", "end"}, ...], "output_token_sampling_logprobs": [...]}}``.
-
-Behaviour log-probs. SGLang's ``output_token_logprobs`` are ``log softmax(logits / T)`` before
-top-k/top-p (``layers/sampler.py``); driftrl's denominator is the distribution actually sampled
-from. With truncation on, the engine asks for ``return_sampling_mask`` and takes
-``output_token_sampling_logprobs`` (the selected token's log-prob in the renormalised support);
-without it both are the same. Greedy (temperature 0) reports ``log softmax(logits)``.
-
-Versions. 0.5.23 reports per-token weight-version spans: the scheduler records a version change
-for every live request (``record_weight_version_change``) and the finished response carries
-``weight_versions``; every token takes the version of its span. Versions are sent as decimal
-strings. Without spans (or an unparseable version) every token gets the version the engine last
-applied, constant over the request. The worker refreshes between batches, so in practice a
-sample's tokens share one version.
-
-Weights. The learner's NCCL publisher is rank 0 of a communicator built from an NCCL unique id
-with cupy; SGLang's receiver joins a torch.distributed group built by ``init_custom_process_group``
-(``tcp://host:port`` rendezvous, ``PrefixStore(group_name)``) and receives each bucket as one
-packed uint8 tensor (``FlattenedTensorBucket``: tensors back to back, no padding). The two cannot
-share a communicator, so :class:`SGLangLink` (the engine's weight source, a subscriber-like view
-of the publisher; :func:`link_from_config` builds it where the worker calls ``make_subscriber``)
-speaks the publisher's ZeroMQ protocol (``Hello`` -> ``CollectiveInit`` -> ``WeightUpdateHeader``
-per version) with the learner-side adapter (``weightsync/nccl.py``, the ``backend="sglang"`` mode
-of the NCCL publisher): it answers each ``Hello`` with ``CollectiveInit(rank, world_size, "sglang",
-b"host:port", layout)``, joins as rank 0 the way ``init_custom_process_group`` does (``TCPStore``
-master on that port, ``PrefixStore(GROUP_NAME)``, an NCCL process group of ``1 + num_actors``
-ranks), and per version sends the header, then for each bucket in order broadcasts from rank 0
-the bucket's tensors packed back to back as uint8 (:func:`bucket_bodies` is the plan both sides
-follow; ``tests/sglang`` checks it against ``FlattenedTensorBucket``). A second ``Hello`` from the
-same actor (a restarted server) rebuilds the group; every other peer then gets a new
-``CollectiveInit`` and its engine has its server leave the old group
-(``/destroy_weights_update_group``) and join the new one before the next version. As with the NCCL subscriber, the learner's
-broadcast waits for the receiver: here until the worker's next ``refresh_weights``, between two
-batches; both venvs' NCCL builds must be wire-compatible. ``update_weights_from_tensor``
-(SGLang's path on one shared GPU) was not chosen: its payload is a pickled tensor handle
-(``MultiprocessingSerializer``), and driftrl never pickles on its own sockets.
-
-Poisoning. A weight update that fails or times out (``actor.sglang.update_timeout_s``) may have
-left the server with half-written weights, so the engine is marked poisoned and generates
-nothing until it is healed: the server is restarted from the model directory, joins a fresh
-group, and the next published version -- every version carries the whole weights, so one pull
-restores the current ones -- is pushed before any prompt is served (re-init and re-pull).
+Behaviour log-probs: with top-k/top-p on, ``output_token_sampling_logprobs`` (the renormalised
+support the token was sampled from), not ``output_token_logprobs`` (before truncation).
+Versions: per-token from the response's ``weight_versions`` spans; without them, the version
+the engine last applied. Weights: the server joins the learner's ``torch_dist`` group
+(weightsync/nccl.py, through a :class:`GroupLink`) and receives each version's buckets by
+``/update_weights_from_distributed``, between pause and continue; the version changes once,
+on the last bucket. A failed update poisons the engine: it restarts its server, re-joins and
+re-pulls a whole version before serving again. ``update_weights_from_tensor`` is not used: its
+payload is pickled.
 """
 
 from __future__ import annotations
@@ -100,26 +31,19 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
 
-import zmq
-
 from actor.engines import Engine, EngineStopped, Sample, budgets
-from core import net
-from core.files import read_json
-from core.messages import Hello, Shutdown, WeightUpdateHeader, decoder, encode
+from core import net, precision
 from model.sampling import SamplingSpec
 from model.tokenizer import Tokenizer
-from weightsync.base import wait_until
-from weightsync.nccl import SGLANG_GROUP, TO_SUBSCRIBER, CollectiveInit, endpoint_path
+from weightsync.nccl import GROUP_NAME, GroupLink
 
 log = logging.getLogger("driftrl.sglang")
 
 HEALTH_PATH = "/health_generate"  # /health answers 200 without generating unless an env var is set
-GROUP_NAME = SGLANG_GROUP  # the learner's publisher joins under the same name (weightsync/nccl.py)
 PAUSE_MODE = "retract"  # running requests go back to the queue and are recomputed on continue
 POLL_S = 0.2  # how often a wait looks at the server process and the stop event
 STOP_GRACE_S = 15.0  # SIGTERM -> SIGKILL
 FINISH = {"stop": "stop", "length": "length"}  # SGLang's finish_reason["type"] -> driftrl's
-TO_SUBSCRIBER_DECODER = decoder(TO_SUBSCRIBER)
 # the server is on loopback: an http_proxy in the environment must not route requests to it
 _HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -158,8 +82,7 @@ def truncates(spec: SamplingSpec) -> bool:
 
 
 def sampling_params(spec: SamplingSpec, max_new_tokens: int, eos_ids, greedy: bool) -> dict:
-    """SGLang ``sampling_params``: temperature 0 is its greedy; ``top_k`` absent = the whole
-    vocabulary (driftrl's 0); the checkpoint's EOS ids stop a sequence, as in the torch engine."""
+    """SGLang ``sampling_params`` (temperature 0 is its greedy, no ``top_k`` its whole vocabulary)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     body = {"max_new_tokens": int(max_new_tokens), "temperature": 0.0 if greedy else float(spec.temperature),
@@ -170,8 +93,7 @@ def sampling_params(spec: SamplingSpec, max_new_tokens: int, eos_ids, greedy: bo
 
 
 def generate_body(prompt: list[int], params: dict, *, sampling_mask: bool) -> dict:
-    """One ``/generate`` body: driftrl tokenises, so ``input_ids``; output-token log-probs only
-    (``logprob_start_len`` -1, SGLang's default)."""
+    """One ``/generate`` body: ``input_ids`` (driftrl tokenises), output-token log-probs only."""
     if not prompt:
         raise ValueError("prompt is empty: a sequence needs at least one token to condition on")
     body = {"input_ids": [int(t) for t in prompt], "sampling_params": params, "return_logprob": True,
@@ -190,8 +112,7 @@ def init_group_body(host: str, port: int, rank_offset: int, world_size: int, gro
 
 
 def bucket_bodies(header, group: str = GROUP_NAME) -> list[dict]:
-    """One ``/update_weights_from_distributed`` body per bucket of a ``WeightUpdateHeader``, in
-    its order: the plan the learner broadcasts by (each bucket's tensors packed back to back)."""
+    """One ``/update_weights_from_distributed`` body per bucket, in the order the learner broadcasts."""
     shapes = dict(zip(header.names, header.shapes))
     last = len(header.buckets) - 1
     return [{"names": list(b.names), "dtypes": [b.dtype] * len(b.names), "shapes": [list(shapes[n]) for n in b.names],
@@ -206,9 +127,6 @@ BEGIN_BODY: dict = {}
 END_BODY: dict = {}
 DESTROY_BODY = {"group_name": GROUP_NAME}  # leave the old group before joining a rebuilt one
 ABORT_ALL_BODY = {"abort_all": True}
-
-
-# ---- responses (pure) ----------------------------------------------------------------------
 
 
 def finish_reason(reason) -> str:
@@ -344,117 +262,15 @@ class SGLangServer:
             self.proc.wait(STOP_GRACE_S)
 
 
-# ---- weights: the engine's view of the learner's publisher ---------------------------------
-
-
-class SGLangLink:
-    """Subscriber-like view of the learner's NCCL publisher that moves no bytes itself: it learns
-    the group (``CollectiveInit``) and each version's layout (``WeightUpdateHeader``) over the
-    publisher's ZeroMQ socket, and the engine has the SGLang server join the group and receive
-    the broadcasts (the learner's side: ``weightsync/nccl.py``, ``backend="sglang"``). When any
-    peer's server restarts, the publisher rebuilds the group and sends every peer a new
-    ``CollectiveInit``: :attr:`rejoin` then holds the new group's join body until the engine has
-    its server leave the old group and join the new one."""
-
-    transport = "nccl-sglang"
-
-    def __init__(self, run_dir: str, timeout_s: float = 60, *, curve=None, actor_id: str = "", stop=None):
-        path = endpoint_path(run_dir)
-        ep = wait_until(lambda: read_json(path), timeout_s,
-                        f"the learner's weight publisher endpoint {path}; is the learner up?", stop=stop)
-        self.timeout_s, self.stop = timeout_s, stop
-        self.actor_id = actor_id or f"sglang:{os.getpid()}"
-        self._ctx = zmq.Context()
-        self._sock = net.socket(self._ctx, zmq.DEALER, linger_ms=0)
-        net.connect(self._sock, ep["host"], ep["port"], curve)
-        self.init: CollectiveInit | None = None
-        self.rejoin: dict | None = None  # a rebuilt group's /init_weights_update_group body
-        self.pending: list[WeightUpdateHeader] = []
-        self.stats = LinkStats()
-
-    def join(self) -> dict:
-        """Say hello (again, after a restart) and wait for a rank; the ``/init_weights_update_group``
-        body. Versions queued for an earlier group can no longer be received: dropped."""
-        self.pending.clear()
-        self._sock.send(encode(Hello("weightsync", self.actor_id)))
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            if self.stop is not None and self.stop.is_set():
-                raise EngineStopped("stopped while waiting for the learner to assign a rank")
-            if time.monotonic() > deadline:
-                raise SGLangError(f"the learner assigned no rank in {self.timeout_s:.0f}s")
-            msg = self._recv(int(POLL_S * 1000))
-            if isinstance(msg, CollectiveInit):
-                break
-        self.init, self.rejoin = check_init(msg), None
-        return _join_body(msg)
-
-    def _recv(self, wait_ms: int = 0):
-        """One message (queueing a header), or None when none is there within ``wait_ms``."""
-        if not self._sock.poll(wait_ms):
-            return None
-        msg = TO_SUBSCRIBER_DECODER.decode(self._sock.recv())
-        if isinstance(msg, WeightUpdateHeader):
-            self.pending.append(msg)
-        elif isinstance(msg, CollectiveInit) and self.init is not None and msg != self.init:
-            # a rebuilt group: headers queued before it were broadcast in the old one, which
-            # every rank had to finish before the rebuild; the ones after it are the new group's
-            self.pending.clear()
-            self.init = check_init(msg)
-            self.rejoin = _join_body(msg)
-        elif isinstance(msg, Shutdown):
-            log.warning("the learner's weight publisher closed: %s", msg.reason)
-        return msg
-
-    def latest_version(self) -> int:
-        """Queue every header that arrived (non-blocking); the newest queued version, else -1."""
-        while self._recv() is not None:
-            pass
-        return self.pending[-1].version if self.pending else -1
-
-    def metrics(self) -> dict[str, float]:
-        s = self.stats
-        return {"weightsync/apply_s": s.apply_s, "weightsync/apply_s_total": s.apply_s_total,
-                "weightsync/versions_skipped": 0.0, "weightsync/bytes": 0.0,
-                "actor/sglang_restarts": float(s.restarts)}
-
-    def close(self) -> None:
-        self._sock.close()
-        self._ctx.term()
-
-
-def link_from_config(cfg, run_dir: str, actor_id: str, stop=None, timeout_s: float = 300) -> SGLangLink:
-    """The weight source the worker hands an SGLang engine instead of ``make_subscriber``'s
-    (``weightsync.transport=nccl`` only: the server receives by NCCL)."""
-    if cfg.weightsync.transport != "nccl":
-        raise ValueError(f"actor.engine=sglang receives weights over NCCL: set weightsync.transport=nccl "
-                         f"(got {cfg.weightsync.transport!r})")
-    return SGLangLink(run_dir, timeout_s, curve=net.curve_from_config(cfg.net), actor_id=actor_id, stop=stop)
-
-
-def _join_body(init) -> dict:
+def join_body(init) -> dict:
+    """The ``/init_weights_update_group`` body for a ``CollectiveInit`` (b"host:port" of the store)."""
     host, port = init.unique_id.decode().rsplit(":", 1)
     return init_group_body(host, int(port), init.rank, init.world_size)
 
 
-def check_init(msg) -> "CollectiveInit":
-    if msg.backend != "sglang":
-        raise SGLangError(f"the learner's publisher set up backend={msg.backend!r}; the SGLang engine needs "
-                          "its 'sglang' adapter, a torch rendezvous the server can join (actor/engines/sglang.py)")
-    if not 1 <= msg.rank < msg.world_size:
-        raise SGLangError(f"CollectiveInit: rank {msg.rank} outside [1, {msg.world_size})")
-    return msg
-
-
-class LinkStats:
-    def __init__(self):
-        self.apply_s = self.apply_s_total = 0.0
-        self.restarts = 0
-
-
 def push_update(server: SGLangServer, header, timeout_s: float) -> None:
-    """pause -> begin -> one receive per bucket -> end -> continue (module docstring). NCCL needs
-    every rank in every broadcast, so a queued version is received even when a newer one follows."""
+    """pause -> begin -> one receive per bucket -> end -> continue. NCCL needs every rank in every
+    broadcast, so a queued version is received even when a newer one follows."""
     server.post("/pause_generation", PAUSE_BODY, timeout_s)
     check_ok("/begin_weight_update", server.post("/begin_weight_update", BEGIN_BODY, timeout_s))
     for body in bucket_bodies(header):
@@ -463,19 +279,12 @@ def push_update(server: SGLangServer, header, timeout_s: float) -> None:
     server.post("/continue_generation", CONTINUE_BODY, timeout_s)
 
 
-# ---- the engine ----------------------------------------------------------------------------
-
-
 class SGLangEngine(Engine):
-    """``weights``: an :class:`SGLangLink` (the learner's NCCL publisher), or None for the model
+    """``weights``: a :class:`GroupLink` to the learner's publisher, or None for the model
     directory's fixed weights (version 0)."""
 
     name = "sglang"
-
-    @classmethod
-    def weight_source(cls, cfg, run_dir: str, actor_id: str, *, stop=None, device=None) -> "SGLangLink":
-        """The server receives by NCCL itself: the worker gets the link that follows the publisher."""
-        return link_from_config(cfg, run_dir, actor_id, stop=stop)
+    receives = "group"
 
     def __init__(self, server: SGLangServer, spec: SamplingSpec, *, eos_ids, max_new_tokens: int = 16,
                  max_batch: int = 256, weights=None, start_timeout_s: float = 600.0,
@@ -493,13 +302,14 @@ class SGLangEngine(Engine):
     @classmethod
     def from_config(cls, actor_cfg, model_dir: str, weights=None, seed: int = 0) -> "SGLangEngine":
         gpu = gpu_index(str(actor_cfg.device))
-        if weights is not None and not isinstance(weights, SGLangLink):
-            raise ValueError(f"actor.engine=sglang takes its weights through SGLangLink (weightsync.transport=nccl "
-                             f"with the learner's SGLang adapter), got a {type(weights).__name__}")
+        if weights is not None and not isinstance(weights, GroupLink):
+            raise ValueError(f"actor.engine=sglang takes its weights through a GroupLink (weightsync.transport="
+                             f"torch_dist), got a {type(weights).__name__}")
 
         def fresh() -> SGLangServer:
             port = net.free_port()
-            argv = launch_argv(actor_cfg.sglang.python, model_dir, port, dtype=precision.dtype_name(actor_cfg.dtype, "cuda"),
+            argv = launch_argv(actor_cfg.sglang.python, model_dir, port,
+                               dtype=precision.dtype_name(actor_cfg.dtype, "cuda"),
                                mem_fraction=actor_cfg.sglang.mem_fraction, max_running=actor_cfg.max_batch,
                                seed=seed, version=0 if weights is None else -1, gpu=gpu)
             return SGLangServer(argv, port, request_timeout_s=actor_cfg.sglang.request_timeout_s)
@@ -520,7 +330,8 @@ class SGLangEngine(Engine):
         self.server.start(self.start_timeout_s, self.stop)
         if self.weights is not None:
             check_ok("/init_weights_update_group",
-                     self.server.post("/init_weights_update_group", self.weights.join(), self.update_timeout_s))
+                     self.server.post("/init_weights_update_group", join_body(self.weights.join()),
+                                      self.update_timeout_s))
 
     def sampling(self) -> SamplingSpec:
         return self.spec
@@ -538,9 +349,8 @@ class SGLangEngine(Engine):
         return self._push_pending()
 
     def _rejoin(self) -> bool:
-        """Another peer restarted and the learner rebuilt the group: leave the old one, join the
-        new one (False, and poisoned, if the server refuses)."""
-        body, self.weights.rejoin = self.weights.rejoin, None
+        """The learner rebuilt the group: leave the old one, join the new (False, poisoned, if refused)."""
+        body, self.weights.rejoin = join_body(self.weights.rejoin), None
         try:
             check_ok("/destroy_weights_update_group",
                      self.server.post("/destroy_weights_update_group", DESTROY_BODY, self.update_timeout_s))
@@ -574,14 +384,14 @@ class SGLangEngine(Engine):
         self.poisoned = why
 
     def _heal(self) -> int | None:
-        """Restart on the model directory, re-join, and pull the next version before serving:
+        """Restart on the model directory, re-join, and pull a version before serving:
         every version carries the whole weights. Until one lands the engine stays poisoned and
         ``stream`` refuses to run."""
         if self.restart is None:
             raise SGLangError(f"the SGLang engine is poisoned ({self.poisoned}) and cannot restart")
         self.server.stop()
         self.server = self.restart()
-        self.weights.stats.restarts += 1
+        self.weights.restarts += 1
         self.boot()
         deadline = time.monotonic() + self.update_timeout_s
         while self.weights.latest_version() < 0:
@@ -597,8 +407,7 @@ class SGLangEngine(Engine):
 
     def stream(self, prompts: list[list[int]], *, max_new_tokens: int | Sequence[int] | None = None,
                greedy: bool = False) -> Iterator[tuple[int, Sample]]:
-        """Every prompt in flight at once (at most ``max_batch``); yields as responses arrive.
-        Each request carries its prompt's own ``max_new_tokens`` (one params dict per distinct limit)."""
+        """Every prompt in flight at once (at most ``max_batch``), each with its own limit."""
         if self.poisoned is not None:
             raise SGLangError(f"the SGLang engine is poisoned ({self.poisoned}); refresh_weights() restarts it")
         limits = budgets(max_new_tokens, len(prompts), self.max_new_tokens)

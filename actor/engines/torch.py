@@ -1,39 +1,10 @@
-"""The embedded PyTorch engine: continuous batching over a preallocated KV cache, with in-flight
-weight updates.
+"""The embedded PyTorch engine: continuous batching over a preallocated KV cache (ARCHITECTURE.md).
 
-Scheduling. Up to ``max_batch`` sequences decode at once, one per slot of the engine's
-:class:`model.kvcache.KVCache`. Each loop turn runs one forward, then retires what finished:
-
-- prompts waiting and slots free: the newly admitted prompts are prefilled together, in one
-  forward over just their slots (right-padded; the cache records each row's real length, so the
-  padding is overwritten by the row's next token), and sample their first token;
-- otherwise a decode step: one token for every running sequence, each at its own position.
-
-A finished sequence's slot goes to the next waiting prompt at once; the running sequences do not
-wait for the batch's longest member. When nothing waits, the last running sequence moves into
-the hole (one copy of its K/V), so the running rows stay packed at the front of the cache and a
-decode step reads it as a view: finished rows cost nothing more, and no step gathers K/V.
-
-Each sequence has its own token budget (``max_new_tokens``, one per prompt or one for all) and
-finishes "length" when it reaches it.
-
-The cache is allocated once per engine and grown geometrically (slots up to ``max_batch``,
-positions to the longest prompt plus its budget) when a call needs more than it holds;
-it is kept between calls, so an actor's steady state allocates nothing per call.
-
-Streaming: :meth:`TorchEngine.stream` yields ``(index, Sample)`` the moment a sequence finishes,
-so the worker can send a group as soon as its last sample is done; :meth:`generate` collects it.
-
-Behaviour log-probs are those of the distribution actually sampled from
-(``model.sampling.sampling_logprobs``, the rule the learner's numerator applies too).
-
-Weights may change between two forwards (:meth:`Engine.refresh_weights` runs before each, prefill
-or decode); every sampled token records the version of the weights whose logits produced it. The
-KV cache of running sequences is kept across an update, as PipelineRL does: the prefix keys were
-computed by older weights, which is exactly what the per-token versions describe.
-
-Speed: ``bench/engine.py`` compares this engine with ``transformers``' ``generate`` on the same
-checkpoint, prompts, batch, sampling and threads; its docstring has the figures.
+Each turn runs one forward: a prefill of newly admitted prompts over just their slots, else one
+decode step for every running sequence; running rows stay packed at the front of the cache, so a
+decode step reads it as a view. Weights may change between two forwards: each token records the
+version that produced it, and running sequences keep their KV cache across an update (as
+PipelineRL does). Speed against transformers' ``generate``: ``bench/engine.py``.
 """
 
 from __future__ import annotations
@@ -53,18 +24,14 @@ from model.kvcache import KVCache
 from model.sampling import SamplingSpec, sampling_logprobs
 from model.tokenizer import Tokenizer
 
-# Positions grow by a quarter, slots double (up to max_batch): prompt lengths vary a little from
-# call to call, and doubling every slot's positions for a few more tokens would double the cache
-# (3 GB at the 135M shape for 64 slots x 1,024 positions); reallocating is only a memset.
+# positions grow by a quarter, slots double: doubling positions for a few more tokens would double
+# the cache (3 GB at the 135M shape for 64 slots x 1,024 positions)
 POSITIONS_GROWTH = 1.25
 DRAW_CHUNK = 256  # entries per chunk of the sampler's two-level inverse CDF
 
 
 @dataclass
 class _Seq:
-    """One prompt's sequence: its token budget, what it has produced so far, and why it stopped
-    (once it has)."""
-
     index: int
     prompt: list[int]
     budget: int
@@ -78,8 +45,7 @@ class _Seq:
 
 
 def _grown(need: int, have: int, factor: float, cap: int | None = None) -> int:
-    """``have`` if it is enough, else geometric growth: ``have * factor`` (at most ``cap``) or
-    ``need``, whichever is larger."""
+    """``have`` if enough, else the larger of ``need`` and ``have * factor`` (at most ``cap``)."""
     if need <= have:
         return have
     grown = math.ceil(have * factor)
@@ -97,13 +63,9 @@ def _chunk_sums(probs, c: int):
 
 def _inverse_cdf(probs, uniform):
     """Row ``b``'s token: the first whose cumulative probability exceeds ``uniform[b]`` x the row's
-    total, without a cumulative sum over the whole vocabulary. First the chunk (CDF of FP64 chunk
-    sums), then the entry inside it (FP64 cumsum of ``DRAW_CHUNK`` entries). Measured at batch
-    32 x vocab 49152 with the logits out of cache (1 thread, exp included): 4-8 ms, against 25
-    for one FP64 cumsum over the vocabulary and 41-53 for ``torch.multinomial`` (it draws an
-    exponential per entry) -- out of a ~370 ms decode step of the 135M shape at that batch.
-    ``u`` stays below the total and the result is clamped to the chunk's last positive entry, so
-    a zero-probability token (outside top-k / top-p) is never drawn, whatever the rounding."""
+    total, found chunk first (FP64 chunk sums), then inside the chunk: 4-8 ms at batch 32 x vocab
+    49152 against 25 for one FP64 cumsum and 41-53 for ``torch.multinomial`` (measured). Clamped
+    to the chunk's last positive entry, so a truncated-away token is never drawn, whatever the rounding."""
     c, vocab = DRAW_CHUNK, probs.shape[-1]
     cdf = _chunk_sums(probs, c).cumsum(-1)
     total = cdf[:, -1:]
@@ -129,9 +91,8 @@ def _pack(cache: KVCache, running: list[_Seq | None]) -> None:
 
 
 class TorchEngine(Engine):
-    """Owns ``model`` from here on: it is cast to ``dtype``, moved to ``device`` and put in eval
-    mode in place; the KV cache, every per-step tensor and the sampling generator live on
-    ``device`` too (on CUDA a host round trip per token would cost more than the step)."""
+    """Owns ``model`` (cast, moved and put in eval mode in place); the cache, the per-step tensors and
+    the generator live on ``device`` too (a host round trip per token costs more than the step)."""
 
     name = "torch"
 
@@ -156,8 +117,7 @@ class TorchEngine(Engine):
 
     @classmethod
     def from_config(cls, actor_cfg, model_dir: str, weights=None, seed: int = 0) -> "TorchEngine":
-        """``actor_cfg.device``: the worker passes its own resolved device; a list or ``auto``
-        (the launcher's contract check) is resolved as for actor 0 (core/placement.py)."""
+        """``actor_cfg.device``: the worker's resolved one; a list or ``auto`` is resolved as actor 0's."""
         tok = Tokenizer.from_dir(model_dir)
         device = placement.resolve_actor(actor_cfg, 0, placement.visible_gpus())
         return cls(load_pretrained(model_dir), SamplingSpec.of(actor_cfg), eos_ids=tok.eos_ids, pad_id=tok.pad_id,
@@ -168,9 +128,8 @@ class TorchEngine(Engine):
         return self.spec
 
     def params(self) -> dict[str, torch.Tensor]:
-        """The model's own Parameters and persistent buffers under their state_dict names: a
-        weight transport copies into them or (shm, same dtype) rebinds their ``.data`` to shared
-        memory, which detached state_dict() tensors would not pass on to the module."""
+        """The model's own Parameters and buffers by state_dict name: a transport copies into them or
+        rebinds their ``.data`` (shm), which detached state_dict() tensors would not pass on."""
         own = dict(self.model.named_parameters(remove_duplicate=False))
         own |= dict(self.model.named_buffers(remove_duplicate=False))
         return {k: own[k] for k in self.model.state_dict()}
@@ -181,9 +140,6 @@ class TorchEngine(Engine):
     @torch.inference_mode()
     def stream(self, prompts: list[list[int]], *, max_new_tokens: int | Sequence[int] | None = None,
                greedy: bool = False) -> Iterator[tuple[int, Sample]]:
-        """Continuous batching (module docstring): each turn admits waiting prompts into free
-        slots and prefills them, or decodes one token for every running sequence; then yields
-        what finished."""
         limits = budgets(max_new_tokens, len(prompts), self.max_new_tokens)
         if not prompts:
             return
@@ -236,7 +192,6 @@ class TorchEngine(Engine):
         return fresh
 
     def _prefill(self, cache: KVCache, running: list[_Seq], fresh: list[int], greedy: bool) -> None:
-        """One forward over the newly admitted slots only, right-padded; samples each first token."""
         seqs = [running[i] for i in fresh]
         lens = torch.tensor([len(s.prompt) for s in seqs])
         ids = torch.full((len(seqs), int(lens.max())), self.pad_id, dtype=torch.long)
@@ -252,7 +207,6 @@ class TorchEngine(Engine):
         self._record(seqs, hidden[torch.arange(len(seqs), device=self.device), lens - 1], version, greedy)
 
     def _decode(self, cache: KVCache, running: list[_Seq], greedy: bool) -> None:
-        """One token for every running sequence (slots [0, m)), each at its own position."""
         pos = cache.lengths[: len(running), None].clone()  # the pending token's position
         ids = torch.tensor([[s.tokens[-1]] for s in running], dtype=torch.long, device=self.device)
         mask = torch.arange(int(pos.max()) + 1, device=self.device)[None] <= pos
@@ -277,8 +231,6 @@ class TorchEngine(Engine):
         return nxt, logp.gather(-1, nxt[:, None]).squeeze(-1)
 
     def _draw(self, logp):
-        """One token per row from ``exp(logp)`` by a two-level inverse CDF (:func:`_inverse_cdf`)
-        with one FP64 uniform per row from the engine's seeded generator."""
         probs = logp.exp()
         uniform = torch.rand(probs.shape[0], 1, generator=self.gen, dtype=torch.float64, device=self.device)
         return _inverse_cdf(probs, uniform)

@@ -14,6 +14,7 @@ checkpoint's. One file per task, one line in :data:`TASKS` (``task.name`` select
 from __future__ import annotations
 
 import abc
+import hashlib
 import random
 from dataclasses import dataclass
 
@@ -47,16 +48,13 @@ class Task(abc.ABC):
 
     @classmethod
     def base_model(cls, cfg) -> str:
-        """Path of this task's built-in tiny base model (built on first use), for runs that set
-        no ``model.path``; tasks without one ask for a checkpoint. A task that has one also
-        writes its pre-training corpus for ``model/basemodel.py`` (which cannot import actor/):
-        ``pretrain_completion(prompt, rng, model_cfg) -> str`` and ``pretrain_recipe(model_cfg)
-        -> dict`` of what else shapes the build (part of its cache key); see arith and scratch."""
+        """Path of this task's built-in tiny base model, for runs that set no ``model.path``. A task
+        with one writes its corpus for ``model/basemodel.py``: ``pretrain_completion(prompt, rng,
+        model_cfg) -> str`` and ``pretrain_recipe(model_cfg) -> dict`` (its cache key); see arith."""
         raise ValueError(f"task {cls.name!r} has no built-in base model: set model.path to a checkpoint directory")
 
     def rewards(self, items: list[tuple[Prompt, list[int]]]) -> list[float]:
-        """Rewards of many ``(prompt, completion_ids)`` at once, in order. Tasks whose checker is
-        slow or untrusted override this to score in a worker pool (``actor/rewards.py``)."""
+        """Rewards of many ``(prompt, completion_ids)``, in order (pooled tasks: ``actor/rewards.py``)."""
         return [self.reward(p, ids) for p, ids in items]
 
     def metrics(self) -> dict[str, float]:
@@ -64,10 +62,10 @@ class Task(abc.ABC):
         return {}
 
     def close(self) -> None:
-        """Release what the task holds (a reward pool's processes)."""
+        """Release what the task holds (a reward pool)."""
 
     def eval_set(self, n: int, seed: int = 1234) -> list[Prompt]:
-        """A fixed held-out set: the same n prompts for every evaluation of a run."""
+        """The same ``n`` held-out prompts for every evaluation of a run."""
         rng = random.Random(seed)
         return [self.sample(rng, "eval") for _ in range(n)]
 
@@ -78,19 +76,23 @@ class Task(abc.ABC):
         return None if end is None else self.tok.decode(ids[:end])
 
     def tier(self, difficulty: float, by_level: str) -> str:
-        """A prompt's tier: ``by_level`` (the task's own, from its level), unless
-        ``task.difficulty_tiers`` assigns this difficulty one (tiers by measured pass rate:
-        pipeline.py ``pass_rate_tiers``; keyed as ``str(Prompt.difficulty)``)."""
+        """``by_level`` (the task's own tier) unless ``task.difficulty_tiers`` (pipeline.py's tiers by
+        measured pass rate, keyed by ``str(Prompt.difficulty)``) assigns this difficulty one."""
         return self.cfg.difficulty_tiers.get(str(difficulty), by_level)
 
     def prompt_tokens(self, text: str, tier: str = "default") -> tuple[int, ...]:
-        """Prompt ids of a task's question ``text`` (+ ``task.instruction``): through the chat
-        template when ``task.chat_template`` asks for it (model/tokenizer.py), with the system
-        prompt of ``tier`` (else ``task.system_prompt["default"]``), else plain text after BOS."""
+        """Prompt ids of a question ``text`` (+ ``task.instruction``), with ``tier``'s system prompt
+        (else ``task.system_prompt["default"]``), through the chat template if it is wanted."""
         if self.cfg.instruction:
             text = f"{text}\n\n{self.cfg.instruction}"
         system = self.cfg.system_prompt.get(tier, self.cfg.system_prompt.get("default", ""))
         return tuple(self.tok.prompt(text, self.tok.wants_chat(self.cfg.chat_template), system))
+
+
+def held_out(key: str, frac: float, digest_size: int = 4) -> bool:
+    """Whether ``key`` is in the eval split: a stable hash of it falls within ``frac``."""
+    h = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=digest_size).digest(), "little")
+    return (h % 10_000) < frac * 10_000
 
 
 def tier_of(difficulty: float) -> str:

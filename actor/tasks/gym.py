@@ -1,28 +1,13 @@
 """Procedural tasks of ``reasoning-gym``, scored by each dataset's own scorer in the reward pool.
 
-``task.datasets`` names any of reasoning-gym's datasets (``reasoning_gym.factory.DATASETS``);
-several names are a mix, drawn uniformly per prompt (repeat a name to weight it). Each is built
-with ``reasoning_gym.create_dataset(name, seed=..., size=task.size)`` under a seed derived from
-its name and the split, so the train and eval splits are different procedural streams; on top,
-an item belongs to the eval split only if a hash of its question falls within
-``task.eval_frac`` (as in :mod:`actor.tasks.arith`), so no eval question is ever trained on,
-even where two seeds produce the same question.
-
-Difficulty and tier come from the item's metadata where it says something: reasoning-gym
-records the dataset's configured ranges (``metadata["difficulty"] = {"num_terms": (2, 6), ...}``)
-next to the item's own values (``metadata["num_terms"] = 3``), so the difficulty is where the
-item's values sit inside those ranges, averaged (0 = easiest, 1 = hardest) and the tier its
-third; items whose metadata has no such pair are tier "default".
-
-Answer extraction: reasoning-gym's scorers expect the final answer alone, and its prompts ask
-models to write ``<answer>...</answer>``; the text inside the last such tag is scored
-(``reasoning_gym.utils.extract_answer``), else the whole completion, stripped.
-
-Scoring runs in the reward pool (``actor/rewards.py``). The payload names the item (dataset,
-seed, size, index) rather than carrying it: the worker regenerates the entry -- reasoning-gym's
-items are deterministic in (seed, index) -- so the scorer sees exactly the entry, metadata with
-its tuples included (a JSON round trip turns ARC's tuple grids into lists, which its scorer
-rejects); a hash of the question guards the regeneration.
+``task.datasets`` names reasoning-gym datasets, mixed uniformly per prompt (repeat a name to weight
+it). Each split is its own procedural stream (a seed per name and split), and an item is eval
+only if a hash of its question falls within ``task.eval_frac``, so no eval question is trained on.
+Difficulty is where the item's values sit inside the ranges its metadata records, averaged; the
+tier its third ("default" without such metadata). The answer scored is the text in the last
+``<answer>`` tag, else the whole completion. The payload names the item (dataset, seed, size,
+index) and the worker regenerates it -- items are deterministic -- so the scorer sees the exact
+entry (a JSON round trip would turn tuple grids into lists); a question hash guards this.
 """
 
 from __future__ import annotations
@@ -33,9 +18,8 @@ import hashlib
 import random
 
 from actor.rewards import PooledTask
-from actor.tasks import Prompt, tier_of
+from actor.tasks import Prompt, held_out, tier_of
 
-SPLITS = ("train", "eval")
 MAX_DRAWS = 10_000  # draws to find an item of the wanted split before giving up
 
 
@@ -44,12 +28,10 @@ def _hash(text: str, size: int = 8) -> int:
 
 
 def split_seed(name: str, split: str) -> int:
-    """The dataset seed of ``name``'s ``split``: stable across runs, different per split."""
     return _hash(f"driftrl-gym/{name}/{split}", 4)
 
 
 def check_names(names: list[str]) -> list[str]:
-    """``names`` if every one is a reasoning-gym dataset; a clear error with close matches else."""
     from reasoning_gym.factory import DATASETS
 
     if not names:
@@ -73,7 +55,7 @@ def dataset(name: str, seed: int, size: int):
 
 @functools.lru_cache(maxsize=4096)
 def entry(name: str, seed: int, size: int, index: int) -> dict:
-    """Item ``index`` of a dataset (deterministic; cached: a group's answers share it)."""
+    """Item ``index`` of a dataset (cached: a group's answers share it)."""
     return dataset(name, seed, size)[index]
 
 
@@ -101,16 +83,13 @@ class GymTask(PooledTask):
         self.names = check_names(cfg_task.datasets)
         tokenizer.wants_chat(cfg_task.chat_template)  # "on" without a template fails now, not mid-run
 
-    def _is_eval(self, question: str) -> bool:
-        return (_hash(question) % 10_000) < self.cfg.eval_frac * 10_000
-
     def sample(self, rng: random.Random, split: str = "train") -> Prompt:
         name = rng.choice(self.names)
         seed = split_seed(name, split)
         for _ in range(MAX_DRAWS):
             index = rng.randrange(self.cfg.size)
             item = entry(name, seed, self.cfg.size, index)
-            if self._is_eval(item["question"]) == (split == "eval"):
+            if held_out(item["question"], self.cfg.eval_frac, 8) == (split == "eval"):
                 return self._prompt(name, split, index, item)
         raise ValueError(f"reasoning-gym dataset {name!r}: no {split} item in {MAX_DRAWS} draws "
                          f"(task.size={self.cfg.size}, task.eval_frac={self.cfg.eval_frac})")
@@ -130,8 +109,7 @@ class GymTask(PooledTask):
                 "question_hash": _hash(question), "text": text}
 
 
-# ---- the scorer (runs in a reward-pool worker) ------------------------------------------------
-
+# the scorer, run in a reward-pool worker
 def warmup() -> None:
     """Import reasoning-gym before the first answer's clock starts (~2 s)."""
     import reasoning_gym  # noqa: F401
@@ -139,7 +117,6 @@ def warmup() -> None:
 
 
 def extract(text: str) -> str:
-    """The final answer: inside the last ``<answer>`` tag, else the whole text."""
     from reasoning_gym.utils import extract_answer
 
     tagged = extract_answer(text)
@@ -147,7 +124,6 @@ def extract(text: str) -> str:
 
 
 def score(payload: dict) -> float:
-    """reasoning-gym's own score of the completion ``payload["text"]`` for the named item."""
     args = (payload["dataset"], payload["seed"], payload["size"], payload["index"])
     item = entry(*args)
     if _hash(item["question"]) != payload["question_hash"]:

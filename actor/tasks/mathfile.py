@@ -1,25 +1,13 @@
 """Math problems from a JSONL or parquet file, scored by ``math-verify`` in the reward pool.
 
-Each row has ``prompt`` (text) and ``answer`` (text or number); optionally ``id`` (else a hash of
-the prompt: stable across runs and file reorderings), ``difficulty`` (a number) or ``level`` (a
-number, or MATH's ``"Level 3"``). Other fields are ignored. Every row is checked on load, and a
-bad one is an error naming the file, line (parquet: row) and field.
-
-Splits: ``task.eval_path`` is the eval split when set; otherwise a stable hash of each row's id
-holds out ``task.eval_frac`` of ``task.path``. ``Prompt.difficulty`` is the row's difficulty
-(else its level, else 0); the tier is its third of the range the loaded rows span ("default"
-when the rows carry none, or all the same).
-
-Parquet needs ``pyarrow`` (the ``tasks`` extra: ``pip install 'driftrl[tasks]'``), imported only for a
-``.parquet`` path.
-
-Scoring (in a reward-pool worker): the reference is parsed as LaTeX inside ``$...$`` (so
-``\\frac{1}{2}`` and ``3\\sqrt{2}`` parse whole; bare text as a fallback) and cached, the
-completion by math-verify's default extraction (``\\boxed{}`` first, then LaTeX and plain
-expressions), and ``math_verify.verify(gold, prediction)`` decides. math-verify bounds its own
-parse and comparison with ``signal.alarm`` -- which works because the worker runs it in its main
-thread -- each given a third of the pool's per-answer budget, so a slow expression usually
-scores 0 inside math-verify and the pool's kill stays the backstop for what ignores the alarm.
+Rows: ``prompt``, ``answer``, optional ``id`` (else a hash of the prompt), ``difficulty`` or
+``level`` (a number or MATH's "Level 3"); every row is checked on load, a bad one named by file,
+line and field. ``task.eval_path`` is the eval split, else a hash of each id holds out
+``task.eval_frac``. The tier is the row's third of the loaded difficulty range. Parquet needs
+pyarrow (the ``tasks`` extra). Scoring: the reference is parsed as LaTeX inside ``$...$`` (bare
+text as a fallback), the completion by math-verify's default extraction; math-verify's own
+``signal.alarm`` bounds each phase at a third of the per-answer budget, so a slow expression
+usually scores 0 inside it and the pool's kill stays the backstop.
 """
 
 from __future__ import annotations
@@ -34,7 +22,7 @@ import re
 import msgspec
 
 from actor.rewards import PooledTask
-from actor.tasks import Prompt, tier_of
+from actor.tasks import Prompt, held_out, tier_of
 
 
 class Row(msgspec.Struct):
@@ -59,7 +47,6 @@ def _level(value, where: str) -> float | None:
 
 
 def _problem(raw, where: str) -> dict:
-    """A checked row as ``{id, prompt, answer, difficulty}`` (difficulty None when absent)."""
     try:
         row = msgspec.convert(raw, Row)
     except msgspec.ValidationError as e:
@@ -96,7 +83,6 @@ def _parquet_rows(path: str):
 
 
 def load_problems(path: str) -> list[dict]:
-    """Every row of a ``.jsonl``/``.json`` or ``.parquet`` file, checked."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"task file {path!r} does not exist")
     if path.endswith(".parquet"):
@@ -109,11 +95,6 @@ def load_problems(path: str) -> list[dict]:
     if not problems:
         raise ValueError(f"task file {path!r} has no rows")
     return problems
-
-
-def _is_eval(pid: str, frac: float) -> bool:
-    h = int.from_bytes(hashlib.blake2b(pid.encode(), digest_size=4).digest(), "little")
-    return (h % 10_000) < frac * 10_000
 
 
 class MathTask(PooledTask):
@@ -134,8 +115,8 @@ class MathTask(PooledTask):
     def _split(self, rows: list[dict], eval_rows: list[dict] | None) -> dict[str, list[dict]]:
         if eval_rows is None:
             frac = self.cfg.eval_frac
-            eval_rows = [p for p in rows if _is_eval(p["id"], frac)]
-            rows = [p for p in rows if not _is_eval(p["id"], frac)]
+            eval_rows = [p for p in rows if held_out(p["id"], frac)]
+            rows = [p for p in rows if not held_out(p["id"], frac)]
         for split, part in (("train", rows), ("eval", eval_rows)):
             if not part:
                 raise ValueError(f"task.path {self.cfg.path!r}: no rows left for the {split} split "
@@ -160,10 +141,8 @@ class MathTask(PooledTask):
         return {"text": text, "answer": prompt.answer, "budget_s": self.cfg.reward_timeout_s}
 
 
-# ---- the scorer (runs in a reward-pool worker) ------------------------------------------------
-
+# the scorer, run in a reward-pool worker
 def _alarm_s(budget_s: float) -> int:
-    """math-verify's own timeout per phase (whole seconds: signal.alarm): a third of the budget."""
     return max(1, int(budget_s / 3))
 
 

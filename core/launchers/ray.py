@@ -1,29 +1,16 @@
-"""Ray launcher: every role a subprocess of a small Ray actor, placed by a Ray placement group.
-
-Ray decides *where* (per-role CPUs, GPUs and custom resources, ``ray.*``, one bundle per role in
-one placement group, ``ray.placement_strategy``); driftrl's own ZeroMQ data plane still carries
-every trajectory (ARCHITECTURE.md: Dataflow). Each role runs the same entry point as under the local launcher
-(``roles()``), started by a :class:`RoleHost` actor on its node with the local launcher's
-environment rules, except that ``DRIFTRL_LAUNCHER_PID`` is the host actor's pid: the role dies
-with its host (core/proc.py), and a host Ray reports dead counts as the role killed by SIGKILL
-(the next start makes a fresh host in the same bundle). Restarts, heartbeats and stopping are the
-shared ones of :class:`~core.launchers.Launcher`.
-
-Addresses are discovered, not configured: the hosts are placed before ``config.json`` is written;
-when every role shares the buffer's node the sockets stay on ``net.host`` (127.0.0.1), otherwise
-they bind the buffer node's IP, on ports that node reports free -- and off loopback CURVE keys are
-required (``net.curve_*``). The buffer may sit on any node: the launcher opens no socket, it
-reads the roles' metrics files in the run directory (core/metrics.py). Roles on another node
-than the learner cannot map its shared memory (``shm``, ``cuda_ipc``): use
-``weightsync.transport=filesystem`` (or ``nccl`` on GPUs).
-
-``run.run_dir`` must be on a file system every node sees at the same path (config.json, the
-secret, checkpoints, the actors' spool, logs, heartbeats, metrics files, filesystem weights), and
-the checkout at the same path too: the hosts import ``core`` and start ``python -m <role>`` from it.
+"""Ray launcher: every role a subprocess of a small Ray actor (:class:`RoleHost`), placed by one
+placement group (a bundle per role, ``ray.*``); driftrl's ZeroMQ data plane still carries every
+trajectory. ``DRIFTRL_LAUNCHER_PID`` is the host actor's pid, so a role dies with its host, and a
+host Ray reports dead counts as the role SIGKILLed (the next start makes a fresh host in the same
+bundle). Addresses are discovered: hosts are placed before ``config.json`` is written; off the
+buffer's node the sockets bind its IP (CURVE required). Roles off the learner's node cannot map
+its shared memory (``shm``, ``cuda_ipc``). ``run.run_dir`` and the checkout must be at the same
+path on every node (a shared file system).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import math
@@ -35,8 +22,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-try:  # the optional extra `ray`: without it this module still imports (the seam registry checks
-    # every launcher class), and choosing the launcher fails with the install command
+try:  # the optional extra `ray`: the module still imports without it (the seam registry checks it)
     import ray
     from ray.exceptions import GetTimeoutError, RayActorError
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -57,7 +43,7 @@ BUFFER_PORTS = ("buffer_actor_port", "buffer_learner_port")
 
 
 class RoleHost:
-    """Runs one role's process on the node Ray placed it on, and answers for it."""
+    """Runs one role's process on the node Ray placed it on."""
 
     def __init__(self):
         self.proc: subprocess.Popen | None = None
@@ -90,7 +76,7 @@ RemoteHost = ray.remote(RoleHost) if ray is not None else None
 
 @dataclass
 class RayRole:
-    """``Role.handle`` under Ray: the role's pid (pids.json, tests), its host, its last exit code."""
+    """``Role.handle`` under Ray."""
 
     pid: int
     host: object
@@ -112,17 +98,15 @@ def bundles(cfg: C.Config) -> list[dict[str, float]]:
 
 def local_resources(bs: list[dict[str, float]]) -> dict:
     """What a local instance must offer so every bundle fits on it (Ray's CPUs are logical)."""
-    total: dict[str, float] = {}
+    total = collections.Counter()
     for b in bs:
-        for k, v in b.items():
-            total[k] = total.get(k, 0.0) + v
+        total.update(b)
     gpus = total.pop("GPU", 0.0)
     return {"num_cpus": math.ceil(total.pop("CPU")), "num_gpus": math.ceil(gpus) if gpus else None,
-            "resources": total}
+            "resources": dict(total)}
 
 
 def check_placement(cfg: C.Config, places: dict[str, dict]) -> None:
-    """Refuse a layout the roles could not run in, naming the setting to change."""
     learner = places["learner"]["node_id"]
     apart = sorted(n for n, p in places.items() if p["node_id"] != learner)
     if apart and cfg.weightsync.transport in NODE_LOCAL_TRANSPORTS:
@@ -132,15 +116,14 @@ def check_placement(cfg: C.Config, places: dict[str, dict]) -> None:
 
 
 def bind_host(cfg: C.Config, places: dict[str, dict]) -> str:
-    """``net.host`` while every role is on the buffer's node (only they talk over sockets), or
-    the user chose a routable one; else the buffer node's IP."""
+    """``net.host`` while every role is on the buffer's node or it is routable; else the buffer
+    node's IP."""
     one_node = all(p["node_id"] == places["buffer"]["node_id"] for p in places.values())
     return cfg.net.host if one_node or not net.is_loopback(cfg.net.host) else places["buffer"]["ip"]
 
 
 def resolve_net(cfg: C.Config, places: dict[str, dict], ports: list[int]) -> C.Config:
-    """The ``net`` section the roles will use: :func:`bind_host`, and ``ports`` (free on the
-    buffer's node) where the config left 0. Off loopback CURVE is required (``C.validate``)."""
+    """:func:`bind_host`, and ``ports`` (free on the buffer's node) where the config left 0."""
     host = bind_host(cfg, places)
     filled = {k: getattr(cfg.net, k) or port for k, port in zip(BUFFER_PORTS, ports)}
     out = msgspec.structs.replace(cfg, net=msgspec.structs.replace(cfg.net, host=host, **filled))
@@ -149,9 +132,8 @@ def resolve_net(cfg: C.Config, places: dict[str, dict], ports: list[int]) -> C.C
 
 
 def _remove_group(pg) -> None:
-    """Remove the placement group, waiting at most CLOSE_WAIT_S: with the cluster's GCS gone (a
-    SIGTERM to the whole process group takes it down with the launcher) the call never returns.
-    A group left behind that way goes with the job: it is not detached."""
+    """Remove the placement group, waiting at most CLOSE_WAIT_S: with the cluster's GCS gone the
+    call never returns (a group left behind goes with the job: it is not detached)."""
     def remove():
         with contextlib.suppress(Exception):  # the cluster may already be gone
             ray.util.remove_placement_group(pg)
@@ -176,8 +158,6 @@ class RayLauncher(Launcher):
         self._bundle: dict[str, int] = {}  # role name -> its bundle index
         self.places: dict[str, dict] = {}  # role name -> its host's node id, IP and pid
 
-    # ---- placement ---------------------------------------------------------------------------
-
     def _init_ray(self, bs: list[dict[str, float]]) -> None:
         if ray.is_initialized():
             return
@@ -186,8 +166,7 @@ class RayLauncher(Launcher):
                   configure_logging=True)
         if not self.cfg.ray.address:
             kw.update(object_store_memory=OBJECT_STORE_BYTES, **local_resources(bs))
-        # ray.init replaces SIGTERM's handler with sys.exit: the launcher's own (Interrupt) must
-        # stay, so a SIGTERM stops the roles in order and the finally block shuts Ray down
+        # ray.init replaces SIGTERM's handler with sys.exit: the launcher's own (Interrupt) must stay
         handlers = {s: _signal.getsignal(s) for s in (_signal.SIGINT, _signal.SIGTERM)}
         try:
             ray.init(address=self.cfg.ray.address or None, **kw)
@@ -211,7 +190,7 @@ class RayLauncher(Launcher):
         self._bundle = {r.name: i for i, r in enumerate(procs)}
 
     def _host(self, name: str):
-        """The role's host actor, a fresh one in its bundle when it has none (or it died)."""
+        """The role's host actor, a fresh one in its bundle when it has none."""
         if name not in self._hosts:
             b = bundles(self.cfg)[self._bundle[name]]
             strategy = PlacementGroupSchedulingStrategy(placement_group=self._pg,
@@ -225,8 +204,7 @@ class RayLauncher(Launcher):
     def _call(self, name: str, method: str, *args, timeout_s: float = RPC_TIMEOUT_S):
         return ray.get(getattr(self._host(name), method).remote(*args), timeout=timeout_s)
 
-    def _where(self, name: str) -> dict:
-        """Where the role's host landed; its first answer waits for its worker process to start."""
+    def _where(self, name: str) -> dict:  # the first answer waits for the host's worker to start
         return self._call(name, "where", timeout_s=self.cfg.ray.start_timeout_s)
 
     def prepare(self, run_dir: str | None) -> tuple[C.Config, str]:
@@ -243,8 +221,6 @@ class RayLauncher(Launcher):
             self.close()
             raise
 
-    # ---- the Launcher interface --------------------------------------------------------------
-
     def spawn(self, role: Role, run_dir: str) -> None:
         extra = {k: v for k, v in os.environ.items() if k.startswith("DRIFTRL_") and k != "DRIFTRL_LAUNCHER_PID"}
         if role.name not in self.places:  # a fresh host: its bundle may now be on another node
@@ -259,15 +235,12 @@ class RayLauncher(Launcher):
                 h.code = ray.get(h.host.poll.remote(), timeout=RPC_TIMEOUT_S)
             except RayActorError:  # the host (and with it the role) is gone: as if SIGKILLed
                 h.code = -_signal.SIGKILL
-                self._forget(role.name, h.host)
+                if self._hosts.get(role.name) is h.host:
+                    del self._hosts[role.name]
+                    self.places.pop(role.name, None)
             except GetTimeoutError:
                 log.warning("%s: its Ray host did not answer in %.0fs", role.name, RPC_TIMEOUT_S)
         return h.code
-
-    def _forget(self, name: str, host) -> None:
-        if self._hosts.get(name) is host:
-            del self._hosts[name]
-            self.places.pop(name, None)
 
     def signal(self, role: Role, sig: int) -> None:
         with contextlib.suppress(RayActorError, GetTimeoutError):

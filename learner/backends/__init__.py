@@ -1,10 +1,8 @@
 """The ``Backend`` seam: everything the learner loop needs from a training framework.
 
-:class:`learner.loop.LearnerLoop` talks only to this interface: log-probs of a batch under the
-precision policy (the ratio's numerator), forward/backward of the configured loss, the optimiser
-step (separate, torchtitan style, so gradient accumulation and skipping a non-finite step are the
-loop's decisions), the weights to publish under their HF names, and checkpoint state. One file per
-backend, one line in :data:`BACKENDS` (``learner.backend`` selects it).
+The optimiser step is separate from forward/backward (torchtitan style), so gradient
+accumulation and skipping a non-finite step are the loop's decisions. One file per backend, one
+line in :data:`BACKENDS` (``learner.backend`` selects it).
 """
 
 from __future__ import annotations
@@ -59,10 +57,8 @@ class Backend(abc.ABC):
         """Restore what :meth:`save_state` wrote."""
 
     def step(self, batch, check=None) -> dict[str, float]:
-        """One optimiser step; on any error the gradients are discarded (nothing half-applied
-        reaches the next step) and the error re-raised for the loop to skip the batch.
-        ``check(metrics)`` runs between forward/backward and the optimiser (the guard-rails,
-        learner/control.py): when it returns True the gradients are discarded, not applied."""
+        """One optimiser step; on any error the gradients are discarded and the error re-raised.
+        ``check(metrics)`` (the guard-rails) runs before the optimiser: True discards the step."""
         try:
             metrics = self.forward_backward(batch)
             if check is not None and check(metrics):
@@ -76,7 +72,8 @@ class Backend(abc.ABC):
         return metrics
 
 
-BACKENDS = {"torch": "learner.backends.torch:TorchBackend", "megatron": "learner.backends.megatron:MegatronBackend"}
+BACKENDS = {"torch": "learner.backends.torch:TorchBackend",
+            "megatron": "learner.backends.megatron:MegatronBackend"}
 
 
 def make_backend(cfg, model_dir: str) -> Backend:

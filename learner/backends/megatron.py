@@ -1,43 +1,12 @@
 """The Megatron-core backend: the torch backend's learner, with megatron-core's GPTModel as the body.
 
-Why: users who train at scale run Megatron-core; ``learner.backend = "megatron"`` swaps the body
-and keeps everything else -- the loss, micro-batching, clipping, AdamW, metrics, checkpoints and
-resume are :class:`TorchBackend`'s, through its hooks (``_build_model``, ``_hidden``,
-``_head_weight``, ``_load_weights``, ``_optim_state`` / ``_load_optim_state``).
-
-The model: a megatron-core 0.16.1 ``GPTModel`` from the local layer spec (no TransformerEngine,
-no Apex), built from the checkpoint's :class:`ArchConfig`: RMSNorm, SwiGLU (``gated_linear_unit``
-+ silu), grouped-query attention, q/k-norm (``qk_layernorm``) and attention/MLP biases where the
-family has them, tied or untied head. Rotary embedding: megatron's, with its inverse frequencies
-replaced by ``model.rope.inv_freq``'s (bit-equal to transformers' for every rope type driftrl
-reads); YaRN's cos/sin scale goes through megatron's own concentration factor (the ``yarn_*``
-config fields its attention reads), and a YaRN ``attention_factor`` that factor cannot reproduce
-exactly is refused, naming the field. Weights are converted to and from the HF layout
-(:func:`from_hf` / :func:`to_hf`): megatron fuses q/k/v into ``linear_qkv`` per query group and
-gate/up into ``linear_fc1``; the norms are separate modules in the local spec.
-
-Log-probs: the body runs ``embedding`` -> ``decoder`` (the final norm included) and stops
-there; megatron's ``output_layer`` is never called. The final-normed hidden states and the head
-weight go through :func:`learner.logprobs.token_logprobs`, the one log-prob function (FP32 head
-and log-softmax, chunked), exactly as in the torch backend. The attention mask is causal plus key
-padding, in megatron's convention (True = masked out); every row's positions are 0..T-1, as
-megatron's rotary table assumes and as the learner's right-padded rows are.
-
-Precision: FP32 master weights, which are the model's own weights (``params_dtype`` FP32, the
-same AdamW). A BF16/FP16 body runs under CPU autocast, which is megatron's own mixed-precision
-mode for FP32 parameters (``enable_autocast`` / ``autocast_dtype``: its schedules wrap the forward
-in ``torch.autocast``). Off FP32, megatron then computes differently from ``model/decoder.py``,
-as megatron does on a GPU: its residual add casts the residual to the branch's dtype (a bf16
-residual stream) and the rotary cos/sin are cast to the query's dtype. Attention:
-``learner.fp32_attn_softmax`` sets ``attention_softmax_in_fp32`` and, through
-:class:`IslandDotProductAttention`, the same island as the torch backend's (FP32 QK^T output,
-softmax and PV); megatron's bare flag would only upcast scores its BF16 matmul already rounded
-(measured: no log-prob changed). Measured on the tests' models: max |dlogp| against the FP32
-torch backend ~0.03 for both backends' BF16 bodies. In FP32 the two backends agree to float
-noise (``tests/unit/test_backend_megatron.py``).
-
-CPU: the few megatron helpers that assume CUDA are replaced in ``learner/backends/megatron_cpu.py``.
-The model stays on the CPU, like the torch backend's.
+Loss, micro-batching, AdamW, metrics and checkpoints are :class:`TorchBackend`'s, through its
+hooks; HF weights convert in and out (:func:`from_hf` / :func:`to_hf`), rotary frequencies are
+transformers' (a YaRN ``attention_factor`` megatron cannot reproduce is refused). The body stops
+at the final norm; the head goes through :func:`token_logprobs`, not ``output_layer``. Off
+FP32 megatron computes as on a GPU (body-dtype residual stream and rotary cos/sin): max |dlogp|
+~0.03 against the FP32 torch backend, as the torch backend's own BF16 body; in FP32 they agree
+to float noise. CPU only (``megatron_cpu.py``).
 """
 
 from __future__ import annotations
@@ -49,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from core import precision
+from core.config import ConfigError
 from learner.backends.torch import TorchBackend, _as_oserror
 from model.attention import DTYPES, body_autocast
 from model.decoder import ArchConfig, Decoder
@@ -78,12 +48,8 @@ class YarnTransformerConfig(TransformerConfig):
     yarn_mscale_all_dim: float | None = None
 
 
-# ---- the model ------------------------------------------------------------------------------
-
-
 def _yarn_fields(arch: ArchConfig) -> dict:
-    """megatron's YaRN fields for ``arch`` ({} for other rope types); ValueError naming
-    ``attention_factor`` when megatron's concentration factor cannot equal transformers' scale."""
+    """megatron's YaRN fields for ``arch`` ({} for other rope types)."""
     p = arch.rope()
     if p["rope_type"] != "yarn":
         return {}
@@ -101,7 +67,6 @@ def _yarn_fields(arch: ArchConfig) -> dict:
 
 
 def core_config(arch: ArchConfig, lc) -> TransformerConfig:
-    """megatron's TransformerConfig for ``arch`` under the learner's precision policy ``lc``."""
     body = precision.dtype_name(lc.body_dtype, DEVICE)
     yarn = _yarn_fields(arch)
     return (YarnTransformerConfig if yarn else TransformerConfig)(
@@ -121,9 +86,8 @@ def core_config(arch: ArchConfig, lc) -> TransformerConfig:
 
 
 def _drop_absent_biases(model: GPTModel, arch: ArchConfig) -> None:
-    """Llama switches attention and MLP biases separately; megatron cannot (``add_bias_linear``).
-    Built with their union, the biases the checkpoint lacks are removed the way megatron's own
-    ``bias=False`` leaves them: a None parameter, which every forward skips."""
+    """Llama switches attention and MLP biases separately, megatron cannot: built with their union,
+    the biases the checkpoint lacks become None, as megatron's own ``bias=False`` leaves them."""
     keep = {"linear_qkv": arch.qkv_bias, "linear_proj": arch.o_bias, "linear_fc1": arch.mlp_bias,
             "linear_fc2": arch.mlp_bias}
     for name, module in model.named_modules():
@@ -132,22 +96,10 @@ def _drop_absent_biases(model: GPTModel, arch: ArchConfig) -> None:
             module.register_parameter("bias", None)
 
 
-def _rotary(arch: ArchConfig) -> megatron_cpu.HostRotaryEmbedding:
-    """megatron's rotary embedding with transformers' inverse frequencies for the checkpoint's rope."""
-    rotary = megatron_cpu.HostRotaryEmbedding(kv_channels=arch.head_dim, rotary_percent=1.0,
-                                              use_cpu_initialization=True)
-    rotary.inv_freq = inv_freq(arch.rope(), arch.head_dim, arch.max_position_embeddings)[0].to(DEVICE)
-    return rotary
-
-
 class IslandDotProductAttention(DotProductAttention):
-    """megatron's attention with the FP32 softmax island (ARCHITECTURE.md: Precision and the ratio) when ``attention_softmax_in_fp32``.
-
-    megatron's own flag upcasts scores that its BF16 ``baddbmm`` has already rounded, which buys
-    nothing (that rounding is the error the island removes; measured: no log-prob changed). Here
-    q, k and v enter the same code upcast to FP32 (exact) with autocast off, so QK^T has FP32
-    output, the softmax is FP32 and the FP32 probabilities meet v in FP32, rounded to the body
-    dtype once on the way out: ``model/decoder.py``'s ``attention_probs``/``attention_values``."""
+    """megatron's attention with the FP32 island (ARCHITECTURE.md: Precision and the ratio) when
+    ``attention_softmax_in_fp32``: q, k, v enter upcast (exact) with autocast off, so QK^T, softmax
+    and PV are FP32, rounded to the body dtype once on the way out, as ``model/decoder.py``."""
 
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
@@ -163,7 +115,7 @@ class IslandDotProductAttention(DotProductAttention):
 
 
 def build_gpt(arch: ArchConfig, lc) -> GPTModel:
-    """An uninitialised FP32 GPTModel of ``arch`` on the CPU (load weights with :func:`from_hf`)."""
+    """An uninitialised FP32 GPTModel of ``arch`` on the CPU."""
     megatron_cpu.init_parallel_state()
     megatron_cpu.install_host_helpers(DEVICE)
     spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
@@ -172,12 +124,11 @@ def build_gpt(arch: ArchConfig, lc) -> GPTModel:
                      max_sequence_length=arch.max_position_embeddings, position_embedding_type="rope",
                      share_embeddings_and_output_weights=arch.tie_word_embeddings)
     _drop_absent_biases(model, arch)
-    model.rotary_pos_emb = _rotary(arch)
+    model.rotary_pos_emb = megatron_cpu.HostRotaryEmbedding(kv_channels=arch.head_dim, rotary_percent=1.0,
+                                                            use_cpu_initialization=True)
+    model.rotary_pos_emb.inv_freq = inv_freq(arch.rope(), arch.head_dim, arch.max_position_embeddings)[0]
     megatron_cpu.host_linears(model)
     return model
-
-
-# ---- HF <-> megatron weights ------------------------------------------------------------------
 
 
 def _layer_rows(arch: ArchConfig, i: int):
@@ -247,11 +198,8 @@ def _split(arch: ArchConfig, t: torch.Tensor, n: int) -> list[torch.Tensor]:
 def from_hf(arch: ArchConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """HF-named tensors -> megatron's; rows whose tensors are all absent are skipped (optimiser
     state exists only for stepped parameters; weights are checked by the strict loads)."""
-    out = {}
-    for name, sources in param_rows(arch):
-        if any(s in hf for s in sources):
-            out[name] = _fuse(arch, [hf[s] for s in sources])
-    return out
+    return {name: _fuse(arch, [hf[s] for s in sources]) for name, sources in param_rows(arch)
+            if any(s in hf for s in sources)}
 
 
 def to_hf(arch: ArchConfig, mc: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -263,24 +211,16 @@ def to_hf(arch: ArchConfig, mc: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     return {k: found[k] for k in Decoder.shapes(arch) if k in found}
 
 
-# ---- the backend ------------------------------------------------------------------------------
-
-
 class MegatronBackend(TorchBackend):
     name = "megatron"
 
     def _place(self):
-        """The CPU shim (megatron_cpu.py) builds on the host: ``auto`` means the CPU here, and a
-        CUDA ``learner.device`` is refused rather than silently ignored."""
         if self.cfg.learner.device not in ("auto", "cpu"):
-            from core.config import ConfigError
-
             raise ConfigError(f"learner.device={self.cfg.learner.device!r}: learner.backend='megatron' runs on the "
                               "CPU here (its CPU shim); use learner.backend=torch for a CUDA learner")
         return DEVICE
 
     def _build_model(self, model_dir: str, model):
-        # load_pretrained checks the directory (refusals, names, shapes); the weights then convert
         decoder = model if model is not None else load_pretrained(model_dir)
         self.arch = decoder.cfg  # the checkpoint's config: conversions and save_model's config.json
         gpt = build_gpt(self.arch, self.cfg.learner)
@@ -305,9 +245,8 @@ class MegatronBackend(TorchBackend):
 
     def _head_weight(self, model: GPTModel):
         # not shared_embedding_or_output_weight(): on a first pipeline stage it is the embedding, tied or not
-        if self.arch.tie_word_embeddings:
-            return model.embedding.word_embeddings.weight
-        return model.output_layer.weight
+        tied = self.arch.tie_word_embeddings
+        return model.embedding.word_embeddings.weight if tied else model.output_layer.weight
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
         return to_hf(self.arch, {k: v.detach() for k, v in self.model.named_parameters()})
@@ -320,17 +259,16 @@ class MegatronBackend(TorchBackend):
     def _load_weights(self, state: dict) -> None:
         self.model.load_state_dict(from_hf(self.arch, state), strict=True)
 
-    # AdamW's state is stored per HF tensor, in HF order, as TorchBackend stores it: a checkpoint
-    # of either backend resumes in the other (the moments are elementwise, so they convert as
-    # the weights do)
+    # AdamW's state is stored per HF tensor, in HF order, as TorchBackend's: a checkpoint of either
+    # backend resumes in the other (the moments are elementwise: they convert as the weights do)
 
     def _optim_state(self) -> dict:
-        hf = list(Decoder.shapes(self.arch))
-        return relabel(self.opt.state_dict(), self._names(), hf, lambda named: to_hf(self.arch, named))
+        return relabel(self.opt.state_dict(), self._names(), list(Decoder.shapes(self.arch)),
+                       lambda named: to_hf(self.arch, named))
 
     def _load_optim_state(self, sd: dict) -> None:
-        hf = list(Decoder.shapes(self.arch))
-        self.opt.load_state_dict(relabel(sd, hf, self._names(), lambda named: from_hf(self.arch, named)))
+        self.opt.load_state_dict(relabel(sd, list(Decoder.shapes(self.arch)), self._names(),
+                                         lambda named: from_hf(self.arch, named)))
 
     def _names(self) -> list[str]:
         return [name for name, _ in self.model.named_parameters()]

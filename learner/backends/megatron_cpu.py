@@ -1,35 +1,17 @@
 """The few megatron-core helpers that assume CUDA, replaced so a GPTModel trains in one CPU process.
 
-megatron-core 0.16.1 builds and runs its local (no TransformerEngine, no Apex) GPT layers on any
-device, except for the helpers below, which reach for the GPU unasked. Each shim replaces exactly
-one of them, and each is device-correct -- it uses the model's device, whatever that is -- so
-nothing breaks on a host that also has a GPU (learner/backends/megatron.py keeps the model on the
-CPU, like the torch backend):
-
-- process groups: ``parallel_state.initialize_model_parallel`` needs ``torch.distributed``; a
-  world of one gloo process (in-memory store: no rendezvous port; the gloo device bound to the
-  loopback interface), tensor/pipeline/context parallel size 1, so no collective ever runs.
-  Not a replacement: the setup megatron expects, in its smallest form.
-- ``GlobalMemoryBuffer.get_tensor`` (the attention-scores scratch of ``DotProductAttention``)
-  allocates on ``torch.cuda.current_device()``: :class:`HostMemoryBuffer` allocates on the model's.
-- the CUDA RNG tracker: ``get_cuda_rng_tracker().fork()`` (around attention and embedding dropout)
-  saves and restores the CUDA generator. The learner trains without dropout (``core_config`` in
-  learner/backends/megatron.py sets both dropouts to 0), so there is no random stream to fork:
-  megatron's own no-op tracker (the one it uses for inference) is installed.
-- ``RotaryEmbedding.get_emb`` moves a CPU ``inv_freq`` to ``torch.cuda.current_device()`` on
-  first use: :class:`HostRotaryEmbedding` leaves it where the model is.
-- ``LinearWithGradAccumulationAndAsyncCommunication`` (every ``ColumnParallelLinear`` /
-  ``RowParallelLinear``) re-enters autocast in backward through ``custom_bwd(device_type="cuda")``
-  only, so under CPU autocast its backward multiplies a bf16 gradient by an fp32 weight and
-  fails. With one tensor-parallel rank, no sequence parallelism and no gradient-accumulation
-  fusion, that function is ``input @ weight.T + bias`` plus communication that never happens;
-  :func:`host_linears` routes the layers of CPU models through ``F.linear``, whose autograd
-  honours CPU autocast.
+Each shim replaces one helper that reaches for the GPU unasked, using the model's device instead:
+- process groups: a world of one gloo process (in-memory store, loopback), all parallel sizes 1.
+- ``GlobalMemoryBuffer.get_tensor`` (attention scratch): :class:`HostMemoryBuffer`.
+- the CUDA RNG tracker forks the CUDA generator around dropout; the learner trains without
+  dropout, so megatron's own no-op (inference) tracker is installed.
+- ``RotaryEmbedding.get_emb`` moves ``inv_freq`` to CUDA: :class:`HostRotaryEmbedding`.
+- the tensor-parallel linears re-enter autocast in backward for CUDA only (a bf16 gradient then
+  meets an fp32 weight); with one rank they are ``F.linear`` (:func:`host_linears`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 
@@ -43,26 +25,19 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.utils import GlobalMemoryBuffer
 
 
-@contextlib.contextmanager
-def _env(key: str, value: str):
-    """``key=value`` for the duration, unless the user already chose a value."""
-    if key in os.environ:
-        yield
-        return
-    os.environ[key] = value
-    try:
-        yield
-    finally:
-        os.environ.pop(key, None)
-
-
 def init_parallel_state() -> None:
     """World size 1, all parallel sizes 1; idempotent (the contract check and the learner loop may
     build backends in one process). ValueError if torch.distributed already runs a larger world."""
     if not dist.is_initialized():
-        # gloo's device listens on the address the hostname resolves to: keep it on loopback
-        with _env("GLOO_SOCKET_IFNAME", "lo"):
+        # gloo's device listens on the address the hostname resolves to: keep it on loopback,
+        # unless the user chose an interface
+        chosen = "GLOO_SOCKET_IFNAME" in os.environ
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        try:
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        finally:
+            if not chosen:
+                del os.environ["GLOO_SOCKET_IFNAME"]
     if dist.get_world_size() != 1:
         raise ValueError(f"learner.backend='megatron' runs in one process (tensor/pipeline parallel size 1); "
                          f"torch.distributed is already initialised with world_size={dist.get_world_size()}")
@@ -71,7 +46,7 @@ def init_parallel_state() -> None:
 
 
 def install_host_helpers(device: torch.device) -> None:
-    """The scratch buffer on ``device`` and the dropout-free RNG tracker (see the module docstring)."""
+    """The scratch buffer on ``device`` and the dropout-free RNG tracker."""
     if not isinstance(parallel_state._GLOBAL_MEMORY_BUFFER, HostMemoryBuffer):
         parallel_state._GLOBAL_MEMORY_BUFFER = HostMemoryBuffer(device)
     mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
@@ -93,8 +68,8 @@ class HostMemoryBuffer(GlobalMemoryBuffer):
 
 
 class HostRotaryEmbedding(RotaryEmbedding):
-    """``RotaryEmbedding`` whose table stays on ``inv_freq``'s device (non-interleaved only: the
-    Llama/Qwen families rotate halves, and ``core_config`` sets ``rotary_interleaved=False``)."""
+    """``RotaryEmbedding`` whose table stays on ``inv_freq``'s device (non-interleaved only, as
+    the Llama/Qwen families and ``core_config``)."""
 
     def get_emb(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
         freqs = self.get_freqs_non_repeated(max_seq_len, offset)
@@ -106,7 +81,7 @@ def _plain_linear(input, weight, bias=None, *args, **kwargs):
 
 
 def host_linears(model: torch.nn.Module) -> None:
-    """Route every tensor-parallel linear of a CPU ``model`` through ``F.linear`` (module docstring)."""
+    """Route every tensor-parallel linear of a CPU ``model`` through ``F.linear``."""
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             weight = getattr(module, "weight", None)

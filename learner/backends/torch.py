@@ -1,13 +1,9 @@
 """The plain-PyTorch backend: one process, FP32 master weights, AdamW.
 
-The numerator of the ratio is always recomputed here with the learner's current weights and
-precision policy: the body under ``body_autocast(learner.body_dtype)``, the head and
-log-softmax through ``learner/logprobs.py``; the actor's log-probs are only the denominator.
-
-Placement: the model, the frozen reference and AdamW's state live on ``learner.device``
-(core/placement.py); each micro-batch is moved there for its forward/backward, while the step's
-metrics, the tail's numerator and the batch as given stay on the host, where the loop reads them.
-On the CPU nothing moves and nothing changes.
+The ratio's numerator is always recomputed here with the current weights: the body under
+``body_autocast(learner.body_dtype)``, head and log-softmax through ``learner/logprobs.py``.
+Model, reference and AdamW state live on ``learner.device``; each micro-batch moves there, while
+the step's metrics, the tail's numerator and the batch as given stay on the host.
 """
 
 from __future__ import annotations
@@ -40,7 +36,7 @@ from model.sampling import SamplingSpec
 @contextlib.contextmanager
 def _as_oserror(path: str):
     """safetensors reports a failed write (a full disk) as SafetensorError("... os error 28"):
-    raise the OSError it is, so the learner reports it as a write failure (learner/checkpoint.py)."""
+    raise the OSError it is, which learner/checkpoint.py reports as a write failure."""
     try:
         yield
     except SafetensorError as e:
@@ -53,16 +49,11 @@ _BATCH_TENSORS = ("ids", "key_mask", "mask", "behaviour_logp", "rewards", "stale
 
 
 def _combine(parts: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
-    """One step's loss metrics from its micro-batches': the loss adds up (each part is already
-    scaled to its share); every other metric is a token-weighted mean."""
+    """One step's metrics from its micro-batches': the loss adds up (each part is already scaled
+    to its share); every other metric is a token-weighted mean."""
     total = sum(tokens for tokens, _ in parts) or 1
-    out = {}
-    for key in parts[0][1]:
-        if key == "learner/loss":
-            out[key] = sum(m[key] for _, m in parts)
-        else:
-            out[key] = sum(tokens * m[key] for tokens, m in parts) / total
-    return out
+    return {key: sum(m[key] for _, m in parts) if key == "learner/loss"
+            else sum(tokens * m[key] for tokens, m in parts) / total for key in parts[0][1]}
 
 
 class TorchBackend(Backend):
@@ -73,9 +64,7 @@ class TorchBackend(Backend):
         lc = cfg.learner
         self.device = self._place()
         self.model = self._build_model(model_dir, model)
-        self.ref = None
-        if lc.kl_beta > 0:
-            self.ref = self._frozen_copy()
+        self.ref = self._frozen_copy() if lc.kl_beta > 0 else None
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lc.lr, betas=tuple(lc.betas),
                                      weight_decay=lc.weight_decay)
         self.loss_fn = make_loss(lc.loss, **msgspec.structs.asdict(lc))
@@ -84,48 +73,38 @@ class TorchBackend(Backend):
         self.sampling = SamplingSpec.of(cfg.actor)
 
     def logprobs(self, batch: Batch, *, reference: bool = False, with_entropy: bool = False, sampling=None):
-        """Learner log-probs ``[N, L-1]`` of the completion tokens (zeros elsewhere).
-
-        ``sampling`` defaults to the actor's: the numerator must be taken under the same
-        transformation the behaviour distribution was. Computed on the learner's device and
-        returned on ``batch``'s (a host batch gets host tensors, as the contract check compares).
-        """
+        """``sampling`` defaults to the actor's: the numerator must be taken under the same
+        transformation as the behaviour distribution. Returned on ``batch``'s device."""
         model = self.ref if reference else self.model
         lc, s = self.cfg.learner, sampling or self.sampling
         home, batch = batch.ids.device, self._on_device(batch)
-        ids = batch.ids
-        hidden = self._hidden(model, ids[:, :-1], batch.key_mask[:, :-1])
+        hidden = self._hidden(model, batch.ids[:, :-1], batch.key_mask[:, :-1])
         sel = batch.mask > 0
         h = hidden[sel]
         if not lc.fp32_head:
             h = h.to(DTYPES[precision.dtype_name(lc.body_dtype, h.device)])
-        lp, ent = token_logprobs(h, self._head_weight(model), ids[:, 1:][sel], temperature=s.temperature,
-                                 fp32=lc.fp32_head, chunk=lc.logprob_chunk, with_entropy=with_entropy,
-                                 top_k=s.top_k, top_p=s.top_p)
+        lp, ent = token_logprobs(h, self._head_weight(model), batch.ids[:, 1:][sel],
+                                 temperature=s.temperature, fp32=lc.fp32_head, chunk=lc.logprob_chunk,
+                                 with_entropy=with_entropy, top_k=s.top_k, top_p=s.top_p)
         full = torch.zeros(batch.mask.shape, dtype=lp.dtype, device=lp.device).masked_scatter(sel, lp)
         return full.to(home), (ent if ent is None else ent.to(home))
 
     def _on_device(self, batch: Batch) -> Batch:
-        """``batch`` with its tensors on the learner's device (itself on the CPU: no copy)."""
-        if all(getattr(batch, f) is None or getattr(batch, f).device == self.device for f in _BATCH_TENSORS):
-            return batch
-        return replace(batch, **{f: getattr(batch, f).to(self.device) for f in _BATCH_TENSORS
-                                 if getattr(batch, f) is not None})
+        return replace(batch, **{f: t.to(self.device) for f in _BATCH_TENSORS
+                                 if (t := getattr(batch, f)) is not None})
 
     # ---- hooks: what another framework's model (learner/backends/megatron.py) does differently ----
 
     def _place(self):
-        """The learner's device, validated (core/placement.py)."""
         return placement.learner_device(self.cfg)
 
     def _build_model(self, model_dir: str, model):
-        """The trainable FP32 model: ``model`` if given, else the HF directory's."""
         model = (model if model is not None else load_pretrained(model_dir)).float().to(self.device).train()
         model.fp32_attn_softmax = self.cfg.learner.fp32_attn_softmax
         return model
 
     def _frozen_copy(self):
-        """A frozen copy of the policy as it is now: the KL reference."""
+        """The KL reference: a frozen copy of the policy as it is now."""
         return copy.deepcopy(self.model).eval().requires_grad_(False)
 
     def _hidden(self, model, ids, key_mask):
@@ -139,24 +118,21 @@ class TorchBackend(Backend):
         return model.head_weight()
 
     def _optim_state(self) -> dict:
-        """The optimiser's state_dict as checkpoints store it."""
         return self.opt.state_dict()
 
     def _load_optim_state(self, sd: dict) -> None:
         self.opt.load_state_dict(sd)
 
     def _load_weights(self, state: dict) -> None:
-        """Load HF-named tensors (a checkpoint's model/model.safetensors) into the policy."""
+        """Load HF-named tensors into the policy."""
         self.model.load_state_dict(state, strict=True)
 
     def forward_backward(self, batch: Batch) -> dict[str, float]:
-        """Loss and gradients of the step, accumulated over micro-batches of at most
-        ``learner.micro_batch_tokens`` padded tokens (learner/batching.py); advantages are taken
-        over whole groups first. Token normalisation has a constant divisor, so micro-batch
-        gradients add up to the full-batch one as they are; sample normalisation scales each
-        micro-batch's mean by its share of the rows."""
+        """Gradients accumulated over micro-batches (``learner.micro_batch_tokens``), advantages
+        taken over whole groups first; with sample normalisation each micro-batch's mean is
+        scaled by its share of the rows (token normalisation's divisor is constant)."""
         lc = self.cfg.learner
-        rows, order = by_length(batch)  # length buckets: less padding (learner/batching.py)
+        rows, order = by_length(batch)
         adv = group_advantages(batch.rewards).reshape(-1)[order]
         n = batch.ids.shape[0]
         logp_sorted = torch.zeros(batch.mask.shape)
@@ -168,9 +144,8 @@ class TorchBackend(Backend):
             logp_sorted[start:stop, : logp.shape[1]] = logp
             entropies.append(ent.reshape(-1))
             parts.append((micro.num_tokens, metrics))
-        logp_all = torch.empty_like(logp_sorted)
-        logp_all[order] = logp_sorted  # back in the batch's row order
-        self.last_logp = logp_all  # the step's numerator for learner/tail.py (filled from detached parts)
+        # back in the batch's row order: the step's numerator for learner/tail.py
+        self.last_logp = logp_all = logp_sorted[order.argsort()]
         metrics = _combine(parts)
         metrics.update(ratio_metrics(logp_all, batch.behaviour_logp, batch.mask, batch.staleness, lc.eps_high))
         ent = torch.cat(entropies)
@@ -178,14 +153,11 @@ class TorchBackend(Backend):
         return metrics
 
     def _micro_step(self, micro: Batch, adv, share: float):
-        """Forward and backward of one micro-batch; its loss is scaled by ``share``."""
         lc = self.cfg.learner
         micro, adv = self._on_device(micro), adv.to(self.device)
         logp, ent = self.logprobs(micro, with_entropy=True)
-        ref_logp = None
-        if self.ref is not None:
-            with torch.no_grad():
-                ref_logp, _ = self.logprobs(micro, reference=True)
+        with torch.no_grad():
+            ref_logp = self.logprobs(micro, reference=True)[0] if self.ref is not None else None
         inp = LossInputs(logp=logp, behaviour_logp=micro.behaviour_logp, advantages=adv, mask=micro.mask,
                          norm=lc.norm, token_norm_divisor=self.token_divisor, ref_logp=ref_logp,
                          kl_beta=lc.kl_beta, kl_estimator=lc.kl_estimator)
@@ -196,12 +168,9 @@ class TorchBackend(Backend):
         metrics["learner/loss"] *= share
         return logp.detach(), ent.detach(), metrics
 
-
     def optim_step(self) -> float:
-        """Clip and apply; a non-finite gradient is discarded, never applied."""
         params = [p for p in self.model.parameters() if p.grad is not None]
-        clip = self.cfg.learner.grad_clip or float("inf")
-        norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
+        norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.learner.grad_clip or float("inf")))
         if not math.isfinite(norm):
             raise NonFiniteError(f"non-finite gradient norm {norm}")
         self.opt.step()
@@ -223,11 +192,8 @@ class TorchBackend(Backend):
     def save_state(self, path: str) -> dict:
         self.save_model(os.path.join(path, "model"))
         sd = self._optim_state()
-        tensors = {}
-        for idx, state in sd["state"].items():  # keyed "<param index>.<name>": no pickle
-            for k, v in state.items():
-                t = v if torch.is_tensor(v) else torch.tensor(v)
-                tensors[f"{idx}.{k}"] = t.detach().contiguous().clone()
+        tensors = {f"{idx}.{k}": torch.as_tensor(v).detach().contiguous().clone()  # no pickle
+                   for idx, state in sd["state"].items() for k, v in state.items()}
         with _as_oserror(path):
             save_file(tensors, os.path.join(path, "optim.safetensors"))
             save_file({"torch": torch.get_rng_state()}, os.path.join(path, "rng.safetensors"))

@@ -3,11 +3,9 @@
     r      = exp(logp - behaviour_logp)        (with gradient)
     loss_t = -min(r * A, clip(r, 1 - eps, 1 + eps) * A)
 
-Where the clipped branch is the smaller one (A > 0 and r > 1 + eps, or A < 0 and r < 1 - eps)
-the token's gradient is exactly zero: the baseline against which Ring-Zero keeps every token.
-
-Metrics: ``loss/clip_frac`` = fraction of response tokens on that active, zero-gradient side;
-it differs from learner.ratio_metrics' ``ratio/clip_frac`` (rho > eps_high), and both are logged.
+Where the clipped branch is the smaller one the token's gradient is exactly zero: the baseline
+against which Ring-Zero keeps every token. ``loss/clip_frac`` = fraction of response tokens on
+that side (not ratio_metrics' ``ratio/clip_frac``, rho > eps_high; both are logged).
 """
 
 from __future__ import annotations
@@ -21,11 +19,11 @@ from learner.losses import LossInputs, clean, finish, masked_mean
 def ppo_clip_loss(inp: LossInputs, eps_clip: float = 0.2) -> tuple[Tensor, dict[str, float]]:
     if not 0 < eps_clip < 1:
         raise ValueError(f"eps_clip must be in (0, 1), got {eps_clip}")
-    c = clean(inp)
-    ratio = torch.exp(c.logp - c.behaviour_logp)
-    per_token, clipped = clipped_surrogate(ratio, c.advantages, eps_clip)
-    stats = {"loss/clip_frac": masked_mean(clipped.to(ratio.dtype), c.m)}
-    return finish(per_token, c, inp, stats)
+    m, logp, behaviour_logp, adv = clean(inp)
+    ratio = torch.exp(logp - behaviour_logp)
+    per_token, clipped = clipped_surrogate(ratio, adv, eps_clip)
+    stats = {"loss/clip_frac": masked_mean(clipped.to(ratio.dtype), m)}
+    return finish(per_token, m, logp, inp, stats)
 
 
 def clipped_surrogate(ratio: Tensor, adv: Tensor, eps_clip: float) -> tuple[Tensor, Tensor]:

@@ -1,16 +1,13 @@
-"""Ring-Zero policy loss (ARCHITECTURE.md: Precision and the ratio): truncated importance weight, no lower bound, no clipping.
+"""Ring-Zero policy loss (ARCHITECTURE.md: Precision and the ratio): truncated importance weight, no clipping.
 
     rho     = exp(logp - behaviour_logp)      from the *detached* learner log-prob
     rho_hat = min(rho, eps_high)
     loss_t  = -sg(rho_hat) * A * logp
 
-The weight is a constant in backward, so the gradient on every response token is
-``-rho_hat * A * d logp`` with ``rho_hat > 0``: no token is silently dropped the way PPO-clip drops
-tokens outside its trust region. Truncation at ``eps_high`` bounds the variance that a rare
-learner-favoured token would otherwise inject.
-
-Metrics: ``loss/clip_frac`` = fraction of response tokens with rho > eps_high (same definition
-as learner.ratio_metrics).
+The gradient on every response token is ``-rho_hat * A * d logp`` with ``rho_hat > 0``: no token
+is silently dropped the way PPO-clip drops tokens outside its trust region, while truncation at
+``eps_high`` bounds the variance a rare learner-favoured token would inject.
+``loss/clip_frac`` = fraction of response tokens with rho > eps_high (as learner.ratio_metrics).
 """
 
 from __future__ import annotations
@@ -24,9 +21,9 @@ from learner.losses import LossInputs, clean, finish, masked_mean
 def ring_zero_loss(inp: LossInputs, eps_high: float = 2.0) -> tuple[Tensor, dict[str, float]]:
     if not eps_high > 0:
         raise ValueError(f"eps_high must be > 0, got {eps_high}")
-    c = clean(inp)
-    rho = torch.exp(c.logp.detach() - c.behaviour_logp)
+    m, logp, behaviour_logp, adv = clean(inp)
+    rho = torch.exp(logp.detach() - behaviour_logp)
     rho_hat = rho.clamp(max=eps_high)
-    per_token = -rho_hat * c.advantages * c.logp
-    stats = {"loss/clip_frac": masked_mean((rho > eps_high).to(rho.dtype), c.m)}
-    return finish(per_token, c, inp, stats)
+    per_token = -rho_hat * adv * logp
+    stats = {"loss/clip_frac": masked_mean((rho > eps_high).to(rho.dtype), m)}
+    return finish(per_token, m, logp, inp, stats)

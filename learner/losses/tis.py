@@ -5,15 +5,10 @@
     r      = exp(logp - old_logp)                          PPO ratio to the proximal policy
     loss_t = -w * min(r * A, clip(r, 1 - eps, 1 + eps) * A)
 
-``old_logp`` is the learner's own log-prob of the batch before this step's updates. With one
-optimiser step per batch (driftrl's trainer) it is ``logp.detach()``: then r == 1, the PPO clip
-never binds and the gradient is ``-min(rho, eps_high) * A * d logp`` -- the vanilla TIS policy
-gradient, identical to Ring-Zero's. The two differ only when a trainer takes several steps on one
-batch and passes the step-0 ``old_logp``: TIS then also applies PPO's trust region to the drift
-*since* ``old_logp`` while Ring-Zero never zeroes a token.
-
-Metrics: ``loss/clip_frac`` = fraction of response tokens whose IS weight was truncated
-(exp(old_logp - behaviour_logp) > eps_high), i.e. rho > eps_high when old_logp is the current logp.
+With one optimiser step per batch (driftrl's trainer) ``old_logp`` is ``logp.detach()``: r == 1
+and the gradient equals Ring-Zero's. They differ only when a trainer passes a step-0 ``old_logp``
+over several steps: TIS then also clips the drift since it. ``loss/clip_frac`` = fraction of
+response tokens whose IS weight was truncated.
 """
 
 from __future__ import annotations
@@ -30,14 +25,11 @@ def tis_loss(inp: LossInputs, eps_high: float = 2.0, eps_clip: float = 0.2) -> t
         raise ValueError(f"eps_high must be > 0, got {eps_high}")
     if not 0 < eps_clip < 1:
         raise ValueError(f"eps_clip must be in (0, 1), got {eps_clip}")
-    c = clean(inp)
-    if inp.old_logp is None:
-        old = c.logp.detach()
-    else:
-        old = torch.where(c.m, inp.old_logp.to(c.logp.dtype), c.logp.new_zeros(())).detach()
-    is_ratio = torch.exp(old - c.behaviour_logp)
-    weight = is_ratio.clamp(max=eps_high)
-    surrogate, _ = clipped_surrogate(torch.exp(c.logp - old), c.advantages, eps_clip)
-    per_token = weight * surrogate
-    stats = {"loss/clip_frac": masked_mean((is_ratio > eps_high).to(is_ratio.dtype), c.m)}
-    return finish(per_token, c, inp, stats)
+    m, logp, behaviour_logp, adv = clean(inp)
+    old = logp if inp.old_logp is None else inp.old_logp
+    old = torch.where(m, old.to(logp.dtype), logp.new_zeros(())).detach()
+    is_ratio = torch.exp(old - behaviour_logp)
+    surrogate, _ = clipped_surrogate(torch.exp(logp - old), adv, eps_clip)
+    per_token = is_ratio.clamp(max=eps_high) * surrogate
+    stats = {"loss/clip_frac": masked_mean((is_ratio > eps_high).to(is_ratio.dtype), m)}
+    return finish(per_token, m, logp, inp, stats)

@@ -1,7 +1,7 @@
 """Guard-rails and the adaptive staleness limit acting in real runs (real launcher, processes and
-sockets) on an injected mismatch: the actor's test hook ``DRIFTRL_TEST_SKEW_TEMPERATURE``
-(actor/worker.py) samples the batches it starts at some versions at 3x the temperature while the
-learner's numerator keeps the configured one.
+sockets) on an injected mismatch: the actors run patched (tests/support/patched_actor.py ``--skew``)
+to sample the batches they start at some versions at 3x the temperature while the learner's
+numerator keeps the configured one.
 
 On the tiny model a clean step's ratio p99 is ~1.01 and its min ~0.98, while a skewed one's are
 ~2.7-3.6 and ~0.22 (measured on this run's settings); the thresholds below sit in between with
@@ -15,10 +15,10 @@ import pytest
 
 from core import config as C
 import jobs
+from tests.support import patched_actor
 from tests.support.runs import TINY_RUN, alive, lines
 
 pytestmark = pytest.mark.slow
-SKEW = "DRIFTRL_TEST_SKEW_TEMPERATURE"
 GUARDS = ["control.guard_ratio_p99=1.5", "control.guard_ratio_min=0.5"]
 
 
@@ -28,7 +28,7 @@ def cache_dir(tmp_path_factory):
 
 
 def _train(tmp_path, cache_dir, monkeypatch, skew: str, *overrides):
-    monkeypatch.setenv(SKEW, skew)  # inherited by the roles the launcher starts
+    patched_actor.use(monkeypatch, "--skew", skew)
     cfg = C.load(None, TINY_RUN + [f"model.cache_dir={cache_dir}", "run.max_time_s=80", *overrides])
     result = jobs.train(cfg, str(tmp_path / "run"))
     assert not result.interrupted and result.returncodes["learner"] == 0

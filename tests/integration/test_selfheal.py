@@ -9,17 +9,15 @@ import logging
 import os
 import re
 import signal
+import sqlite3
 import threading
 import time
 
-import msgspec
 import pytest
 
-from buffer import persist
-from buffer.store import SeenKeys
+from buffer import durable
 from core import config as C
 from core import heartbeat
-from core.messages import group_key
 import jobs
 from tests.support.runs import TINY_RUN, alive, lines
 
@@ -74,43 +72,13 @@ def _kill_in_turn(run_dir: str, procs: list, back: dict) -> None:
         back[name] = time.monotonic() - t0 if ok else None
 
 
-def _buffer_books(run_dir: str) -> tuple[set, dict, set]:
-    """What the buffer's segment log tells after the run: (every key it ever accepted -- its
-    dedup memory, SEEN snapshots merged with the keys of the records --, key -> reason of each
-    DONE record still in the log, the keys still resident)."""
-    d = os.path.join(run_dir, "buffer")
-    seen, groups, done = SeenKeys(), set(), {}
-    # a freed segment keeps its records until a roll reuses the file (none does in a run this
-    # short): its DONE records are how a drop whose counter was never reported -- the buffer
-    # killed within a second of it -- is still accounted for
-    for name in sorted(n for n in os.listdir(d) if n.startswith(("seg-", "free-")) and n.endswith(".log")):
-        with open(os.path.join(d, name), "rb") as f:
-            records, _end, verdict = persist.scan(f.read(), int(name[4:-4]) if name.startswith("seg-") else None)
-        assert verdict != "corrupt", name
-        for _after, kind, payload in records:
-            if kind == persist.GROUP:
-                groups.add(tuple(group_key(payload)))
-            elif kind == persist.DONE:
-                reason, keys = msgspec.msgpack.decode(payload)
-                done.update({tuple(k): reason for k in keys})
-            else:
-                seen.merge(msgspec.msgpack.decode(payload))
-    for key in groups | set(done):
-        seen.add(key)
-    accepted = {(a, q) for a, (hwm, _gaps) in seen.snapshot().items() for q in range(hwm + 1) if (a, q) in seen}
-    return accepted, done, groups - set(done)
-
-
-BUFFER_DROPS = ("buffer/dropped_stale", "-buffer/rejected")  # stale on arrival was never accepted
-LEARNER_DROPS = ("learner/dropped_stale", "learner/dropped_invalid", "learner/dropped_rolled_back")
-
-
-def _drops(recs: list[dict], role: str, names: tuple, before: bool) -> float:
-    """Groups ``role`` retired unused, as its last report before (or after) its restart counted
-    them: a killed incarnation's log records may be compacted away since."""
-    restarted = next(r["time"] for r in recs if f"run/restarts/{role}" in r)
-    mine = [r for r in recs if r["role"] == role and names[0] in r and (r["time"] < restarted) == before]
-    return sum(-mine[-1][n[1:]] if n[0] == "-" else mine[-1][n] for n in names) if mine else 0.0
+def _buffer_books(run_dir: str) -> dict:
+    """What the buffer's store tells after the run: every key it ever accepted -> its state."""
+    db = sqlite3.connect(os.path.join(run_dir, "buffer", durable.FILE))
+    try:
+        return {(a, q): state for a, q, state in db.execute("SELECT actor, seq, state FROM groups")}
+    finally:
+        db.close()
 
 
 def _assert_resumed_at_its_checkpoint(rd: str, steps: list[dict]) -> None:
@@ -123,21 +91,16 @@ def _assert_resumed_at_its_checkpoint(rd: str, steps: list[dict]) -> None:
 
 
 def _assert_every_accepted_group_accounted_for(rd: str, recs: list[dict], trained: set) -> None:
-    """accepted = consumed + dropped + resident in the buffer's last report, and key by key:
-    every accepted group trained, still resident, or retired unused -- as the log shows (stale, or
-    consumed and dropped by the learner) or as an earlier incarnation counted before its kill. (A
-    group trained just before the buffer's kill can come back from the log and be dropped as
-    stale: counted twice, trained once.)"""
+    """accepted = consumed + dropped + resident in the buffer's last report, and key by key: every
+    accepted group trained (once: the audit), still resident, or retired unused; a group is kept as
+    trained only for a step the audit lists (a rolled-back step's groups were served again)."""
     last = [r for r in recs if r["role"] == "buffer" and "buffer/invariant_ok" in r][-1]
     assert last["buffer/invariant_ok"] == 1.0
-    accepted, done, resident = _buffer_books(rd)
-    assert set(done) <= accepted and trained <= accepted  # nothing retired or trained that was never accepted
+    books = _buffer_books(rd)
+    resident = {k for k, state in books.items() if state == durable.RESIDENT}
+    assert trained <= set(books)  # nothing trained that was never accepted
     assert len(resident) == last["buffer/depth"] and not resident & trained
-    unused = accepted - trained - resident
-    earlier = _drops(recs, "buffer", BUFFER_DROPS, True) + _drops(recs, "learner", LEARNER_DROPS, True)
-    assert len(unused - set(done)) <= earlier, (sorted(unused - set(done)), earlier)
-    learner_drops = sum(_drops(recs, "learner", LEARNER_DROPS, b) for b in (True, False))
-    assert len({k for k in unused if done.get(k) == "consumed"}) <= learner_drops  # consumed, not trained: dropped
+    assert {k for k, state in books.items() if state == durable.TRAINED} <= trained
 
 
 def _config(cache_dir: str, launcher: str, *extra: str) -> C.Config:

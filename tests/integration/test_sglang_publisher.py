@@ -1,6 +1,6 @@
-"""The learner's publisher in ``backend="sglang"`` mode (weightsync/nccl.py), over Gloo on CPU.
+"""The learner's publisher in ``backend="torch_dist"`` mode (weightsync/nccl.py), over Gloo on CPU.
 
-Its peers are the SGLang engine's real link (``actor.engines.sglang.SGLangLink``) in child
+Its peers are the SGLang engine's real link (``weightsync.nccl.GroupLink``) in child
 processes, each with a receiving rank that joins the group the way SGLang 0.5.23's
 ``init_custom_process_group`` does (rendezvous, ``PrefixStore(group_name)``,
 ``_new_process_group_helper``) and receives every ``/update_weights_from_distributed`` body of
@@ -35,10 +35,11 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
-from actor.engines.sglang import SGLangLink, bucket_bodies
+from actor.engines.sglang import bucket_bodies, join_body
+from weightsync.nccl import GroupLink
 
 args = json.loads(sys.argv[1])
-link = SGLangLink(args["run_dir"], timeout_s=60, actor_id=args["id"])
+link = GroupLink(args["run_dir"], timeout_s=60, actor_id=args["id"])
 timeout = datetime.timedelta(seconds=60)
 
 
@@ -76,8 +77,8 @@ for i, versions in enumerate(args["phases"]):
         open(args["out"] + f".rejoin{i}", "w").close()  # the test waits for this Hello before publishing
     if i == args.get("new_link_at"):  # a restarted actor: a new socket, the same actor id
         link.close()
-        link = SGLangLink(args["run_dir"], timeout_s=60, actor_id=args["id"])
-    body = link.join()
+        link = GroupLink(args["run_dir"], timeout_s=60, actor_id=args["id"])
+    body = join_body(link.join())
     joins.append(body)
     pg = group(body)
     for v in versions:
@@ -106,7 +107,7 @@ def _receiver(run_dir: str, out: str, actor_id: str, phases: list[list[int]], ne
 
 
 def _publisher(run_dir: str, world: int) -> NcclPublisher:
-    return NcclPublisher(run_dir, _weights(0), bucket_bytes=1024, world_size=world, backend="sglang",
+    return NcclPublisher(run_dir, _weights(0), bucket_bytes=1024, world_size=world, backend="torch_dist",
                          torch_backend="gloo", join_timeout_s=60, collective_timeout_s=60)
 
 
@@ -153,19 +154,16 @@ def test_bad_backends_are_refused_by_name():
     with pytest.raises(ValueError, match="backend must be one of"):
         check_backend("sglng", "gloo", cpu)
     with pytest.raises(ValueError, match="torch_backend"):
-        check_backend("sglang", "mpi", cpu)
-    with pytest.raises(ValueError, match="SGLang servers receive weights over NCCL"):
-        check_backend("sglang", "nccl", cpu)
-    check_backend("sglang", "gloo", cpu)
+        check_backend("torch_dist", "mpi", cpu)
+    with pytest.raises(ValueError, match="servers receive over NCCL"):
+        check_backend("torch_dist", "nccl", cpu)
+    check_backend("torch_dist", "gloo", cpu)
 
 
-def test_make_publisher_chooses_the_sglang_mode(tmp_path):
-    cfg = load(None, ['actor.engine="sglang"', 'weightsync.transport="shm"'])
-    with pytest.raises(ValueError, match="weightsync.transport=nccl"):
-        make_publisher(cfg, str(tmp_path), _weights(0))
-    # with nccl it is the sglang mode (NCCL group), refused here only because these weights are on the CPU
-    cfg = load(None, ['actor.engine="sglang"', 'weightsync.transport="nccl"'])
-    with pytest.raises(ValueError, match="SGLang servers receive weights over NCCL"):
+def test_make_publisher_chooses_the_group_mode_by_transport(tmp_path):
+    # the torch_dist mode (an NCCL group), refused here only because these weights are on the CPU
+    cfg = load(None, ['actor.engine="sglang"', 'weightsync.transport="torch_dist"'])
+    with pytest.raises(ValueError, match="servers receive over NCCL"):
         make_publisher(cfg, str(tmp_path), _weights(0))
 
 

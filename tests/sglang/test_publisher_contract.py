@@ -1,8 +1,8 @@
-"""Contract of the learner's ``backend="sglang"`` publisher (weightsync/nccl.py) with SGLang 0.5.23's
+"""Contract of the learner's ``backend="torch_dist"`` publisher (weightsync/nccl.py) with SGLang 0.5.23's
 own receiver, on CPU (Gloo where GPUs use NCCL; nothing else differs).
 
 driftrl's real ``NcclPublisher`` is rank 0. In a child process the SGLang engine's real
-``SGLangLink`` gets its rank, and SGLang's own model-runner ``WeightUpdater`` receives: its
+``GroupLink`` gets its rank, and SGLang's own model-runner ``WeightUpdater`` receives: its
 ``init_weights_update_group`` (``init_custom_process_group``) joins with the link's
 ``/init_weights_update_group`` body, its ``receive_weights_from_distributed`` takes each
 ``/update_weights_from_distributed`` body of ``bucket_bodies`` (``load_format="flattened_bucket"``,
@@ -45,7 +45,8 @@ from safetensors.torch import save_file
 from sglang.srt.managers.io_struct import InitWeightsUpdateGroupReqInput, UpdateWeightsFromDistributedReqInput
 from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
 from sglang.srt.utils.network import get_free_port
-from actor.engines.sglang import SGLangLink, bucket_bodies
+from actor.engines.sglang import bucket_bodies, join_body
+from weightsync.nccl import GroupLink
 
 args = json.loads(sys.argv[1])
 parse = lambda body, cls: pydantic.TypeAdapter(cls).validate_json(json.dumps(body))  # as FastAPI builds it
@@ -55,12 +56,12 @@ unused = lambda *a, **k: None
 runner = WeightUpdater(tp_rank=0, device="cpu", gpu_id=0, model_config=None, custom_weight_loaders={},
                        get_model=unused, update_model_fields=unused, recapture_cuda_graph=unused,
                        get_model_runner=unused)
-link = SGLangLink(args["run_dir"], timeout_s=60, actor_id="actor-0")
+link = GroupLink(args["run_dir"], timeout_s=60, actor_id="actor-0")
 got, joins = {}, []
 for i, versions in enumerate(args["phases"]):
     if i:
         open(args["out"] + ".rejoin", "w").close()  # the test waits for this Hello before publishing
-    body = link.join()
+    body = join_body(link.join())
     joins.append(body)
     req = parse({**body, "backend": "gloo"}, InitWeightsUpdateGroupReqInput)  # nccl on GPUs
     ok, msg = runner.init_weights_update_group(req.master_address, req.master_port, req.rank_offset,
@@ -101,7 +102,7 @@ def test_driftrl_publisher_reaches_sglangs_own_receiver_and_rebuilds(tmp_path):
                              env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         # SGLang's imports take ~15 s on a loaded 2-core machine: the join timeout covers them
-        pub = NcclPublisher(run_dir, _weights(0), bucket_bytes=512, world_size=2, backend="sglang",
+        pub = NcclPublisher(run_dir, _weights(0), bucket_bytes=512, world_size=2, backend="torch_dist",
                             torch_backend="gloo", join_timeout_s=120, collective_timeout_s=60)
         assert len(pub.header.buckets) > 3
         for v in PHASES[0]:

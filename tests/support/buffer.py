@@ -1,7 +1,6 @@
 """Harness for the buffer's tests and benchmark: configs on free ports, a server in a thread or in
 a real subprocess (started and killed by pid, never by name), a bare actor socket that shows every
-ack, a segment log reopened the way the server recovers one, and a gate in front of the log's
-fsync."""
+ack."""
 
 from __future__ import annotations
 
@@ -16,10 +15,7 @@ import msgspec
 import pytest
 import zmq
 
-from buffer import persist
-from buffer.persist import Replay, SegmentLog
 from buffer.server import BufferServer
-from buffer.store import SeenKeys
 from core import config as C
 from core import net
 from core.messages import BUFFER_TO_ACTOR, Ack, Acks, Hello, decoder, encode
@@ -160,55 +156,8 @@ class RawActor:
         self.ctx.term()
 
 
-def reopen_log(directory, segment_bytes: int, seen: SeenKeys | None = None, fsync: str = "batch",
-               done_keys_seen: bool = True) -> tuple[SegmentLog, Replay, SeenKeys]:
-    """Replay and reopen a segment log as the server recovers it: the snapshots, plus (with
-    ``done_keys_seen``) the keys of every record after them, make up the dedup memory."""
-    lg = SegmentLog(str(directory), segment_bytes, fsync=fsync)
-    rep = lg.replay()
-    seen = SeenKeys() if seen is None else seen
-    for snap in rep.seen:
-        seen.merge(snap)
-    if done_keys_seen:
-        for key in [*rep.done_keys, *rep.groups]:
-            seen.add(key)
-    lg.open(seen.snapshot)
-    return lg, rep, seen
-
-
 def wait_for(pred, timeout: float = 10.0, every: float = 0.01) -> None:
     deadline = time.monotonic() + timeout
     while not pred():
         assert time.monotonic() < deadline, "condition not reached in time"
         time.sleep(every)
-
-
-class FsyncGate:
-    """Stands in for the log's fsync: passes through while open, blocks the caller while closed."""
-
-    def __init__(self):
-        self._open = threading.Event()
-        self._open.set()
-        self.blocked = threading.Event()  # set while some fsync is held at the gate
-
-    def __call__(self, fd):
-        if not self._open.is_set():
-            self.blocked.set()
-            self._open.wait()
-        os.fsync(fd)
-
-    def close(self):
-        self.blocked.clear()
-        self._open.clear()
-
-    def open(self):
-        self._open.set()
-
-
-@pytest.fixture
-def gate(monkeypatch):
-    """``buffer.persist._fsync`` replaced by an open :class:`FsyncGate` (import this fixture)."""
-    g = FsyncGate()
-    monkeypatch.setattr(persist, "_fsync", g)
-    yield g
-    g.open()  # never leave a flusher thread stuck behind the gate

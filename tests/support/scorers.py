@@ -6,8 +6,8 @@ good answer, a hang, a crash and a raising checker in one batch (tests/unit/test
     {"op": "nan"}                -> NaN            {"op": "pid"}   -> the worker's pid
     {"op": "print", "value": 1}  -> prints to stdout first (must not break the protocol)
 
-:func:`hang_once_then_math` is the integration tests' planted checker (via the pool's
-``DRIFTRL_REWARD_SCORER`` hook): the first answer any of the run's workers sees hangs -- claimed
+:func:`hang_once_then_math` is the integration tests' planted checker (through
+tests/support/patched_actor.py ``--scorer``): the first answer any of the run's workers sees hangs -- claimed
 atomically through the file named by ``DRIFTRL_TEST_HANG_MARKER`` -- and every other answer is
 scored by the real math-verify scorer.
 """

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from learner import journal as J
+from learner import audit as A
 from learner.loop import LearnerLoop
 from tests.support.tiny import make_group, tiny_cfg, tiny_model_dir
 
@@ -16,13 +16,20 @@ torch.set_num_threads(1)
 
 class FakeClient:
     def __init__(self):
-        self.consumed_calls = []
+        self.consumed_calls, self.restarts, self.served = [], [], []
+        self.step = self.version = -1
 
-    def consumed(self, keys, version):
-        self.consumed_calls.append((list(keys), version))
+    def consumed(self, keys, version, step=-1):
+        self.consumed_calls.append((list(keys), version, step))
 
-    def sample(self, n, version, timeout_s=None):
-        return None
+    def restart(self, step, version):
+        self.restarts.append((step, version))
+
+    def sample(self, n, version, timeout_s=None, **control):
+        from core.messages import SampleBatch
+
+        out, self.served = self.served[:n], self.served[n:]
+        return SampleBatch(0, out, 0) if out else None
 
     def close(self):
         pass
@@ -56,13 +63,13 @@ def _group(seq, size=4, token=9, version=0):
 
 
 def _consumed_keys(loop):
-    return [tuple(k) for keys, _ in loop.client.consumed_calls for k in keys]
+    return [tuple(k) for keys, _, _ in loop.client.consumed_calls for k in keys]
 
 
 def _nothing_trained(loop, run_dir):
     assert loop.step == 0 and loop.version == 0
-    assert not os.path.exists(run_dir / J.TRAINED)
-    assert all(f["step"] == -1 for f in loop.journal.read())  # only the base frame
+    assert not os.path.exists(run_dir / A.TRAINED)
+    assert all(step == -1 for _, _, step in loop.client.consumed_calls)  # never trained: forgotten
 
 
 @pytest.mark.parametrize("vocab_checked", [True, False])
@@ -92,9 +99,9 @@ def test_unequal_group_sizes_are_skipped_then_training_goes_on(tmp_path):
     good = [_group(2), _group(3)]
     m, batch = loop.train_step(good)
     assert m is not None and (loop.step, loop.version) == (1, 1)
-    with open(tmp_path / J.TRAINED) as f:
+    with open(tmp_path / A.TRAINED) as f:
         assert [json.loads(line)["keys"] for line in f] == [[list(g.key) for g in good]]
-    assert [f["version"] for f in loop.journal.read()] == [0, 1]  # base frame, then step 1
+    assert loop.client.consumed_calls[-1] == ([g.key for g in good], 1, 1)  # kept until a checkpoint covers step 1
     loop._emit(m, batch, 0.0, 0.1, 0.0)
     assert loop.metrics.records[-1][1]["learner/skipped_batches"] == 1.0
     loop.close()
@@ -121,21 +128,25 @@ def test_restart_continues_from_the_checkpoint_with_a_fresh_version(tmp_path):
     again = _loop(tmp_path, "buffer.max_staleness=10")
     assert (again.step, again.version) == (1, 4)  # newest published was 3: never go back to 1
     assert all(torch.equal(ck_weights[k], v) for k, v in again.backend.named_tensors().items())
-    assert [g.key for g in again.replay] == [("t", 2), ("t", 3)]
-    assert again.counts["dropped_rolled_back"] == 2
-    with open(tmp_path / J.TRAINED) as f:
+    with open(tmp_path / A.TRAINED) as f:
         assert [json.loads(line)["step"] for line in f] == [1]
-
-    groups = again._fetch(t_start=float("inf"))  # the replayed groups come first
+    with open(tmp_path / A.ROLLED_BACK) as f:
+        assert [json.loads(line)["step"] for line in f] == [2, 3]
+    # the buffer serves step 2's groups again (step 3's, every token newer than version 1, it drops)
+    again.client.served = [_group(2), _group(3, version=1), _group(0)]
+    groups = again._fetch(t_start=float("inf"))
     assert [g.key for g in groups] == [("t", 2), ("t", 3)]
     m, _ = again.train_step(groups)
     assert m is not None and (again.step, again.version) == (2, 5)
-    assert again.client.consumed_calls == []  # the buffer retired them before the crash
-    with open(tmp_path / J.TRAINED) as f:
+    with open(tmp_path / A.TRAINED) as f:
         steps = [json.loads(line) for line in f]
     assert [(s["step"], s["version"]) for s in steps] == [(1, 1), (2, 5)]
     keys = [tuple(k) for s in steps for k in s["keys"]]
     assert len(keys) == len(set(keys))
+    # ("t", 0), in the checkpoint, served again after a lost Consumed, is never trained again
+    again.client.served = [_group(0), _group(6, version=5), _group(7, version=5)]
+    assert [g.key for g in again._fetch(t_start=float("inf"))] == [("t", 6), ("t", 7)]
+    assert ([("t", 0)], 5, 1) in again.client.consumed_calls
     again.close()
 
 

@@ -72,7 +72,7 @@ def test_an_unknown_transport_is_refused_before_anything_starts():
 
     cfg = _cfg('weightsync.transport="carrier-pigeon"')  # a str: loading accepts it, the seam check does not
     with pytest.raises(ConfigError, match=r"`\$.weightsync.transport` = 'carrier-pigeon' is not one of "
-                                          r"cuda_ipc, filesystem, nccl, shm"):
+                                          r"cuda_ipc, filesystem, nccl, shm, torch_dist"):
         jobs.check_seams(cfg)  # before any role starts
     assert set(weightsync.PUBLISHERS) == set(weightsync.SUBSCRIBERS)
 

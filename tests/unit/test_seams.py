@@ -93,13 +93,25 @@ def test_a_chosen_optional_stack_that_is_not_installed_fails_before_anything_sta
         jobs.check_seams(C.load(None, [override]))
 
 
-def test_an_engine_declares_how_it_receives_weights_and_the_worker_names_none():
-    """A new server engine is its file and its registry line: the worker asks the engine class
-    for its weight source (a weightsync subscriber by default, SGLang's own NCCL link)."""
-    from actor.engines import Engine, engine_class
+def test_an_engine_declares_how_it_receives_weights_and_only_the_driver_pairs_it_with_a_transport():
+    """A new engine is its file, its registry line and its config subsection: it declares what it
+    receives (``Engine.receives``), check_seams pairs that with a transport, and neither the worker
+    nor weightsync names an engine."""
+    from actor.engines import engine_class
 
-    assert engine_class("torch").weight_source.__func__ is Engine.weight_source.__func__
-    assert engine_class("sglang").weight_source.__func__ is not Engine.weight_source.__func__
-    with open(os.path.join(os.path.dirname(jobs.__file__), "actor", "worker.py")) as f:
-        worker = f.read()
-    assert "sglang" not in worker.lower()
+    assert engine_class("torch").receives == "tensors" and engine_class("sglang").receives == "group"
+    jobs.check_seams(C.load(None, ["actor.engine=sglang", "weightsync.transport=torch_dist"]))
+    for transport in ("nccl", "shm"):  # an SGLang server cannot take tensors: the error names the fix
+        want = rf"`\$.weightsync.transport` = '{transport}'.*set it to 'torch_dist'"
+        with pytest.raises(C.ConfigError, match=want):
+            jobs.check_seams(C.load(None, ["actor.engine=sglang", f"weightsync.transport={transport}"]))
+    with pytest.raises(C.ConfigError, match="set it to 'shm' or 'filesystem'"):
+        jobs.check_seams(C.load(None, ["weightsync.transport=torch_dist"]))
+    root = os.path.dirname(jobs.__file__)
+    with open(os.path.join(root, "actor", "worker.py")) as f:
+        assert "sglang" not in f.read().lower()
+    for name in os.listdir(os.path.join(root, "weightsync")):
+        if name.endswith(".py"):
+            with open(os.path.join(root, "weightsync", name)) as f:
+                text = f.read().lower()
+            assert "sglang" not in text and "actor.engine" not in text, name

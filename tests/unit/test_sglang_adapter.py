@@ -16,6 +16,7 @@ from actor.engines import sglang as S
 from core import config as C
 from model.sampling import SamplingSpec
 from weightsync import layout
+from weightsync.nccl import CollectiveInit, GroupLink
 
 
 def _header(version: int = 7):
@@ -155,24 +156,30 @@ class FakeServer:
         return {"success": path != self.fail, "message": "ok" if path != self.fail else "nccl timeout"}
 
 
-class FakeLink(S.SGLangLink):
+def _init(port: int, backend: str = "torch_dist") -> CollectiveInit:
+    return CollectiveInit(1, 2, backend, f"127.0.0.1:{port}".encode(), layout.with_version(_header(), -1))
+
+
+class FakeLink(GroupLink):
     """The learner's side as queued headers; ``join`` answers a fixed rank (no sockets)."""
 
     def __init__(self):  # the real one connects to the publisher's socket
-        self.pending, self.stats, self.joins, self.arrivals = [], S.LinkStats(), 0, []
+        from weightsync.base import SubscriberStats
+
+        self.pending, self.stats, self.joins, self.arrivals, self.restarts = [], SubscriberStats(), 0, [], 0
         self.rejoin = None
 
     def join(self):
         self.joins += 1
         self.pending.clear()
-        return S.init_group_body("127.0.0.1", 1234, 1, 2)
+        return _init(1234)
 
     def latest_version(self):
         if self.arrivals:
             self.pending.append(self.arrivals.pop(0))
         return self.pending[-1].version if self.pending else -1
 
-    def close(self):
+    def _close(self):
         pass
 
 
@@ -208,7 +215,7 @@ def test_failed_update_poisons_then_restart_re_joins_and_re_pulls():
         engine.generate([[1]])
     link.arrivals.append(_header(4))
     assert engine.refresh_weights() == 4 and engine.poisoned is None
-    assert first.stopped == 1 and second.started == 1 and link.joins == 2 and link.stats.restarts == 1
+    assert first.stopped == 1 and second.started == 1 and link.joins == 2 and link.restarts == 1
     assert second.posts[0][0] == "/init_weights_update_group"
     assert engine.generate([[1]])[0].tokens == [7, 2]
 
@@ -225,7 +232,7 @@ def test_poisoned_without_restart_fails_loudly():
 def test_registry_and_config_reach_the_sglang_engine(tmp_path):
     cfg = C.load(None, ["actor.engine=sglang", "actor.sglang.python=/nonexistent/python"])
     assert cfg.actor.sglang.mem_fraction == 0.8
-    with pytest.raises(ValueError, match="SGLangLink"):
+    with pytest.raises(ValueError, match="GroupLink"):
         make_engine(cfg.actor, str(tmp_path), weights=object())
     with pytest.raises(C.ConfigError, match=r"\$\.actor\.sglang\.mem_fraction"):
         C.load(None, ["actor.sglang.mem_fraction=1.5"])
@@ -290,12 +297,6 @@ def test_stop_event_abandons_the_batch_and_aborts_the_server_requests():
     assert ("/abort_request", S.ABORT_ALL_BODY) in server.posts
 
 
-def test_link_needs_the_nccl_transport(tmp_path):
-    cfg = C.load(None, ["actor.engine=sglang", "weightsync.transport=shm"])
-    with pytest.raises(ValueError, match="weightsync.transport=nccl"):
-        S.link_from_config(cfg, str(tmp_path), "actor0")
-
-
 def _fake_publisher(run_dir: str, backend: str, versions: list[int]):
     """The learner's side of the rendezvous over a real ROUTER socket, as the adapter would speak
     it: endpoint file, wait for Hello, CollectiveInit, then one header per version."""
@@ -306,7 +307,7 @@ def _fake_publisher(run_dir: str, backend: str, versions: list[int]):
 
     from core.files import atomic_write
     from core.messages import Hello, decoder, encode
-    from weightsync.nccl import CollectiveInit, endpoint_path
+    from weightsync.nccl import endpoint_path
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
@@ -318,8 +319,7 @@ def _fake_publisher(run_dir: str, backend: str, versions: list[int]):
     def serve():
         peer, frame = sock.recv_multipart()
         assert decoder(Hello).decode(frame).role == "weightsync"
-        init = CollectiveInit(1, 2, backend, b"127.0.0.1:29555", layout.with_version(_header(), -1))
-        sock.send_multipart([peer, encode(init)])
+        sock.send_multipart([peer, encode(_init(29555, backend))])
         for v in versions:  # a version number, or a CollectiveInit (the group rebuilt)
             msg = v if isinstance(v, CollectiveInit) else layout.with_version(_header(), v)
             sock.send_multipart([peer, encode(msg)])
@@ -330,10 +330,10 @@ def _fake_publisher(run_dir: str, backend: str, versions: list[int]):
 
 
 def test_link_joins_the_learner_group_and_queues_headers(tmp_path):
-    thread, sock, ctx = _fake_publisher(str(tmp_path), "sglang", [3, 4])
-    link = S.SGLangLink(str(tmp_path), timeout_s=10, actor_id="actor0")
+    thread, sock, ctx = _fake_publisher(str(tmp_path), "torch_dist", [3, 4])
+    link = GroupLink(str(tmp_path), timeout_s=10, actor_id="actor0")
     try:
-        assert link.join() == S.init_group_body("127.0.0.1", 29555, 1, 2)
+        assert S.join_body(link.join()) == S.init_group_body("127.0.0.1", 29555, 1, 2)
         thread.join(10)
         deadline = time.monotonic() + 10
         while link.latest_version() < 4 and time.monotonic() < deadline:
@@ -345,11 +345,11 @@ def test_link_joins_the_learner_group_and_queues_headers(tmp_path):
         ctx.term()
 
 
-def test_link_refuses_a_publisher_without_the_sglang_adapter(tmp_path):
+def test_link_refuses_a_publisher_that_set_up_no_torch_dist_group(tmp_path):
     thread, sock, ctx = _fake_publisher(str(tmp_path), "nccl", [])
-    link = S.SGLangLink(str(tmp_path), timeout_s=10)
+    link = GroupLink(str(tmp_path), timeout_s=10)
     try:
-        with pytest.raises(S.SGLangError, match="'sglang' adapter"):
+        with pytest.raises(ValueError, match="set weightsync.transport=torch_dist"):
             link.join()
     finally:
         thread.join(10)
@@ -362,11 +362,8 @@ def test_a_rebuilt_group_is_rejoined_before_the_next_version(tmp_path):
     """Another actor's server restarted: the learner rebuilt the group and sent every peer a new
     CollectiveInit. The link keeps the new join body and only the headers that follow it; the
     engine leaves the old group, joins the new one, then receives the version."""
-    from weightsync.nccl import CollectiveInit
-
-    rebuilt = CollectiveInit(1, 2, "sglang", b"127.0.0.1:29666", layout.with_version(_header(), -1))
-    thread, sock, ctx = _fake_publisher(str(tmp_path), "sglang", [3, rebuilt, 4])
-    link = S.SGLangLink(str(tmp_path), timeout_s=10, actor_id="actor0")
+    thread, sock, ctx = _fake_publisher(str(tmp_path), "torch_dist", [3, _init(29666), 4])
+    link = GroupLink(str(tmp_path), timeout_s=10, actor_id="actor0")
     try:
         link.join()
         thread.join(10)
@@ -374,14 +371,14 @@ def test_a_rebuilt_group_is_rejoined_before_the_next_version(tmp_path):
         while link.latest_version() < 4 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert [h.version for h in link.pending] == [4]  # 3 belonged to the old group
-        assert link.rejoin == S.init_group_body("127.0.0.1", 29666, 1, 2)
+        assert link.rejoin == _init(29666)
     finally:
         link.close()
         sock.close()
         ctx.term()
     server, fake = FakeServer(), FakeLink()
     engine = _engine(server, fake)
-    fake.rejoin, fake.arrivals = S.init_group_body("127.0.0.1", 29666, 1, 2), [_header(4)]
+    fake.rejoin, fake.arrivals = _init(29666), [_header(4)]
     assert engine.refresh_weights() == 4 and fake.rejoin is None
     paths = [p for p, _ in server.posts[1:]]
     assert paths[:3] == ["/destroy_weights_update_group", "/init_weights_update_group", "/pause_generation"]
@@ -391,5 +388,5 @@ def test_a_rebuilt_group_is_rejoined_before_the_next_version(tmp_path):
 def test_a_refused_rejoin_poisons_the_engine():
     server, fake = FakeServer(fail="/destroy_weights_update_group"), FakeLink()
     engine = _engine(server, fake)
-    fake.rejoin = S.init_group_body("127.0.0.1", 29666, 1, 2)
+    fake.rejoin = _init(29666)
     assert engine.refresh_weights() == -1 and "re-joining" in engine.poisoned

@@ -1,0 +1,72 @@
+"""``run_dir/trained_keys.jsonl``: what each learner step trained and the version it published.
+
+Why: exactly-once is checkable after the fact, and the file is the learner's record of the
+versions it published -- each line is fsynced before its version is published, and a restarted
+learner publishes one above the newest ever, so weights never appear to go back in time. The
+groups themselves stay in the buffer's store until a checkpoint covers them (buffer/durable.py):
+recovery from a checkpoint at step S moves the lines after S to ``trained_keys.rolled_back.jsonl``
+and the buffer serves those groups again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+from core.files import atomic_write
+from learner.checkpoint import WriteError
+
+TRAINED = "trained_keys.jsonl"
+ROLLED_BACK = "trained_keys.rolled_back.jsonl"
+RECENT_STEPS = 64  # kept lines whose keys the buffer may still serve (their Consumed lost in a crash)
+
+
+def append(run_dir: str, step: int, version: int, keys) -> None:
+    path = os.path.join(run_dir, TRAINED)
+    try:
+        _append(path, [{"step": step, "version": version, "keys": [list(k) for k in keys]}])
+    except OSError as e:
+        raise WriteError("the trained-keys audit", path, e) from None
+
+
+def _append(path: str, records: list[dict]) -> None:
+    with open(path, "a") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read(path: str) -> list[dict]:
+    """The lines of an audit file; a line torn by a crash described no published step."""
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path) as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out
+
+
+@dataclass
+class Recovery:
+    version: int  # the version to publish the checkpoint's weights under
+    retired: set = field(default_factory=set)  # trained keys the buffer may serve again: never train them
+    rolled_back_steps: int = 0
+
+
+def recover(run_dir: str, ckpt_step: int, ckpt_version: int) -> Recovery:
+    """Cut the audit back to ``ckpt_step``. Idempotent: a crash inside it recovers the same way."""
+    path = os.path.join(run_dir, TRAINED)
+    lines = read(path)
+    kept = [r for r in lines if r["step"] <= ckpt_step]
+    cut = [r for r in lines if r["step"] > ckpt_step]
+    newest = max([ckpt_version] + [r["version"] for r in lines + read(os.path.join(run_dir, ROLLED_BACK))])
+    if cut:
+        _append(os.path.join(run_dir, ROLLED_BACK), cut)
+        atomic_write(path, "".join(json.dumps(r) + "\n" for r in kept).encode())
+    retired = {tuple(k) for r in kept[-RECENT_STEPS:] for k in r["keys"]}
+    return Recovery(ckpt_version if newest == ckpt_version else newest + 1, retired, len(cut))
