@@ -14,6 +14,7 @@ import msgspec
 
 from core import config as C
 from core import launchers, placement, precision
+from core.files import read_json
 
 log = logging.getLogger("driftrl")
 
@@ -21,11 +22,9 @@ log = logging.getLogger("driftrl")
 def load_config(toml_path, resume_dir, overrides) -> C.Config:
     if resume_dir is None:
         return C.load(toml_path, overrides)
-    path = os.path.join(resume_dir, "config.json")
-    if not os.path.exists(path):
-        raise C.ConfigError(f"{resume_dir} has no config.json: not a driftrl run directory")
-    with open(path, "rb") as f:
-        tree = json.loads(f.read())
+    tree = read_json(os.path.join(resume_dir, "config.json"))
+    if tree is None:
+        raise C.ConfigError(f"{resume_dir}/config.json is missing or not JSON: not a driftrl run directory")
     tree["net"].update(buffer_actor_port=0, buffer_learner_port=0)  # the old ones may be taken by now
     tree["net"].pop("metrics_port", None)  # config.json of runs from before metrics were files
     tree["buffer"].pop("segment_bytes", None)  # ... and before the buffer's store was SQLite
@@ -40,21 +39,20 @@ def check_seams(cfg: C.Config) -> None:
     from actor.tasks import TASKS
     from learner.backends import BACKENDS
     from learner.losses import LOSSES
-    from weightsync import DELIVERS, PUBLISHERS
+    from weightsync import DELIVERS, PUBLISHERS, check_devices
 
-    for path, value, registry in (("actor.engine", cfg.actor.engine, ENGINES), ("task.name", cfg.task.name, TASKS),
-                                  ("learner.backend", cfg.learner.backend, BACKENDS),
-                                  ("learner.loss", cfg.learner.loss, LOSSES),
-                                  ("weightsync.transport", cfg.weightsync.transport, PUBLISHERS),
-                                  ("run.launcher", cfg.run.launcher, launchers.LAUNCHERS)):
-        if value not in registry:
+    for path, registry in (("actor.engine", ENGINES), ("task.name", TASKS), ("learner.backend", BACKENDS),
+                           ("learner.loss", LOSSES), ("weightsync.transport", PUBLISHERS),
+                           ("run.launcher", launchers.LAUNCHERS)):
+        section, key = path.split(".")
+        if (value := getattr(getattr(cfg, section), key)) not in registry:
             raise C.ConfigError(f"`$.{path}` = {value!r} is not one of {', '.join(sorted(registry))}")
     receives, transport = engine_class(cfg.actor.engine).receives, cfg.weightsync.transport
     if transport not in DELIVERS[receives]:
         raise C.ConfigError(f"`$.actor.engine` = {cfg.actor.engine!r} receives weights as {receives!r}, which "
                             f"`$.weightsync.transport` = {transport!r} does not deliver: set it to "
                             f"{' or '.join(map(repr, DELIVERS[receives]))}")
-    placement.check(cfg)  # a CUDA device asked for where there is none fails here, not in a role
+    check_devices(cfg)  # a CUDA device asked for where there is none fails here, not in a role
     # an optional stack that is chosen but not installed fails here, in a second, with its extra
     stacks = ((cfg.metrics.tensorboard, "tensorboardX", "`$.metrics.tensorboard` = true", "tensorboard"),
               (cfg.run.launcher == "ray", "ray", "`$.run.launcher` = 'ray'", "ray"))
@@ -99,9 +97,8 @@ def contract_check(cfg: C.Config, run_dir: str | None) -> dict:
     model_dir = os.path.join(ck, "model") if ck else cfg.model.path
     engine = make_engine(cfg.actor, model_dir, seed=cfg.run.seed)
     task = make_task(cfg.task, Tokenizer.from_dir(model_dir))
-    lc = cfg.learner
     return contract.check(make_backend(cfg, model_dir), engine, task, SamplingSpec.of(cfg.actor),
-                          lc.contract_max_abs_logp_diff, lc.contract_max_kl_k3)
+                          cfg.learner.contract_max_abs_logp_diff, cfg.learner.contract_max_kl_k3)
 
 
 def train(cfg: C.Config, run_dir: str | None = None, monitor=None, on_ready=None) -> launchers.RunResult:
@@ -110,23 +107,20 @@ def train(cfg: C.Config, run_dir: str | None = None, monitor=None, on_ready=None
 
     check_seams(cfg)
     cfg = resolve_model(cfg)
-    cfg, note = precision.resolve(cfg, *placement.check(cfg))
+    cfg, note = precision.resolve(cfg, *placement.check(cfg))  # (check_seams checked the transport)
     log.info("precision: %s", note)
     log.info("contract check passed: %s", contract_check(cfg, run_dir))
     run_dir = os.path.abspath(run_dir or cfg.run.run_dir or launchers.new_run_dir())
     try:
-        return launchers.launch(cfg, run_dir, monitor, on_ready)
+        return launchers.make_launcher(cfg).run(run_dir, monitor, on_ready)
     finally:  # a learner that died for good leaves no shared-memory region behind
         remove_dead_region(run_dir)
 
 
 def first_eval(run_dir: str) -> float | None:
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        for line in f:
-            rec = json.loads(line)
-            if rec.get("eval/reward") is not None and not rec.get("eval/final"):
-                return rec["eval/reward"]
-    return None
+        evals = (r for r in map(json.loads, f) if r.get("eval/reward") is not None and not r.get("eval/final"))
+        return next((r["eval/reward"] for r in evals), None)
 
 
 def resolve_checkpoint(path: str) -> tuple[str, str | None]:
@@ -137,13 +131,14 @@ def resolve_checkpoint(path: str) -> tuple[str, str | None]:
     path = os.path.abspath(path)
     if os.path.exists(os.path.join(path, "pipeline.json")):
         path = os.path.join(path, "tiers")
-    run_cfg = os.path.join(path, "config.json")
-    if os.path.isdir(os.path.join(path, "final_model")) or os.path.isdir(os.path.join(path, "checkpoints")):
-        final = os.path.join(path, "final_model")
-        ck = None if os.path.isdir(final) else checkpoint.latest(os.path.join(path, "checkpoints"))
-        if ck is None and not os.path.isdir(final):
+    run_cfg, final = os.path.join(path, "config.json"), os.path.join(path, "final_model")
+    if os.path.isdir(final):
+        return final, run_cfg
+    if os.path.isdir(os.path.join(path, "checkpoints")):
+        ck = checkpoint.latest(os.path.join(path, "checkpoints"))
+        if ck is None:
             raise FileNotFoundError(f"run {path} has neither final_model/ nor an intact checkpoint")
-        return (final if ck is None else os.path.join(ck, "model")), run_cfg
+        return os.path.join(ck, "model"), run_cfg
     if os.path.exists(os.path.join(path, "model", "config.json")):
         return os.path.join(path, "model"), None
     if os.path.exists(run_cfg):

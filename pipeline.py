@@ -1,29 +1,14 @@
 """``python run.py pipeline``: the Ring-Zero recipe as one resumable command.
 
-    python run.py pipeline [--config FILE] [section.key=value ...] [--out DIR] [--k K]
-    python run.py pipeline --resume DIR
-
-Without ``--config`` the pipeline is :data:`DEFAULT_CONFIG` (configs/pipeline.toml, sized for 2
-CPU cores); a file given replaces it. Stages (ARCHITECTURE.md: the staged recipe)::
-
-    base ──rl1──▶ rl1/final_model ──distill──▶ distill/model ──rl2──▶ rl2/final_model ──tiers──▶ tiers/final_model
-          token norm, KL k3,        K samples per prompt, the       sample norm,         tier prompts and
-          length curriculum         shortest correct; SFT of base   no KL                length limits
-
-Each RL stage is an ordinary run (``jobs.train``) whose config is the pipeline's, then
-:data:`RECIPE`'s for that stage, then ``[pipeline.<stage>]``; every stage's config is validated
-before anything runs. ``DIR/pipeline.json`` records what is done; resuming never re-runs a
-finished stage, an interrupted RL stage resumes from its newest checkpoint (its step budget the
-same, a time budget afresh), the distillation from its corpus. Every model gets the same held-out
-evaluation (no tier prompts, ``--k`` samples per prompt), so the stages compare; the final model
-is then evaluated per tier (:func:`tier_report`, also ``run.py eval CKPT --tiers``).
+Without ``--config`` the pipeline is configs/pipeline.toml (sized for 2 CPU cores); a file given
+replaces it. Stages rl1 -> distill -> rl2 -> tiers, each from the model the one before wrote (their
+configs, resume: ARCHITECTURE.md, "The staged recipe"). ``DIR/pipeline.json`` records what is done.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import datetime as _dt
 import json
 import logging
 import os
@@ -33,55 +18,45 @@ import time
 import msgspec
 
 from core import config as C
+from core import launchers
 from core.files import atomic_write, read_json
 
 log = logging.getLogger("driftrl.pipeline")
 STAGES = ("rl1", "distill", "rl2", "tiers")
 # the recipe's settings per RL stage; the user's [pipeline.<stage>] tables go on top
-RECIPE = {
-    "rl1": {"learner": {"norm": "token", "kl_beta": 0.01, "kl_estimator": "k3"},
-            "actor": {"length_schedule": "steps"}},
-    "rl2": {"learner": {"norm": "sample", "kl_beta": 0.0}, "actor": {"length_schedule": "off"}},
-    "tiers": {"learner": {"norm": "sample", "kl_beta": 0.0}, "actor": {"length_schedule": "off"}},
-}
+_SUSTAIN = {"learner": {"norm": "sample", "kl_beta": 0.0}, "actor": {"length_schedule": "off"}}
+RECIPE = {"rl1": {"learner": {"norm": "token", "kl_beta": 0.01, "kl_estimator": "k3"},
+                  "actor": {"length_schedule": "steps"}}, "rl2": _SUSTAIN, "tiers": _SUSTAIN}
 TITLES = {"rl1": "1/4 rl1 · elicit", "distill": "2/4 distill", "rl2": "3/4 rl2 · sustain", "tiers": "4/4 tiers"}
 TIERS = C.TIERS[1:]  # low, medium, high: the tiers a prompt is given ("default" is none)
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "pipeline.toml")
 
 
-class Interrupted(Exception):
-    """Ctrl-C / SIGTERM inside a stage: what is done is kept, ``--resume`` continues."""
-
-
 def stage_config(base: dict, stage: str, model_path: str, run_dir: str, extra: dict | None = None) -> C.Config:
-    """``base`` (a config tree) + :data:`RECIPE` [stage] + ``[pipeline.<stage>]`` (+ ``extra``),
-    starting from ``model_path``, in ``run_dir``; the distillation samples with rl1's settings.
-    rl1 must keep its KL, tiers must give every tier's prompt and limit."""
+    """``base`` + :data:`RECIPE` [stage] + ``[pipeline.<stage>]`` (+ ``extra``); the distillation
+    samples with rl1's settings. rl1 must keep its KL, tiers must give every tier's prompt and limit."""
     tree = copy.deepcopy(base)
     rl = "rl1" if stage == "distill" else stage
-    C.merge(tree, copy.deepcopy(RECIPE[rl]))
-    C.merge(tree, copy.deepcopy(base["pipeline"][rl]), where=f"$.pipeline.{rl}")
-    C.merge(tree, copy.deepcopy(extra or {}))
+    for top, where in ((RECIPE[rl], "$"), (base["pipeline"][rl], f"$.pipeline.{rl}"), (extra or {}, "$")):
+        C.merge(tree, copy.deepcopy(top), where=where)
     tree["model"]["path"], tree["run"]["run_dir"], tree["run"]["stage"] = model_path, run_dir, TITLES[stage]
     cfg = C.from_dict(tree)
     if stage == "rl1" and cfg.learner.kl_beta <= 0:
         raise C.ConfigError("`$.pipeline.rl1.learner.kl_beta` must be > 0: stage 1 keeps a KL to the base model")
-    if stage == "tiers":
-        t = cfg.task
-        missing = [f"task.{name}.{tier}" for name, d in (("system_prompt", t.system_prompt),
-                                                        ("tier_max_new_tokens", t.tier_max_new_tokens))
-                   for tier in TIERS if tier not in d]
-        if missing:
-            raise C.ConfigError(f"the tiers stage needs {', '.join(missing)} (`$.pipeline.tiers.task`)")
+    missing = [f"task.{name}.{tier}" for name in ("system_prompt", "tier_max_new_tokens") for tier in TIERS
+               if stage == "tiers" and tier not in getattr(cfg.task, name)]
+    if missing:
+        raise C.ConfigError(f"the tiers stage needs {', '.join(missing)} (`$.pipeline.tiers.task`)")
     return cfg
 
 
-def all_configs(base: dict, out: str) -> dict[str, C.Config]:
-    """Every stage's config, built (and so validated) before the first stage starts; each starts
-    from the model the stage before it produced."""
+def all_configs(base: dict, out: str, evals: dict | None = None) -> dict[str, C.Config]:
+    """Every stage's config (validated before the first starts), the tiers by rl2's pass rate once known."""
     inputs = {"rl1": base["model"]["path"], "distill": os.path.join(out, "rl1", "final_model"),
               "rl2": os.path.join(out, "distill", "model"), "tiers": os.path.join(out, "rl2", "final_model")}
-    return {s: stage_config(base, s, inputs[s], os.path.join(out, s)) for s in STAGES}
+    rl2 = (evals or {}).get("rl2") if base["pipeline"]["tier_by"] == "pass_rate" else None
+    extra = {"tiers": {"task": {"difficulty_tiers": pass_rate_tiers(rl2["by_difficulty"])}}} if rl2 else {}
+    return {s: stage_config(base, s, inputs[s], os.path.join(out, s), extra.get(s)) for s in STAGES}
 
 
 def pass_rate_tiers(by_difficulty: dict[str, dict]) -> dict[str, str]:
@@ -108,14 +83,13 @@ def run_rl(cfg: C.Config) -> dict:
         log.info("resuming %s from its newest checkpoint", run_dir)
         cfg = jobs.load_config(None, run_dir, [])
     result = jobs.train(cfg, run_dir)
-    if result.interrupted:
-        raise Interrupted(cfg.run.stage)
+    if result.interrupted:  # what is done is kept, --resume continues
+        raise KeyboardInterrupt
     return {"model": os.path.join(run_dir, "final_model"), "run_dir": run_dir}
 
 
 def run_distill(cfg: C.Config, base_model: str) -> dict:
-    """The rl1 policy (``cfg.model.path``) writes the corpus, the *base* model is fine-tuned on
-    it; each part is skipped when its (atomically written) output exists."""
+    """The rl1 policy writes the corpus, the *base* model is fine-tuned on it; each skipped once written."""
     from actor.distill import build_corpus
     from core.progress import progress
     from learner.sft import finetune
@@ -136,28 +110,20 @@ def run_distill(cfg: C.Config, base_model: str) -> dict:
     return {"model": model, "run_dir": out, "corpus": stats, "sft": sft}
 
 
-def evaluate_model(cfg: C.Config, model_dir: str, k: int) -> dict:
-    """Held-out accuracy (pass@1 over ``k`` samples) and mean response length of ``model_dir``."""
+def evaluate_model(cfg: C.Config, model_dir: str, k: int, by: str = "difficulty") -> dict:
+    """Held-out accuracy (pass@1 of ``k`` samples) and mean response tokens, overall and per difficulty or tier."""
     from actor.evaluate import task_report
     from core.progress import progress
 
-    cfg = msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=model_dir))
     r = task_report(cfg, model_dir, k, progress)
+    rows = {d: {"accuracy": v["pass@1"], "mean_length": v["mean_length"], "pass@k": v["pass@k"],
+                "prompts": v["prompts"]} for d, v in r[f"by_{by}"].items()}
     return {"accuracy": r["pass@1"], "pass@k": r["pass@k"], "mean_length": r["mean_length"], "k": k,
-            "by_difficulty": {d: {"accuracy": v["pass@1"], "mean_length": v["mean_length"]}
-                              for d, v in r["by_difficulty"].items()}}
+            ("tiers" if by == "tier" else "by_difficulty"): rows}
 
 
 def tier_report(cfg: C.Config, model_dir: str, k: int) -> dict:
-    """Per tier: held-out accuracy and mean response tokens under its own system prompt and
-    length limit (``cfg``: the tiers stage's)."""
-    from actor.evaluate import task_report
-    from core.progress import progress
-
-    r = task_report(cfg, model_dir, k, progress)
-    tiers = {t: {"accuracy": v["pass@1"], "mean_length": v["mean_length"], "pass@k": v["pass@k"],
-                 "prompts": v["prompts"]} for t, v in r["by_tier"].items()}
-    return {"tiers": tiers, "accuracy": r["pass@1"], "mean_length": r["mean_length"], "k": k}
+    return evaluate_model(cfg, model_dir, k, by="tier")
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -177,8 +143,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def prepare(ns) -> tuple[str, dict]:
-    """The pipeline directory and its base config tree (the base model resolved, built if need be):
-    written once to ``DIR/config.json``, read back on ``--resume``."""
+    """The pipeline directory and its base config tree (the model resolved), kept in ``DIR/config.json``."""
     import jobs
 
     if ns.resume:
@@ -187,60 +152,42 @@ def prepare(ns) -> tuple[str, dict]:
         if base is None:
             raise FileNotFoundError(f"{out} has no config.json: not a pipeline directory")
         return out, base
-    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    out = os.path.abspath(ns.out or os.path.join("runs", f"pipeline-{stamp}"))
+    out = os.path.abspath(ns.out or launchers.new_run_dir(prefix="pipeline-"))
     cfg = C.load(ns.config or DEFAULT_CONFIG, ns.overrides)
     all_configs(msgspec.to_builtins(cfg), out)  # every stage's config valid before a model is built
     jobs.check_seams(cfg)
     cfg = jobs.resolve_model(cfg)
-    base = msgspec.to_builtins(cfg)
     os.makedirs(out, exist_ok=True)
     atomic_write(os.path.join(out, "config.json"), C.to_json(cfg))
-    return out, base
+    return out, msgspec.to_builtins(cfg)
 
 
 def run_all(out: str, base: dict, k: int) -> dict:
     """Every pending stage, then the final tier table; the state is saved after each step."""
     state = read_json(os.path.join(out, "pipeline.json")) or {"stages": {}, "evals": {}}
-    cfgs = all_configs(base, out)
     eval_cfg = C.from_dict(base)
     if "base" not in state["evals"]:
         state["evals"]["base"] = evaluate_model(eval_cfg, base["model"]["path"], k)
         save_state(out, state)
     for stage in pending(state):
         log.info("pipeline stage %s", TITLES[stage])
-        if stage == "tiers" and base["pipeline"]["tier_by"] == "pass_rate":
-            tiers = pass_rate_tiers(state["evals"]["rl2"]["by_difficulty"])
-            log.info("tiers by the rl2 model's pass rate: %s", tiers)
-            cfgs["tiers"] = stage_config(base, "tiers", cfgs["tiers"].model.path, cfgs["tiers"].run.run_dir,
-                                         {"task": {"difficulty_tiers": tiers}})
+        cfg = all_configs(base, out, state["evals"])[stage]  # the tiers by rl2's pass rate once it is evaluated
         t0, before = time.time(), state["stages"].get(stage, {}).get("seconds", 0.0)
         state["stages"][stage] = {"status": "running", "seconds": before}
         save_state(out, state)
         try:
-            info = (run_distill(cfgs[stage], base["model"]["path"]) if stage == "distill"
-                    else run_rl(cfgs[stage]))
+            info = run_distill(cfg, base["model"]["path"]) if stage == "distill" else run_rl(cfg)
         finally:  # an interrupted stage keeps the seconds it spent
             state["stages"][stage]["seconds"] = before + time.time() - t0
             save_state(out, state)
         state["evals"][stage] = evaluate_model(eval_cfg, info["model"], k)
         state["stages"][stage] = {"status": "done", **info, "seconds": before + time.time() - t0}
         save_state(out, state)
-    report = {**tier_report(cfgs["tiers"], state["stages"]["tiers"]["model"], k), "pipeline": out,
+    tiers_cfg = all_configs(base, out, state["evals"])["tiers"]
+    report = {**tier_report(tiers_cfg, state["stages"]["tiers"]["model"], k), "pipeline": out,
               "stages": state["evals"], "seconds": {s: round(state["stages"][s]["seconds"], 1) for s in STAGES}}
     atomic_write(os.path.join(out, "eval.json"), json.dumps(report, indent=1).encode())
     return report
-
-
-def print_table(report: dict) -> None:
-    print("| model | held-out accuracy | mean response tokens |\n|---|---|---|")
-    for name, e in report["stages"].items():
-        print(f"| {name} | {e['accuracy']:.3f} | {e['mean_length']:.2f} |")
-    print("\n| tier | held-out accuracy | mean response tokens | prompts |\n|---|---|---|---|")
-    for t in TIERS:
-        e = report["tiers"].get(t)
-        if e:
-            print(f"| {t} | {e['accuracy']:.3f} | {e['mean_length']:.2f} | {e['prompts']} |")
 
 
 def main(argv: list[str]) -> int:
@@ -249,7 +196,7 @@ def main(argv: list[str]) -> int:
     try:
         out, base = prepare(ns)
         report = run_all(out, base, ns.k)
-    except (Interrupted, KeyboardInterrupt):
+    except KeyboardInterrupt:
         where = f"Resume with: python run.py pipeline --resume {out}" if out else "Nothing was started."
         print(f"interrupted; finished stages are kept. {where}")
         return 130
@@ -258,6 +205,11 @@ def main(argv: list[str]) -> int:
     except ValueError as e:  # a stage's own refusal (e.g. an empty distillation corpus): one line
         print(f"pipeline failed: {e}", file=sys.stderr)
         return 1
-    print_table(report)
+    print("| model | held-out accuracy | mean response tokens |\n|---|---|---|")
+    for name, e in report["stages"].items():
+        print(f"| {name} | {e['accuracy']:.3f} | {e['mean_length']:.2f} |")
+    print("\n| tier | held-out accuracy | mean response tokens | prompts |\n|---|---|---|---|")
+    for t, e in ((t, report["tiers"][t]) for t in TIERS if t in report["tiers"]):
+        print(f"| {t} | {e['accuracy']:.3f} | {e['mean_length']:.2f} | {e['prompts']} |")
     print(json.dumps(report))
     return 0

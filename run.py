@@ -9,35 +9,18 @@ installed (``pip install -e .``), or ``python run.py`` from a checkout; the same
     python run.py sweep KEY=V1,V2,... [KEY=VALUE ...] [--seeds N] [--minutes M] [--resume OUT]
                                                                   short trainings, one table (sweep.py)
     python run.py tail [RUN_DIR] [--last N] [--json]              the tokens of the ratio tail
-    python run.py pipeline [--config FILE] [--resume DIR]          RL -> self-distillation -> RL -> tiered RL (pipeline.py)
+    python run.py pipeline [--config FILE] [--resume DIR]          RL -> distillation -> RL -> tiered RL (pipeline.py)
     python run.py monitor [RUN_DIR] [--follow] [--speed X]        attach the live view to a job (or replay one)
     python run.py plot [RUN_DIR]                                  PNG figures into RUN_DIR/plots/
 
-Dataflow (ARCHITECTURE.md)::
-
-    tasks ──prompts──▶ actor ×N ──RolloutGroup (ZMQ, msgspec)──▶ buffer ──SampleBatch──▶ learner
-                        ▲  behaviour log-probs + per-token versions        (staleness,     │
-                        │                                                    persistence)  │
-                        └───────── weightsync (shm | fs | NCCL) ◀── publish(version) ───────┘
-    every role ──MetricRecords──▶ run_dir/metrics/<role>.jsonl ──▶ launcher: rich view + metrics.jsonl
-
-This module is the command line; jobs.py (below it, pipeline.py and sweep.py) wires the job.
-
-Who waits for whom:
-
-    | role     | waits for                                 | unblocked by                          |
-    |----------|-------------------------------------------|---------------------------------------|
-    | actor    | first weights (version 0)                 | learner's first publish               |
-    | actor    | admission: started <= (S+v+1)*share       | learner publishing version v+1        |
-    | actor    | buffer ack window / "busy" (buffer full)  | learner consuming groups              |
-    | learner  | groups_per_step fresh groups              | actors' RolloutGroups reaching buffer |
-    | buffer   | nothing: serves both sides from one loop  |                                       |
-    | launcher | learner exit (step/time budget reached)   | learner finishing its budget          |
+The command line; jobs.py (below it, pipeline.py and sweep.py) wires the job. Dataflow, and who
+waits for whom: ARCHITECTURE.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import os
@@ -51,6 +34,8 @@ from jobs import check_seams, first_eval, load_config, resolve_checkpoint, train
 
 # `driftrl` (the installed command) or `run.py`: usage lines name what the user typed
 PROG = "driftrl" if os.path.basename(sys.argv[0]) == "driftrl" else "run.py"
+# subcommands that only read a run's files (no torch import; monitor never signals the job; plot: matplotlib)
+READERS = {"tail": "learner.tailview", "monitor": "core.attach", "plot": "core.plots"}
 
 
 def parse(argv):
@@ -59,20 +44,19 @@ def parse(argv):
     ap.add_argument("--k", type=int, default=4, help="eval: samples per prompt for pass@k")
     ap.add_argument("--tiers", action="store_true",
                     help="eval: per tier, accuracy and mean response tokens under its prompt and length limit")
-    ap.add_argument("args", nargs="*", help="`train`, `resume RUN_DIR`, `eval CKPT [TASK ...]`, section.key=value overrides")
+    ap.add_argument("args", nargs="*", help="`train`, `resume RUN_DIR`, `eval CKPT [TASK ...]`; section.key=value")
     ns = ap.parse_intermixed_args(argv)
-    mode, target, rest = "train", None, list(ns.args)
-    if rest[:1] == ["train"]:  # `driftrl train ...` = `driftrl ...`
-        rest = rest[1:]
-    if rest and rest[0] in ("resume", "eval"):
+    rest = ns.args[1:] if ns.args[:1] == ["train"] else ns.args  # `driftrl train ...` = `driftrl ...`
+    ns.mode, ns.target, ns.overrides = "train", None, rest
+    if rest[:1] in (["resume"], ["eval"]):
         if len(rest) < 2:
             ap.error(f"{rest[0]} needs a {'RUN_DIR' if rest[0] == 'resume' else 'CKPT'}")
-        mode, target, rest = rest[0], os.path.abspath(rest[1]), rest[2:]
+        ns.mode, ns.target, ns.overrides = rest[0], os.path.abspath(rest[1]), rest[2:]
     if ns.k < 1:
         ap.error("--k must be >= 1")
-    if ns.tiers and mode != "eval":
+    if ns.tiers and ns.mode != "eval":
         ap.error("--tiers is an eval option: run.py eval CKPT --tiers")
-    return argparse.Namespace(config=ns.config, mode=mode, target=target, overrides=rest, k=ns.k, tiers=ns.tiers)
+    return ns
 
 
 def eval_main(args) -> int:
@@ -91,7 +75,6 @@ def eval_main(args) -> int:
         raise C.ConfigError("--tiers evaluates one task: give at most one TASK")
     base = load_config(args.config, os.path.dirname(run_cfg), overrides) if run_cfg else C.load(args.config, overrides)
     base = msgspec.structs.replace(base, model=msgspec.structs.replace(base.model, path=model_dir))
-    check_seams(base)
     torch.set_num_threads(base.actor.threads)
     report = {"checkpoint": model_dir, "tasks": {}}
     for name in tasks or [base.task.name]:
@@ -112,28 +95,12 @@ def eval_main(args) -> int:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["tail"]:  # reads a run's files: no torch import
-        from learner.tailview import main as tail_main
-
-        return tail_main(argv[1:])
-    if argv[:1] == ["monitor"]:  # follows the roles' metrics files; never writes to or signals the job
-        from core.attach import main as monitor_main
-
-        return monitor_main(argv[1:])
-    if argv[:1] == ["plot"]:  # matplotlib only here (extra `plot`)
-        from core.plots import main as plot_main
-
-        return plot_main(argv[1:])
+    if argv[:1] and argv[0] in READERS:
+        return importlib.import_module(READERS[argv[0]]).main(argv[1:])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s launcher %(levelname)s: %(message)s")
     launchers.Interrupt.install()  # SIGTERM (e.g. from a job scheduler) stops the run like Ctrl-C
-    if argv[:1] == ["sweep"]:  # its own options (--seeds, --minutes, --resume): sweep.py
-        import sweep
-
-        return sweep.main(argv[1:])
-    if argv[:1] == ["pipeline"]:  # its own options (--resume, --out): pipeline.py
-        import pipeline
-
-        return failure_exit(lambda: pipeline.main(argv[1:]))
+    if argv[:1] in (["sweep"], ["pipeline"]):  # their own options (--seeds, --resume, ...): sweep.py, pipeline.py
+        return failure_exit(lambda: importlib.import_module(argv[0]).main(argv[1:]))
     args = parse(argv)
     return failure_exit(lambda: eval_main(args) if args.mode == "eval" else train_main(args))
 

@@ -1,29 +1,19 @@
 """``python run.py sweep``: short real trainings over a grid of settings, one table to choose from.
 
-    python run.py sweep buffer.max_staleness=0,1,2,4 [more axes] [section.key=value ...]
-                        [--config FILE] [--seeds N | --seed-list 0,3,7] [--minutes M]
-                        [--out DIR] [--resume DIR]
-
-``section.key=v1,v2,...`` (commas inside ``[...]``, ``{...}`` or quotes do not split) is an axis,
-several give their product; ``section.key=value`` is a fixed override. Every setting gets its first
-seed before any its second, so a sweep cut short still compares them all. ``--minutes M`` sets
-``run.max_time_s = 60*M`` (and ``run.max_steps = 0`` unless given). Each training is a full job in
-``OUT/<NN>-<setting>-seed<S>/`` with a ``result.json``; ``OUT/sweep.json`` (the last stdout line)
-and ``OUT/sweep.png`` hold the table. From step 2 on (step 1 waits for the actors): samples/s =
-samples / sum(learner/wait_s + learner/step_s), idle = the wait share; p99@s = mean
-ratio/p99_by_staleness/<s>; drops = buffer + learner dropped_stale; reward = final_eval's. A row
-is the mean over seeds, judged by SPREAD_RULE (one seed: spread unknown). ``run.seed`` also picks
-the built-in base model: ``paired_diffs`` (per seed, minus the best) exclude that variance (or pin
-``model.path``). Pick the fastest row "within spread" whose high-lag p99 stays near lag 0's.
-``--resume OUT`` continues ``OUT/plan.json``, skipping trainings with a ``result.json`` (an
-unfinished one is moved to ``<name>.interrupted``).
+``section.key=v1,v2,...`` is an axis (commas inside ``[...]``, ``{...}`` or quotes do not split), several give
+their product, every setting's first seed before any second; ``section.key=value`` is fixed. ``--minutes M``:
+``run.max_time_s = 60*M`` (``run.max_steps = 0`` unless given). From step 2 on: samples/s = samples /
+sum(learner/wait_s + step_s), idle = the wait share; p99@s = mean ratio/p99_by_staleness/<s>; drops = buffer +
+learner dropped_stale; reward = final_eval's. A row is the mean over seeds (``run.seed`` also picks the built-in
+base model: ``paired_diffs`` exclude that). ``OUT/sweep.json`` (the last stdout line) and ``OUT/sweep.png`` hold
+the table; ``--resume OUT`` continues ``OUT/plan.json``, an unfinished training moved aside.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
-import datetime as _dt
 import functools
 import itertools
 import json
@@ -32,29 +22,20 @@ import math
 import os
 import re
 import statistics
-import sys
 import time
 
 import msgspec
 
 from core import config as C
+from core import launchers
 from core.files import atomic_write, read_json
 
 log = logging.getLogger("driftrl.sweep")
-SPREAD_RULE = ("spread = sample std of the final held-out reward over seeds (ddof=1); a setting is "
-               "worse than the best beyond the spread when best mean - its mean > 2 x pooled std "
-               "of the two settings")
+SPREAD_RULE = ("spread = sample std of the final held-out reward over seeds (ddof=1); a setting is worse than "
+               "the best beyond the spread when best mean - its mean > 2 x pooled std of the two settings")
 RESERVED = {"run.seed": "use --seeds N or --seed-list", "run.run_dir": "use --out DIR"}
-
-
-class SweepError(ValueError):
-    """A bad sweep argument; the message names the token."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Axis:
-    key: str
-    values: tuple[str, ...]
+SweepError = C.ConfigError  # a bad sweep argument: the message names the token
+Axis = collections.namedtuple("Axis", "key values")  # values: a tuple of strings
 
 
 @dataclasses.dataclass
@@ -66,15 +47,10 @@ class Plan:
     config: str | None
     out: str
 
-    def settings(self) -> list[tuple[tuple[str, str], ...]]:
-        """The cartesian product of the axes, first axis slowest."""
-        keys = [a.key for a in self.axes]
-        return [tuple(zip(keys, vals)) for vals in itertools.product(*(a.values for a in self.axes))]
-
     def runs(self) -> list[tuple[tuple, int, str]]:
-        """``(setting, seed, directory name)``, seed-major."""
-        settings = self.settings()
-        return [(s, seed, f"{i:02d}-{slug(s)}-seed{seed}") for seed in self.seeds for i, s in enumerate(settings)]
+        """``(setting, seed, directory name)``: the axes' product (first axis slowest), seed-major."""
+        grid = list(itertools.product(*([(a.key, v) for v in a.values] for a in self.axes)))
+        return [(s, seed, f"{i:02d}-{slug(s)}-seed{seed}") for seed in self.seeds for i, s in enumerate(grid)]
 
 
 def label(setting) -> str:
@@ -87,27 +63,20 @@ def slug(setting) -> str:
     return re.sub(r"[^A-Za-z0-9._=+-]", "_", text)[:80]
 
 
-# ---- parsing ---------------------------------------------------------------------------------
-
-
 def split_values(text: str) -> list[str]:
     """Split on the commas outside ``[...]``, ``{...}`` and quotes (one TOML literal stays whole)."""
-    parts, cur, depth, quote = [], [], 0, ""
-    for ch in text:
+    parts, start, depth, quote = [], 0, 0, ""
+    for i, ch in enumerate(text):
         if quote:
             quote = "" if ch == quote else quote
         elif ch in "\"'":
             quote = ch
-        elif ch in "[{":
-            depth += 1
-        elif ch in "]}":
-            depth -= 1
         elif ch == "," and depth == 0:
-            parts.append("".join(cur).strip())
-            cur = []
-            continue
-        cur.append(ch)
-    return parts + ["".join(cur).strip()]
+            parts.append(text[start:i].strip())
+            start = i + 1
+        else:
+            depth += (ch in "[{") - (ch in "]}")
+    return parts + [text[start:].strip()]
 
 
 def parse_token(tok: str) -> Axis | str:
@@ -116,20 +85,16 @@ def parse_token(tok: str) -> Axis | str:
     if not eq or not key.strip():
         raise SweepError(f"{tok!r} is not section.key=value or section.key=v1,v2,...")
     values = split_values(raw)
-    if values == [""]:
-        raise SweepError(f"{tok!r}: empty value list (give v1,v2,..., or \"\" for an empty string)")
+    if "" in values:
+        raise SweepError(f"{tok!r}: empty value list or an empty value in it {values} (give \"\" for an empty string)")
     if len(values) == 1:
         return tok
-    if "" in values:
-        raise SweepError(f"axis {tok!r}: empty value in its list {values}")
     if len(set(values)) < len(values):
         raise SweepError(f"axis {tok!r}: a value is repeated")
     return Axis(key.strip(), tuple(values))
 
 
 def parse_seeds(seeds: int | None, seed_list: str | None) -> list[int]:
-    if seeds is not None and seed_list is not None:
-        raise SweepError("give --seeds or --seed-list, not both")
     if seed_list is None:
         if seeds is not None and seeds < 1:
             raise SweepError(f"--seeds must be >= 1, got {seeds}")
@@ -143,18 +108,13 @@ def parse_seeds(seeds: int | None, seed_list: str | None) -> list[int]:
     return out
 
 
-def given_keys(axes: list[Axis], fixed: list[str]) -> list[str]:
-    return [a.key for a in axes] + [f.partition("=")[0].strip() for f in fixed]
-
-
 def make_plan(tokens: list[str], seeds: list[int], minutes: float | None, config: str | None,
               out: str | None) -> Plan:
     if minutes is not None and not minutes > 0:
         raise SweepError(f"--minutes must be > 0, got {minutes}")
     parsed = [parse_token(t) for t in tokens]
-    axes = [p for p in parsed if isinstance(p, Axis)]
-    fixed = [p for p in parsed if isinstance(p, str)]
-    keys = given_keys(axes, fixed)
+    axes, fixed = [p for p in parsed if isinstance(p, Axis)], [p for p in parsed if isinstance(p, str)]
+    keys = [a.key for a in axes] + [f.partition("=")[0].strip() for f in fixed]
     reserved = dict(RESERVED, **({"run.max_time_s": "--minutes sets it"} if minutes is not None else {}))
     for k in keys:
         if k in reserved:
@@ -163,41 +123,22 @@ def make_plan(tokens: list[str], seeds: list[int], minutes: float | None, config
             raise SweepError(f"`{k}` is given more than once (as an axis or an override)")
     if not axes:
         raise SweepError("nothing to sweep: give at least one axis section.key=v1,v2,...")
-    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    out = os.path.abspath(out or os.path.join("runs", f"sweep-{stamp}"))
+    out = os.path.abspath(out or launchers.new_run_dir(prefix="sweep-"))
     return Plan(axes, fixed, seeds, minutes, os.path.abspath(config) if config else None, out)
 
 
-def overrides(plan: Plan, setting, seed: int) -> list[str]:
-    """The overrides of one training: fixed, budget, the setting, the seed (later ones win)."""
-    budget = []
-    if plan.minutes is not None:
-        budget.append(f"run.max_time_s={60.0 * plan.minutes!r}")
-        if "run.max_steps" not in given_keys(plan.axes, plan.fixed):
-            budget.append("run.max_steps=0")  # the time budget alone decides
-    return [*plan.fixed, *budget, *(f"{k}={v}" for k, v in setting), f"run.seed={seed}"]
-
-
 def configs(plan: Plan) -> list[tuple[tuple, int, str, C.Config]]:
-    """Every training's config, built before the first starts: a bad key fails the sweep at once."""
+    """Every training's config, built before the first starts: a bad key fails the sweep at once.
+    Overrides: the time budget (alone, unless run.max_steps is given), fixed, setting, seed (later win)."""
+    budget = [] if plan.minutes is None else [f"run.max_time_s={60.0 * plan.minutes!r}", "run.max_steps=0"]
     out = []
     for setting, seed, name in plan.runs():
         try:
-            out.append((setting, seed, name, C.load(plan.config, overrides(plan, setting, seed))))
+            cfg = C.load(plan.config, [*budget, *plan.fixed, *(f"{k}={v}" for k, v in setting), f"run.seed={seed}"])
+            out.append((setting, seed, name, cfg))
         except C.ConfigError as e:
             raise C.ConfigError(f"setting {label(setting)!r}: {e}") from None
     return out
-
-
-def plan_to_json(plan: Plan) -> dict:
-    return {**dataclasses.asdict(plan), "axes": [[a.key, list(a.values)] for a in plan.axes]}
-
-
-def plan_from_json(tree: dict) -> Plan:
-    return Plan(**{**tree, "axes": [Axis(k, tuple(v)) for k, v in tree["axes"]]})
-
-
-# ---- one training's numbers, from its metrics.jsonl ------------------------------------------
 
 
 def _mean(values) -> float | None:
@@ -218,32 +159,13 @@ def summarise(records: list[dict], samples_per_step: int) -> dict:
     total = wait + sum(float(r.get("learner/step_s") or 0.0) for r in steady)
     prefix = "ratio/p99_by_staleness/"
     lags = sorted({int(k[len(prefix):]) for r in learner for k in r if k.startswith(prefix)})
-    p99 = {str(s): _mean(r.get(f"{prefix}{s}") for r in learner) for s in lags}
-    buffer_drops = _last([r for r in records if r.get("role") == "buffer"], "buffer/dropped_stale")
-    learner_drops = _last(learner, "learner/dropped_stale")
+    p99 = {str(s): v for s in lags if (v := _mean(r.get(f"{prefix}{s}") for r in learner)) is not None}
+    drops = {"buffer_stale": _last([r for r in records if r.get("role") == "buffer"], "buffer/dropped_stale"),
+             "learner_stale": _last(learner, "learner/dropped_stale")}
     return {"steps": int(_last(learner, "learner/step")), "samples": len(learner) * samples_per_step,
             "steady_s": total, "samples_per_s": len(steady) * samples_per_step / total if total > 0 else None,
-            "idle_frac": wait / total if total > 0 else None,
-            "ratio_p99_by_lag": {s: v for s, v in p99.items() if v is not None},
-            "drops": {"buffer_stale": buffer_drops, "learner_stale": learner_drops,
-                      "total": buffer_drops + learner_drops}}
-
-
-# ---- across seeds and settings ---------------------------------------------------------------
-
-
-def aggregate_setting(lab: str, setting: dict, runs: list[dict]) -> dict:
-    rewards = [r["reward_final"] for r in runs]
-    std = statistics.stdev(rewards) if len(rewards) > 1 else None  # ddof=1
-    lags = sorted({s for r in runs for s in r["ratio_p99_by_lag"]}, key=int)
-    return {"label": lab, "setting": setting, "runs": len(runs), "seeds": [r["seed"] for r in runs],
-            "samples_per_s": _mean(r["samples_per_s"] for r in runs),
-            "reward_final": {"mean": _mean(rewards), "std": std,
-                             "min": min(rewards), "max": max(rewards), "values": rewards},
-            "reward_start": _mean(r["reward_start"] for r in runs),
-            "ratio_p99_by_lag": {s: _mean(r["ratio_p99_by_lag"].get(s) for r in runs) for s in lags},
-            "drops": _mean(r["drops"]["total"] for r in runs),
-            "idle_frac": _mean(r["idle_frac"] for r in runs), "steps": _mean(r["steps"] for r in runs)}
+            "idle_frac": wait / total if total > 0 else None, "ratio_p99_by_lag": p99,
+            "drops": {**drops, "total": sum(drops.values())}}
 
 
 def verdict(row: dict, best: dict) -> dict:
@@ -256,22 +178,31 @@ def verdict(row: dict, best: dict) -> dict:
     text = ("best" if row is best else "spread unknown" if worse is None
             else "worse beyond spread" if worse else "within spread")
     theirs = dict(zip(best["seeds"], best["reward_final"]["values"]))
-    paired = {str(seed): r - theirs[seed] for seed, r in zip(row["seeds"], row["reward_final"]["values"])
-              if seed in theirs}
+    paired = {str(s): r - theirs[s] for s, r in zip(row["seeds"], row["reward_final"]["values"]) if s in theirs}
     return {"diff": diff, "pooled_std": pooled, "worse_beyond_spread": False if row is best else worse,
             "verdict": text, "paired_diffs": paired}
 
 
 def aggregate(results: list[dict]) -> list[dict]:
-    """Rows in the order the settings first appear, each with its verdict against the best."""
+    """A row per setting (in the order they first appear): means over seeds, a verdict against the best."""
     groups: dict[str, list[dict]] = {}
     for r in results:
         groups.setdefault(r["label"], []).append(r)
-    rows = [aggregate_setting(lab, runs[0]["setting"], runs) for lab, runs in groups.items()]
-    if rows:
-        best = max(rows, key=lambda r: r["reward_final"]["mean"])
-        for row in rows:
-            row["vs_best"] = verdict(row, best)
+    rows = []
+    for lab, runs in groups.items():
+        rewards, lags = [r["reward_final"] for r in runs], table_lags(runs)
+        std = statistics.stdev(rewards) if len(runs) > 1 else None  # ddof=1
+        rows.append({"label": lab, "setting": runs[0]["setting"], "runs": len(runs), "seeds": [r["seed"] for r in runs],
+                     "samples_per_s": _mean(r["samples_per_s"] for r in runs),
+                     "reward_final": {"mean": _mean(rewards), "std": std, "min": min(rewards), "max": max(rewards),
+                                      "values": rewards},
+                     "reward_start": _mean(r["reward_start"] for r in runs),
+                     "ratio_p99_by_lag": {s: _mean(r["ratio_p99_by_lag"].get(s) for r in runs) for s in lags},
+                     "drops": _mean(r["drops"]["total"] for r in runs),
+                     "idle_frac": _mean(r["idle_frac"] for r in runs), "steps": _mean(r["steps"] for r in runs)})
+    best = max(rows, key=lambda r: r["reward_final"]["mean"], default=None)
+    for row in rows:
+        row["vs_best"] = verdict(row, best)
     return rows
 
 
@@ -281,9 +212,6 @@ def choice(rows: list[dict]) -> dict | None:
         return None
     ok = [r for r in rows if not r["vs_best"]["worse_beyond_spread"] and r["samples_per_s"] is not None]
     return max(ok, key=lambda r: r["samples_per_s"]) if ok else None
-
-
-# ---- output ----------------------------------------------------------------------------------
 
 
 def _fmt(x, spec: str = ".3f") -> str:
@@ -331,12 +259,10 @@ def plot(rows: list[dict], path: str) -> str | None:
     a.set_title("trained samples/s")
     b.errorbar(labels, [r["reward_final"]["mean"] for r in rows],
                yerr=[r["reward_final"]["std"] or 0.0 for r in rows], fmt="o", capsize=4)
+    b.set_title("final held-out reward (mean ± std over seeds; dots: seeds)")
     for lab, r in zip(labels, rows):
         b.scatter([lab] * r["runs"], r["reward_final"]["values"], s=12, c="grey", zorder=3)
-    b.set_title("final held-out reward (mean ± std over seeds; dots: seeds)")
-    for r in rows:
-        lags = list(r["ratio_p99_by_lag"])
-        c.plot([int(s) for s in lags], [r["ratio_p99_by_lag"][s] for s in lags], "o-", label=r["label"])
+        c.plot([int(s) for s in r["ratio_p99_by_lag"]], list(r["ratio_p99_by_lag"].values()), "o-", label=lab)
     c.set(title="ratio p99 by staleness", xlabel="lag")
     c.legend(fontsize=7)
     for ax in (a, b):
@@ -349,19 +275,21 @@ def plot(rows: list[dict], path: str) -> str | None:
 
 def report(plan: Plan, results: list[dict], failed: list[dict], interrupted: bool, wall_s: float) -> dict:
     rows = aggregate(results)
-    pick = choice(rows) if rows else None
-    return {"out": plan.out, "plan": plan_to_json(plan), "spread": "std over seeds (ddof=1)",
+    pick = choice(rows)
+    return {"out": plan.out, "plan": dataclasses.asdict(plan), "spread": "std over seeds (ddof=1)",
             "rule": SPREAD_RULE, "settings": rows, "pick": pick["label"] if pick else None,
             "lags": table_lags(rows), "runs": results, "failed": failed,
             "finished": len(results), "planned": len(plan.runs()), "interrupted": interrupted,
             "wall_s": wall_s, "runs_wall_s": sum(r["wall_s"] for r in results)}  # this call; every job's
 
 
-# ---- running ---------------------------------------------------------------------------------
-
-
 def run_one(cfg: C.Config, setting, seed: int, run_dir: str) -> dict:
-    """One full real job (jobs.train, final_eval) and its ``result.json``."""
+    """One full real job (jobs.train, final_eval) and its ``result.json``, or the one written before."""
+    if (done := read_json(os.path.join(run_dir, "result.json"))) is not None:
+        log.info("finished before: %s", run_dir)
+        return done
+    if os.path.exists(run_dir):
+        move_aside(run_dir)
     import jobs  # the job is exactly ``python run.py``'s
     from actor.evaluate import final_eval
 
@@ -379,22 +307,21 @@ def run_one(cfg: C.Config, setting, seed: int, run_dir: str) -> dict:
            "reward_start": jobs.first_eval(result.run_dir), "reward_final": final["eval/reward"],
            "wall_s": time.time() - t0}
     atomic_write(os.path.join(result.run_dir, "result.json"), json.dumps(out, indent=1).encode())
+    log.info("done in %.0fs: held-out reward %s -> %.3f, %s samples/s; %s", out["wall_s"],
+             _fmt(out["reward_start"]), out["reward_final"], _fmt(out["samples_per_s"], ".1f"), run_dir)
     return out
 
 
 def move_aside(run_dir: str) -> None:
     """An unfinished training's directory (its checkpoints would resume it) goes out of the way."""
-    n, dest = 1, f"{run_dir}.interrupted"
-    while os.path.exists(dest):
-        n, dest = n + 1, f"{run_dir}.interrupted-{n + 1}"
+    dests = (f"{run_dir}.interrupted" + (f"-{n}" if n > 1 else "") for n in itertools.count(1))
+    dest = next(d for d in dests if not os.path.exists(d))
     os.rename(run_dir, dest)
     log.warning("unfinished training moved aside: %s", dest)
 
 
 def execute(plan: Plan, todo) -> tuple[list[dict], list[dict], bool]:
-    """Run every training in order, taking a finished one's result.json as it is; Ctrl-C ends the
-    loop, a failed job is recorded (one broken setting must not end an overnight sweep)."""
-    from core.launchers import RoleFailed
+    """Every training in order; a failed job is recorded, as one broken setting must not end an overnight sweep."""
     from learner.contract import ContractError
 
     results, failed = [], []
@@ -402,23 +329,11 @@ def execute(plan: Plan, todo) -> tuple[list[dict], list[dict], bool]:
         for i, (setting, seed, name, cfg) in enumerate(todo):
             log.info("sweep %d/%d: %s seed %d", i + 1, len(todo), label(setting), seed)
             run_dir = os.path.join(plan.out, name)
-            done = read_json(os.path.join(run_dir, "result.json"))
-            if done is not None:
-                log.info("finished before: %s", run_dir)
-                results.append(done)
-                continue
-            if os.path.exists(run_dir):
-                move_aside(run_dir)
             try:
-                res = run_one(cfg, setting, seed, run_dir)
-            except (RoleFailed, ContractError) as e:
+                results.append(run_one(cfg, setting, seed, run_dir))
+            except (launchers.RoleFailed, ContractError) as e:
                 log.error("sweep %s seed %d failed: %s", label(setting), seed, e)
                 failed.append({"label": label(setting), "seed": seed, "run_dir": run_dir, "error": str(e)})
-                continue
-            results.append(res)
-            log.info("done in %.0fs: held-out reward %s -> %.3f, %s samples/s; %s", res["wall_s"],
-                     _fmt(res["reward_start"]), res["reward_final"], _fmt(res["samples_per_s"], ".1f"),
-                     run_dir)
     except KeyboardInterrupt:
         return results, failed, True
     return results, failed, False
@@ -428,8 +343,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="run.py sweep", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", help="TOML file with overrides of the defaults")
-    ap.add_argument("--seeds", type=int, help="seeds 0..N-1 per setting (default 1)")
-    ap.add_argument("--seed-list", help="comma-separated seeds instead of --seeds")
+    seeds = ap.add_mutually_exclusive_group()
+    seeds.add_argument("--seeds", type=int, help="seeds 0..N-1 per setting (default 1)")
+    seeds.add_argument("--seed-list", help="comma-separated seeds instead of --seeds")
     ap.add_argument("--minutes", type=float, help="training budget per run (run.max_time_s = 60*M)")
     ap.add_argument("--out", help="sweep directory (default runs/sweep-<UTC timestamp>)")
     ap.add_argument("--resume", metavar="OUT", help="continue the sweep in OUT (its plan.json)")
@@ -447,13 +363,12 @@ def load_plan(ns: argparse.Namespace) -> Plan:
         return plan
     given = [k for k in ("tokens", "seeds", "seed_list", "minutes", "config", "out") if getattr(ns, k)]
     if given:
-        raise SweepError(f"--resume continues the plan in {ns.resume}/plan.json as it is: drop "
-                         + ", ".join(given))
+        raise SweepError(f"--resume continues {ns.resume}/plan.json as it is: drop {', '.join(given)}")
     out = os.path.abspath(ns.resume)
     tree = read_json(os.path.join(out, "plan.json"))
     if tree is None:
         raise SweepError(f"--resume {ns.resume}: no plan.json there, not a sweep directory")
-    return dataclasses.replace(plan_from_json(tree), out=out)
+    return Plan(**{**tree, "out": out, "axes": [Axis(k, tuple(v)) for k, v in tree["axes"]]})
 
 
 def save_plan(plan: Plan) -> None:
@@ -461,25 +376,17 @@ def save_plan(plan: Plan) -> None:
     os.makedirs(plan.out, exist_ok=True)
     path = os.path.join(plan.out, "plan.json")
     if not os.path.exists(path):
-        atomic_write(path, json.dumps(plan_to_json(plan), indent=1).encode())
+        atomic_write(path, json.dumps(dataclasses.asdict(plan), indent=1).encode())
 
 
 def main(argv: list[str]) -> int:
-    """``run.py sweep``: the caller has set up logging and the Ctrl-C handler (run.main)."""
+    """``run.py sweep``; run.main set up logging, the Ctrl-C handler and failure_exit (a bad argument: exit 2)."""
     t0 = time.time()
-    try:
-        plan = load_plan(parse(argv))
-        todo = configs(plan)
-    except (SweepError, C.ConfigError) as e:
-        print(f"sweep error: {e}", file=sys.stderr)
-        return 2
+    plan = load_plan(parse(argv))
+    todo = configs(plan)
     save_plan(plan)
     log.info("sweep of %d trainings into %s", len(todo), plan.out)
-    try:
-        results, failed, interrupted = execute(plan, todo)
-    except (C.ConfigError, FileNotFoundError) as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+    results, failed, interrupted = execute(plan, todo)  # a config error mid-way: run.failure_exit
     rep = report(plan, results, failed, interrupted, time.time() - t0)
     if results:
         print(f"sweep {plan.out}: {len(results)} of {rep['planned']} trainings, seeds {plan.seeds}, "

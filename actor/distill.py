@@ -1,11 +1,10 @@
 """Self-distillation, the actor's half: a corpus of the policy's shortest correct answers.
 
-Per training prompt the policy samples ``distill.samples`` completions as the actors sample and
-the shortest correct one is kept (the least redundant way it already knows); ``learner/sft.py``
-fine-tunes the *base* model on the corpus, so stage 2 starts short and right. With
-``distill.compress_prompt`` each kept answer is also rewritten once, and the rewrite kept only
-if correct and strictly shorter. JSONL rows: ``id``, ``tier``, ``difficulty``, ``prompt``,
-``completion`` (as sampled, EOS included), ``compressed``; written atomically.
+Per training prompt the policy samples ``distill.samples`` completions as the actors sample and the
+shortest correct one is kept; ``learner/sft.py`` fine-tunes the *base* model on the corpus, so stage
+2 starts short and right. With ``distill.compress_prompt`` each kept answer is also rewritten once,
+the rewrite kept only if correct and strictly shorter. JSONL rows, written atomically: ``id``,
+``tier``, ``difficulty``, ``prompt``, ``completion`` (as sampled, EOS included), ``compressed``.
 """
 
 from __future__ import annotations
@@ -18,11 +17,9 @@ import numpy as np
 import torch
 
 from actor.curriculum import prompt_limit
-from actor.engines import Engine, make_engine
-from actor.evaluate import SEQUENCES_PER_CALL, sample_k
-from actor.tasks import Prompt, Task, make_task
+from actor.evaluate import loaded, sample_k
+from actor.tasks import Prompt, Task
 from core.files import atomic_write
-from model.tokenizer import Tokenizer
 
 DRAWS_PER_PROMPT = 50  # a task with fewer distinct training prompts than asked for is an error
 
@@ -34,13 +31,8 @@ def is_correct(reward: float, finish: str) -> bool:
 
 def shortest_correct(samples, rewards) -> int | None:
     """Index of the shortest correct sample (:func:`is_correct`), the first on ties; None if none."""
-    if len(samples) != len(rewards):
-        raise ValueError(f"samples ({len(samples)}) and rewards ({len(rewards)}) must have the same length")
-    best = None
-    for i, (s, r) in enumerate(zip(samples, rewards)):
-        if is_correct(r, s.finish_reason) and (best is None or len(s.tokens) < len(samples[best].tokens)):
-            best = i
-    return best
+    correct = [i for i, (s, r) in enumerate(zip(samples, rewards, strict=True)) if is_correct(r, s.finish_reason)]
+    return min(correct, key=lambda i: len(samples[i].tokens), default=None)
 
 
 def train_prompts(task: Task, n: int, seed: int) -> list[Prompt]:
@@ -61,8 +53,7 @@ def _row(p: Prompt, completion: list[int], compressed: bool = False) -> dict:
 
 
 def accept_rewrites(prompts: list[Prompt], rows: list[dict], rewrites, rewards) -> int:
-    """Replace (in place) each row's completion by its rewrite when that is correct and strictly
-    shorter; how many were replaced."""
+    """Replace (in place) each row's completion by its rewrite if correct and strictly shorter; the count."""
     accepted = 0
     for p, row, s, r in zip(prompts, rows, rewrites, rewards, strict=True):
         if is_correct(r, s.finish_reason) and len(s.tokens) < len(row["completion"]):
@@ -71,40 +62,8 @@ def accept_rewrites(prompts: list[Prompt], rows: list[dict], rewrites, rewards) 
     return accepted
 
 
-def _compress(engine: Engine, task: Task, prompts: list[Prompt], rows: list[dict], instruction: list[int]) -> int:
-    eos = set(task.tok.eos_ids)
-    asks = [list(p.tokens) + [t for t in r["completion"] if t not in eos] + instruction
-            for p, r in zip(prompts, rows)]
-    rewrites = []
-    for start in range(0, len(asks), SEQUENCES_PER_CALL):
-        rewrites += engine.generate(asks[start:start + SEQUENCES_PER_CALL])
-    rewards = task.rewards([(p, s.tokens) for p, s in zip(prompts, rewrites)])
-    return accept_rewrites(prompts, rows, rewrites, rewards)
-
-
 def _mean(values) -> float:
     return float(np.mean(values)) if len(values) else float("nan")
-
-
-def _stats(prompts, samples, rewards, rows, selected_lengths) -> dict:
-    flat = [(s, r) for ss, rr in zip(samples, rewards) for s, r in zip(ss, rr)]
-    return {"prompts": len(prompts), "samples": len(flat), "corpus": len(rows),
-            "mean_length_all": _mean([len(s.tokens) for s, _ in flat]),
-            "mean_length_correct": _mean([len(s.tokens) for s, r in flat if is_correct(r, s.finish_reason)]),
-            "mean_length_selected": _mean(selected_lengths),
-            "mean_length_kept": _mean([len(r["completion"]) for r in rows]),
-            # pass@1 as actor/evaluate.py counts it (reward > 0.5), so it compares with eval figures
-            "accuracy_policy": _mean([float(r > 0.5) for _, r in flat])}
-
-
-def _select(prompts, samples, rewards) -> tuple[list[Prompt], list[dict]]:
-    kept_prompts, rows = [], []
-    for p, ss, rr in zip(prompts, samples, rewards):
-        best = shortest_correct(ss, rr)
-        if best is not None:
-            kept_prompts.append(p)
-            rows.append(_row(p, ss[best].tokens))
-    return kept_prompts, rows
 
 
 def build_corpus(cfg, policy_dir: str, out_path: str, progress=None) -> dict:
@@ -112,22 +71,29 @@ def build_corpus(cfg, policy_dir: str, out_path: str, progress=None) -> dict:
     ``progress(n)`` after each chunk of ``n`` prompts."""
     dc, t0 = cfg.distill, time.time()
     torch.set_num_threads(cfg.actor.threads)
-    engine = make_engine(cfg.actor, policy_dir, seed=cfg.run.seed)
-    task = make_task(cfg.task, Tokenizer.from_dir(policy_dir))
-    try:
+    with loaded(cfg, policy_dir) as (engine, task):
         prompts = train_prompts(task, dc.prompts, cfg.run.seed)
         samples, rewards = sample_k(engine, task, prompts, dc.samples, progress,
                                     [prompt_limit(cfg, p) for p in prompts])
-        kept_prompts, rows = _select(prompts, samples, rewards)
-        selected = [len(r["completion"]) for r in rows]
-        accepted = 0
-        if dc.compress_prompt and rows:
-            accepted = _compress(engine, task, kept_prompts, rows, task.tok.encode(dc.compress_prompt))
-    finally:
-        task.close()
-        engine.close()
+        best = [shortest_correct(ss, rr) for ss, rr in zip(samples, rewards)]
+        kept = [p for p, b in zip(prompts, best) if b is not None]
+        rows = [_row(p, ss[b].tokens) for p, ss, b in zip(prompts, samples, best) if b is not None]
+        selected, accepted = [len(r["completion"]) for r in rows], 0
+        if dc.compress_prompt and rows:  # ask for each kept answer again, followed by the instruction
+            eos, instruction = set(task.tok.eos_ids), task.tok.encode(dc.compress_prompt)
+            rewrites = engine.generate([list(p.tokens) + [t for t in r["completion"] if t not in eos] + instruction
+                                        for p, r in zip(kept, rows)])
+            scores = task.rewards([(p, s.tokens) for p, s in zip(kept, rewrites)])
+            accepted = accept_rewrites(kept, rows, rewrites, scores)
     atomic_write(out_path, "".join(json.dumps(r) + "\n" for r in rows).encode())
     seconds = time.time() - t0
-    return {**_stats(prompts, samples, rewards, rows, selected),
+    flat = [(s, r) for ss, rr in zip(samples, rewards) for s, r in zip(ss, rr)]
+    return {"prompts": len(prompts), "samples": len(flat), "corpus": len(rows),
+            "mean_length_all": _mean([len(s.tokens) for s, _ in flat]),
+            "mean_length_correct": _mean([len(s.tokens) for s, r in flat if is_correct(r, s.finish_reason)]),
+            "mean_length_selected": _mean(selected),
+            "mean_length_kept": _mean([len(r["completion"]) for r in rows]),
+            # pass@1 as actor/evaluate.py counts it (reward > 0.5), so it compares with eval figures
+            "accuracy_policy": _mean([float(r > 0.5) for _, r in flat]),
             "compress_tried": len(rows) if dc.compress_prompt else 0, "compress_accepted": accepted,
             "seconds": round(seconds, 2), "prompts_per_s": round(len(prompts) / max(seconds, 1e-9), 2)}

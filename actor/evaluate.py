@@ -1,14 +1,12 @@
-"""Held-out evaluation: the actor's in-run eval, the run's final eval, and ``run.py eval``.
-
-Everything samples exactly as the actors sample (the engine built from ``cfg.actor``), not a
-greedy variant, each prompt under its tier's limit (the in-run eval also under the length
-curriculum's). ``run.py eval`` reports per task pass@1 (mean over prompts of c/k) and pass@k
-(prompts with c >= 1) over ``k`` samples per prompt, the mean length, and both by tier and
-difficulty.
+"""Held-out evaluation: the actor's in-run eval, the run's final eval, and ``run.py eval`` (pass@1:
+the mean over prompts of c/k; pass@k: the share of prompts with c >= 1, over k samples each).
+Everything samples as the actors sample (the engine built from ``cfg.actor``, not a greedy
+variant), each prompt under its tier's limit.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections import defaultdict
@@ -26,6 +24,18 @@ from model.tokenizer import Tokenizer
 SEQUENCES_PER_CALL = 256  # fills an engine batch, bounds its memory
 
 
+@contextlib.contextmanager
+def loaded(cfg, model_dir: str):
+    """``(engine, task)`` of ``cfg`` on the model in ``model_dir``, both closed on exit."""
+    engine = make_engine(cfg.actor, model_dir, seed=cfg.run.seed)
+    task = make_task(cfg.task, Tokenizer.from_dir(model_dir))
+    try:
+        yield engine, task
+    finally:
+        task.close()
+        engine.close()
+
+
 def evaluate(engine: Engine, task: Task, prompts, max_new_tokens: list[int] | None = None) -> tuple[float, float]:
     """Mean reward and length on a fixed held-out set; ``max_new_tokens``: each prompt's limit."""
     samples = engine.generate([list(p.tokens) for p in prompts], max_new_tokens=max_new_tokens)
@@ -39,14 +49,9 @@ def final_eval(run_dir: str) -> dict:
     with open(os.path.join(run_dir, "config.json"), "rb") as f:
         cfg = C.from_json(f.read())
     torch.set_num_threads(1)
-    model_dir = os.path.join(run_dir, "final_model")
-    engine = make_engine(cfg.actor, model_dir, seed=cfg.run.seed)
-    task = make_task(cfg.task, Tokenizer.from_dir(model_dir))
-    try:
+    with loaded(cfg, os.path.join(run_dir, "final_model")) as (engine, task):
         prompts = task.eval_set(cfg.run.eval_prompts)
         reward, length = evaluate(engine, task, prompts, [prompt_limit(cfg, p) for p in prompts])
-    finally:
-        task.close()
     values = {"eval/reward": reward, "eval/length": length, "eval/final": 1.0}
     with MetricsWriter(run_dir, "launcher", "final_eval") as metrics:
         metrics.emit(-1, values)
@@ -55,8 +60,7 @@ def final_eval(run_dir: str) -> dict:
 
 
 def pass_at(correct: np.ndarray) -> dict[str, float]:
-    return {"pass@1": float(correct.mean()) if correct.size else float("nan"),
-            "pass@k": float((correct.sum(axis=1) > 0).mean()) if correct.size else float("nan")}
+    return {"pass@1": float(correct.mean()), "pass@k": float((correct.sum(axis=1) > 0).mean())}
 
 
 def _split(prompts, correct, lengths, key) -> dict[str, dict]:
@@ -86,17 +90,11 @@ def sample_k(engine: Engine, task: Task, prompts, k: int, progress=None,
 
 
 def task_report(cfg: C.Config, model_dir: str, k: int, progress_factory) -> dict:
-    engine = make_engine(cfg.actor, model_dir, seed=cfg.run.seed)
-    task = make_task(cfg.task, Tokenizer.from_dir(model_dir))
-    try:
+    with loaded(cfg, model_dir) as (engine, task):
         prompts = task.eval_set(cfg.run.eval_prompts)
         t0 = time.time()
         with progress_factory(f"eval {cfg.task.name}", len(prompts)) as advance:
-            limits = [prompt_limit(cfg, p) for p in prompts]
-            samples, rewards = sample_k(engine, task, prompts, k, advance, limits)
-    finally:
-        task.close()
-        engine.close()
+            samples, rewards = sample_k(engine, task, prompts, k, advance, [prompt_limit(cfg, p) for p in prompts])
     correct = (np.asarray(rewards, dtype=float).reshape(len(prompts), k) > 0.5).astype(float)
     lengths = np.asarray([[len(s.tokens) for s in ss] for ss in samples], dtype=float).reshape(len(prompts), k)
     return {**pass_at(correct), "k": k, "mean_length": float(lengths.mean()), "prompts": len(prompts),

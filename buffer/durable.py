@@ -28,11 +28,16 @@ _SCHEMA = """CREATE TABLE IF NOT EXISTS groups (
     step INTEGER,            -- TRAINED: the learner step that trained it
     raw BLOB,                -- the encoded RolloutGroup as its actor sent it; NULL once DONE
     crc INTEGER,             -- crc32c of raw
-    PRIMARY KEY (actor, seq))"""
+    PRIMARY KEY (actor, seq));
+CREATE INDEX IF NOT EXISTS trained_by_step ON groups (step) WHERE state = 1;  -- covered(), requeue()"""
 
 
 class CorruptStore(RuntimeError):
     pass
+
+
+class StoreWriteFailed(RuntimeError):
+    """The disk is full or failed: nothing uncommitted was acknowledged; the run resumes once fixed."""
 
 
 class DurableStore:
@@ -47,10 +52,11 @@ class DurableStore:
         self.always, self.dirty = fsync == "always", False
         try:
             self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)  # one user at a time
+            self.db.execute("PRAGMA page_size=65536")  # a new store: fewer pages per group (~1.3x throughput)
             self.db.execute("PRAGMA journal_mode=WAL")
             self.db.execute(f"PRAGMA synchronous={'OFF' if fsync == 'never' else 'FULL'}")
             verdict = self.db.execute("PRAGMA quick_check").fetchone()[0]
-            self.db.execute(_SCHEMA)
+            self.db.executescript(_SCHEMA)
         except sqlite3.DatabaseError as e:
             verdict = str(e)
         if verdict != "ok":
@@ -103,7 +109,7 @@ class DurableStore:
 
     def commit(self) -> None:
         if self.dirty:
-            self.db.execute("COMMIT")
+            self._write(self.db.execute, "COMMIT")
             self.db.execute("BEGIN")
             self.dirty = False
 
@@ -117,10 +123,18 @@ class DurableStore:
 
     def _run(self, sql: str, rows: list) -> None:
         if rows:
-            self.db.executemany(sql, rows)
+            self._write(self.db.executemany, sql, rows)
             self.dirty = True
             if self.always:
                 self.commit()
+
+    def _write(self, call, *args) -> None:
+        try:
+            call(*args)
+        except sqlite3.OperationalError as e:
+            if not e.sqlite_errorname.startswith(("SQLITE_FULL", "SQLITE_IOERR")):
+                raise
+            raise StoreWriteFailed(f"the buffer's store {self.path} could not be written ({e})") from e
 
 
 def main(argv=None) -> None:

@@ -7,7 +7,7 @@ and decides which to hand out and which to drop::
 
 ``take_order`` holds at most ``n`` groups; ``drops`` are removed from the buffer and counted as
 ``stale``. Neither list may contain a group whose staleness exceeds the bound in ``take_order``:
-that is the guarantee (ARCHITECTURE.md: Versions and staleness), and :func:`staleness` is the only place it is computed.
+that is the guarantee (ARCHITECTURE.md: Versions and staleness; :func:`core.messages.staleness`).
 
 Worked example. Five groups arrived in the order A..E, whose oldest token versions are::
 
@@ -32,6 +32,8 @@ from __future__ import annotations
 from operator import attrgetter
 from typing import Callable, Protocol, Sequence
 
+from core.messages import staleness
+
 _AGE = attrgetter("min_version", "order")  # oldest weights first, then arrival; C-speed sort key
 
 
@@ -40,17 +42,12 @@ class Versioned(Protocol):
     order: int
 
 
-def staleness(group: Versioned, learner_version: int) -> int:
-    """Learner version minus the oldest policy version among the group's tokens."""
-    return learner_version - group.min_version
-
-
 def drop_stale(available: Sequence[Versioned], learner_version: int, max_staleness: int,
                n: int | None = None):
     """Eager: drop every stale group now; serve the oldest-version groups first."""
     fresh, drops = [], []
     for g in available:
-        (drops if staleness(g, learner_version) > max_staleness else fresh).append(g)
+        (drops if staleness(learner_version, g.min_version) > max_staleness else fresh).append(g)
     fresh.sort(key=_AGE)
     return (fresh if n is None else fresh[:n]), drops
 
@@ -62,7 +59,7 @@ def oldest_first(available: Sequence[Versioned], learner_version: int, max_stale
     for g in available:
         if n is not None and len(take) >= n:
             break
-        (drops if staleness(g, learner_version) > max_staleness else take).append(g)
+        (drops if staleness(learner_version, g.min_version) > max_staleness else take).append(g)
     return take, drops
 
 

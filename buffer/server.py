@@ -1,17 +1,10 @@
-"""The replay-buffer process: two ROUTER sockets around a :class:`buffer.store.Store`.
-
-Actors send ``Hello`` and ``RolloutGroup`` and get ``Ack``s (ok | duplicate | busy | rejected, and
-later ``dropped`` for a group discarded as stale). The learner sends ``SampleRequest`` (held until
-enough fresh groups exist, answered by a ``SampleBatch`` leased to it) and ``Consumed``; a learner
-``Hello`` starts a new incarnation: the previous one's leases are released and the groups trained
-after the step its Hello names are served again (buffer/durable.py). Group bytes are kept as the
-actor's frame, stored and forwarded as is. One loop turn: learner messages first (its round trip
-paces the pipeline), then a bounded batch of actor messages, then one commit, then every reply
-that depends on it. Nothing a peer sends can stop the loop: oversize frames, anything the bounded
-decoder or ``validate_group`` refuses, strangers without the run's secret (``run_dir/secret``) and
-a group from another actor's connection are counted in ``buffer/dropped_invalid/<reason>``.
-A group newer than the learner's version + 1 is rejected (``future_version``): v + 1 may already
-be published before the learner's next request says so. Run:
+"""The replay-buffer process: two ROUTER sockets (actors, learner) around a :class:`buffer.store.Store`
+and its durable copy (:mod:`buffer.durable`). Group bytes stay the actor's frame: stored and
+forwarded, never re-encoded. One loop turn: learner messages first (its round trip paces the
+pipeline), a bounded batch of actor messages, one commit, then every reply that depends on it.
+Nothing a peer sends can stop the loop: whatever is refused is counted in
+``buffer/dropped_invalid/<reason>``. A group newer than the learner's version + 1 is rejected
+(``future_version``): v + 1 may be published before the learner's next request says so.
 ``python -m buffer.server --config RUN_DIR/config.json --run-dir RUN_DIR``.
 """
 
@@ -31,13 +24,13 @@ from typing import Callable
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from buffer.durable import CorruptStore, DurableStore
+from buffer.durable import CorruptStore, DurableStore, StoreWriteFailed
 from buffer.store import Entry, Store, entry_from_group
 from core import config as C
 from core import heartbeat, net
 from core.files import atomic_write
-from core.proc import EXIT_CORRUPT_LOG
-from core.messages import (LEARNER_TO_BUFFER, SCHEMA_VERSION, Ack, Acks, Consumed, Hello, InvalidMessage,
+from core.proc import EXIT_CORRUPT_LOG, EXIT_WRITE_FAILED
+from core.messages import (LEARNER_TO_BUFFER, SCHEMA_VERSION, Ack, Acks, Consumed, Control, Hello, InvalidMessage,
                            Limits, RolloutGroup, SampleBatch, SampleRequest, decode_reason, decoder, encode,
                            group_decoder, group_key, validate_group)
 
@@ -90,7 +83,7 @@ class BufferServer:
         self.deferred = 0  # groups answered busy until the learner reports its version
         self.leases_expired = 0  # groups released because the learner's connection dropped
         self.paused = False  # the learner asked the actors to start no new group
-        self._control_on = False  # the limit or the pause departed from the config: see the docstring
+        self._control: Control | None = None  # set once the learner's limit or pause departs from the config
         self.token = _load_token(run_dir, cfg.net.host)
         self.run_dir = run_dir  # for the heartbeat (core/heartbeat.py)
         self._actor_dec = group_decoder(self.limits, Hello)
@@ -163,7 +156,7 @@ class BufferServer:
     def step(self, timeout_ms: int = POLL_MS) -> None:
         """One loop turn (public so tests can drive the server without a thread)."""
         ready = dict(self._poller.poll(timeout_ms))
-        if self.learner_sock in ready:  # first: see the module docstring
+        if self.learner_sock in ready:  # first: the learner's round trip paces the pipeline
             self._drain(self.learner_sock, self._on_learner, MAX_BATCH_MSGS_LEARNER)
             self._serve_requests()
             self._flush_outbox()
@@ -261,6 +254,8 @@ class BufferServer:
         self._actor_ident[msg.id] = ident
         # tells an actor that lost its local counter where its seq numbering resumes
         self._ack(ident, Ack(msg.id, self.store.seen.next_seq(msg.id), "hello"))
+        if self._control is not None:
+            self._ack(ident, self._control)
 
     def _on_group(self, ident: bytes, actor: str, g: RolloutGroup, raw) -> None:
         try:
@@ -299,7 +294,7 @@ class BufferServer:
         self.invalid[reason] += 1
         self._ack(ident, Ack(actor[:MAX_ID_CHARS], seq, "rejected", reason))
 
-    def _ack(self, ident: bytes, ack: Ack | None) -> None:
+    def _ack(self, ident: bytes, ack: Ack | Control) -> None:
         self._outbox["actor"].append([ident, ack])  # encoded when sent: see _flush_outbox
 
     # ---- learners ----------------------------------------------------------------------------
@@ -363,8 +358,8 @@ class BufferServer:
         return released
 
     def _on_monitor(self) -> None:
-        """The learner's connection closed: its leases go back (see the module docstring) -- after
-        whatever it sent before closing (its last Consumed) has been read."""
+        """The learner's connection closed: its leases go back -- after whatever it sent before
+        closing (its last Consumed) has been read."""
         while True:
             try:
                 ev = recv_monitor_message(self._monitor, zmq.NOBLOCK)
@@ -396,7 +391,7 @@ class BufferServer:
                 st.pending = msg  # else: a resend of one already answered
 
     def _follow(self, msg: SampleRequest) -> None:
-        """The learner's limit and pause (see the module docstring); a change reaches every actor."""
+        """The learner's limit and pause; a change reaches every actor as a Control."""
         limit = msg.max_staleness if msg.max_staleness >= 0 else self.store.max_staleness
         changes = [f"max_staleness {self.store.max_staleness} -> {limit}"] if limit != self.store.max_staleness else []
         if msg.pause_actors != self.paused:
@@ -404,9 +399,10 @@ class BufferServer:
         if not changes:
             return
         log.info("learner control: %s", ", ".join(changes))
-        self.store.max_staleness, self.paused, self._control_on = limit, msg.pause_actors, True
+        self.store.max_staleness, self.paused = limit, msg.pause_actors
+        self._control = Control(limit, msg.pause_actors)
         for ident in self._actor_ident.values():
-            self._ack(ident, None)  # a notice: no ack of its own
+            self._ack(ident, self._control)
 
     def _on_consumed(self, st: _Learner, msg: Consumed) -> None:
         if not self._version_ok(st, msg.learner_version):
@@ -464,22 +460,16 @@ class BufferServer:
         out = self._outbox["actor"]
         ready: dict[bytes, list[Ack]] = {}  # per actor, in order: one message for all its acks
         while out:
-            ident, ack = out.popleft()
-            got = ready.setdefault(ident, [])
-            if ack is not None:  # None: a control notice (_follow), carried by any message
-                got.append(ack)
+            ident, msg = out.popleft()
+            if isinstance(msg, Control):
+                self._send(self.actor_sock, [ident, encode(msg)])
+            else:
+                ready.setdefault(ident, []).append(msg)
         for ident, acks in ready.items():
-            self._send(self.actor_sock, [ident, encode(self._to_actor(acks))])
+            self._send(self.actor_sock, [ident, encode(acks[0] if len(acks) == 1 else Acks(acks))])
         out = self._outbox["learner"]
         while out:
             self._send(self.learner_sock, out.popleft())
-
-    def _to_actor(self, acks: list[Ack]):
-        """One message for an actor: a lone Ack, as always, until the control state departed
-        from the config; from then on an Acks carrying it."""
-        if self._control_on:
-            return Acks(acks, self.store.max_staleness, self.paused)
-        return acks[0] if len(acks) == 1 else Acks(acks)
 
     def _send(self, sock: zmq.Socket, frames: list) -> None:
         try:
@@ -575,9 +565,12 @@ def main(argv=None) -> None:
         server = BufferServer(cfg, args.run_dir, metrics=emit)
         _write_ports(args.run_dir, server)
         server.serve_forever(stop)
-    except CorruptStore as e:  # one clear line: restarting cannot help, salvaging can
+    except CorruptStore as e:  # one clear line: restarting cannot help, the repair it names can
         log.error("%s", e)
         sys.exit(EXIT_CORRUPT_LOG)
+    except StoreWriteFailed as e:  # a full disk: restarting cannot help until there is space
+        log.error("%s (exit %d)", e, EXIT_WRITE_FAILED)
+        sys.exit(EXIT_WRITE_FAILED)
     finally:
         sink.close()
         log.info("buffer stopped")

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from buffer import policies
-from core.messages import TOKEN_DTYPE
+from core.messages import TOKEN_DTYPE, staleness
 
 Key = tuple[str, int]
 
@@ -47,7 +47,6 @@ class Entry:
     raw: Any = None  # encoded RolloutGroup, handed to the learner without re-encoding
     order: int = 0  # arrival number, set by the store
     lessee: str | None = None  # learner holding it, if leased
-    lsn: int = 0  # log position after its record: what must be durable before it is acked or served
 
 
 def entry_from_group(group, raw=None, min_version: int | None = None) -> Entry:
@@ -102,32 +101,6 @@ class SeenKeys:
     def next_seq(self, actor: str) -> int:
         return self._hwm.get(actor, -1) + 1
 
-    def snapshot(self) -> dict:
-        return {a: [h, [list(g) for g in self._gaps.get(a, [])]] for a, h in self._hwm.items()}
-
-    def merge(self, snap: dict) -> None:
-        """Union with a snapshot: seen here or there. Unseen = intersection of the unseen sets."""
-        for actor, (hwm, gaps) in snap.items():
-            mine_hwm = self._hwm.get(actor, -1)
-            top = max(hwm, mine_hwm)
-            mine = self._gaps.get(actor, []) + ([(mine_hwm + 1, top)] if top > mine_hwm else [])
-            theirs = [tuple(g) for g in gaps] + ([(hwm + 1, top)] if top > hwm else [])
-            self._hwm[actor] = top
-            self._gaps[actor] = _intersect(mine, theirs)
-
-
-def _intersect(a: list, b: list) -> list[tuple[int, int]]:
-    out, i, j = [], 0, 0
-    while i < len(a) and j < len(b):
-        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        if lo <= hi:
-            out.append((lo, hi))
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return out
-
 
 @dataclass
 class Counters:
@@ -173,7 +146,7 @@ class Store:
             c.rejected["too_large"] += 1
             return "rejected", "too_large"
         if learner_version is not None and \
-                policies.staleness(entry, learner_version) > self.max_staleness:
+                staleness(learner_version, entry.min_version) > self.max_staleness:
             c.rejected["stale"] += 1
             c.stale_by_len[length_bucket(entry.length)] += 1
             return "rejected", "stale"

@@ -1,9 +1,6 @@
-"""Run configuration: typed msgspec Structs whose defaults are the tiny CPU run.
-
-Resolution order: struct defaults < optional TOML file < dotted overrides
-(``python run.py learner.lr=2e-6 buffer.max_staleness=4``). Unknown keys and bad values raise
-:class:`ConfigError` naming the field path (``$.learner.lr``). Override values are parsed as TOML
-literals (``4``, ``2e-6``, ``true``, ``"x"``, ``[1, 2]``); anything else is taken as a string.
+"""Run configuration: typed msgspec Structs whose defaults are the tiny CPU run, then an optional
+TOML file, then dotted overrides (``learner.lr=2e-6``: a TOML literal, else the text itself).
+Unknown keys and bad values raise :class:`ConfigError` naming the field path (``$.learner.lr``).
 """
 
 from __future__ import annotations
@@ -21,6 +18,7 @@ PosInt = Annotated[int, Meta(ge=1)]
 NonNegInt = Annotated[int, Meta(ge=0)]
 PosFloat = Annotated[float, Meta(gt=0)]
 NonNegFloat = Annotated[float, Meta(ge=0)]
+Frac = Annotated[float, Meta(ge=0, le=1)]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]  # auto: core/precision.py
 Device = str  # "auto" | "cpu" | "cuda" | "cuda:N" (core/placement.py)
 
@@ -36,13 +34,11 @@ class RunSection(_Section):
     max_time_s: NonNegFloat = 480.0  # wall clock from the roles' launch (restarts included); 0 = none
     eval_every: NonNegInt = 10  # held-out eval every N policy versions (actor 0); 0 = off
     eval_prompts: PosInt = 256
-    # checkpoints every N learner steps and at least every S seconds (0 = off); the final one always
-    ckpt_every: NonNegInt = 100
+    ckpt_every: NonNegInt = 100  # checkpoint every N learner steps and at least every S s (0 = off); and at the end
     ckpt_every_s: NonNegFloat = 120.0
     max_restarts: NonNegInt = 3  # per role; an actor/buffer keeps its data, a learner its checkpoint
     launcher: str = "local"  # core/launchers/ LAUNCHERS: how roles are started and watched
-    # a role whose run_dir/heartbeat/<role> has not moved for this long is hung: killed, restarted; 0 = off
-    heartbeat_timeout_s: NonNegFloat = 300.0
+    heartbeat_timeout_s: NonNegFloat = 300.0  # a role whose heartbeat file is this old is hung: restarted; 0 = off
     restart_backoff_s: NonNegFloat = 1.0  # the n-th restart waits base * 2^(n-1) s (at most 30 s)
     stage: str = ""  # the pipeline stage this run is (pipeline.py sets it); shown in the live view
     precision_note: str = ""  # written at launch: what `auto` chose for the dtypes, and why
@@ -52,8 +48,7 @@ class ModelSection(_Section):
     path: str = ""  # empty: the task's tiny base model, built once (deterministically) and cached
     vocab_size: NonNegInt = 0  # read from path's config.json at launch; the buffer's token-id bound
     cache_dir: str = ".cache/driftrl"
-    # the built-in base model's build seed (run.seed leaves it alone); the default's is model/shipped/
-    pretrain_seed: NonNegInt = 0
+    pretrain_seed: NonNegInt = 0  # the built-in base model's build seed (not run.seed's); 0's is model/shipped/
     hidden_size: PosInt = 128
     num_layers: PosInt = 4
     num_heads: PosInt = 4
@@ -62,13 +57,10 @@ class ModelSection(_Section):
     pretrain_steps: NonNegInt = 2400
     pretrain_batch: PosInt = 64
     pretrain_lr: PosFloat = 3e-3
-    # share of correct pre-training answers; the rest "forget the carry": a wrong habit to unlearn
-    pretrain_correct_frac: Annotated[float, Meta(ge=0, le=1)] = 0.25
-    pretrain_worked_frac: Annotated[float, Meta(ge=0, le=1)] = 0.1  # scratch: answers with working
-    # scratch: worked answers that write it all out twice (redundant: what distillation removes)
-    pretrain_redundant_frac: Annotated[float, Meta(ge=0, le=1)] = 0.0
-    # one drawn per pre-training prompt and put before it (e.g. tier prompts), meaning nothing yet
-    pretrain_prompt_prefixes: list[str] = []
+    pretrain_correct_frac: Frac = 0.25  # correct answers; the rest "forget the carry", a habit to unlearn
+    pretrain_worked_frac: Frac = 0.1  # scratch: answers with working
+    pretrain_redundant_frac: Frac = 0.0  # scratch: worked answers written twice (what distillation removes)
+    pretrain_prompt_prefixes: list[str] = []  # one drawn per pre-training prompt (e.g. tier prompts)
     max_position_embeddings: PosInt = 128
 
 
@@ -80,25 +72,19 @@ class TaskSection(_Section):
     datasets: list[str] = []  # gym: reasoning_gym dataset names, `size` procedural items each
     size: PosInt = 10000
     # math: JSONL / parquet (`prompt`, `answer`, optional `id`, `level`/`difficulty`); no eval_path:
-    # a hashed eval_frac of `path` is held out
-    path: str = ""
+    path: str = ""  # a hashed eval_frac of `path` is held out
     eval_path: str = ""
     instruction: str = ""  # appended to every prompt (e.g. "Put the final answer in \\boxed{}.")
     chat_template: Literal["auto", "on", "off"] = "auto"  # auto: when the checkpoint has one
     system_prompt: dict[str, str] = {}  # per tier ("default", "low", "medium", "high"); "" = none
     tier_max_new_tokens: dict[str, PosInt] = {}  # per tier, at most actor.max_new_tokens
-    # str(Prompt.difficulty) -> tier, instead of the levels' thirds (pipeline tier_by=pass_rate)
-    difficulty_tiers: dict[str, str] = {}
+    difficulty_tiers: dict[str, str] = {}  # str(Prompt.difficulty) -> tier (pipeline tier_by=pass_rate)
     reward_workers: PosInt = 2  # scorer processes; a hung or crashed check scores 0, counted
     reward_timeout_s: PosFloat = 10.0
 
 
-class SGLangSection(_Section):
-    """``actor.engine = "sglang"`` (actor/engines/sglang.py): the interpreter of the separate venv
-    SGLang is installed in (it pins its own torch), the server's static GPU memory fraction, and
-    the deadlines of its start (health check), of one request, and of one weight update."""
-
-    python: str = ""
+class SGLangSection(_Section):  # actor.engine = "sglang" (actor/engines/sglang.py): the server, its deadlines
+    python: str = ""  # the interpreter of SGLang's separate venv (it pins its own torch)
     mem_fraction: Annotated[float, Meta(gt=0, lt=1)] = 0.8
     start_timeout_s: PosFloat = 600.0
     request_timeout_s: PosFloat = 600.0
@@ -112,8 +98,8 @@ class ActorSection(_Section):
     groups_per_batch: PosInt = 16  # prompts decoded together by one engine batch
     max_new_tokens: PosInt = 8
     max_batch: PosInt = 256  # continuous batching: sequences decoded at once
-    # length curriculum (actor/curriculum.py): length_start, + length_grow up to max_new_tokens every
-    # length_every versions ("steps") or when over length_clip_rate of the last length_window hit it
+    # length curriculum (actor/curriculum.py): length_start, + length_grow every length_every versions
+    # ("steps") or when length_clip_rate of the last length_window hit it, up to max_new_tokens
     length_schedule: Literal["off", "steps", "clip_rate"] = "off"
     length_start: PosInt = 8
     length_grow: PosInt = 4
@@ -138,9 +124,7 @@ class BufferSection(_Section):
     max_frame_bytes: PosInt = 64 * 1024 * 1024
     persist: bool = True  # buffer/durable.py: SQLite in run_dir/buffer/ (false: in memory)
     fsync: Literal["always", "batch", "never"] = "batch"  # commit per group / per loop turn / no fsync
-    # a group's prompt may not be longer (and must not be empty); its completions are bounded
-    # by actor.max_new_tokens, their number is actor.group_size, their ids by model.vocab_size
-    max_prompt_tokens: PosInt = 4096
+    max_prompt_tokens: PosInt = 4096  # nor empty (completions: actor.max_new_tokens, group_size, vocab_size)
 
 
 class LearnerSection(_Section):
@@ -171,40 +155,29 @@ class LearnerSection(_Section):
 
 
 class WeightSyncSection(_Section):
-    # a key of weightsync.PUBLISHERS: shm (default), filesystem (hosts sharing only a file system),
-    # nccl (GPUs), cuda_ipc (learner and actors on one shared GPU, weights never through host
-    # memory), torch_dist (server engines such as sglang: their servers join a torch.distributed
-    # group); checked against actor.engine before anything starts (jobs.check_seams)
-    transport: str = "shm"
+    transport: str = "shm"  # weightsync.PUBLISHERS (ARCHITECTURE.md's seam table)
     bucket_mb: PosInt = 64
-    # how long the nccl / torch_dist ranks wait for every actor to join; a server joins only once
-    # it is up, so this covers its start (actor.sglang.start_timeout_s)
-    join_timeout_s: PosFloat = 900.0
+    join_timeout_s: PosFloat = 900.0  # nccl / torch_dist: every actor joining, a server's start included
 
 
 class NetSection(_Section):
     host: str = "127.0.0.1"
     buffer_actor_port: NonNegInt = 0  # 0 = pick a free port at launch
     buffer_learner_port: NonNegInt = 0
-    # ZeroMQ CURVE keys (z85), required off loopback; curve_client_public is the servers'
-    # allow-list (one key or a list), a client's own public key comes from its secret
-    curve_server_public: str = ""
+    curve_server_public: str = ""  # ZeroMQ CURVE keys (z85), required off loopback
     curve_server_secret: str = ""
-    curve_client_public: str | list[str] = ""
+    curve_client_public: str | list[str] = ""  # the servers' allow-list
     curve_client_secret: str = ""
 
 
-class RaySection(_Section):
-    """core/launchers/ray.py: what each role's Ray actor asks for (logical CPUs)."""
-
+class RaySection(_Section):  # core/launchers/ray.py: what each role's Ray actor asks for (logical CPUs)
     address: str = ""  # "" = start a local Ray instance; HOST:PORT or "auto" joins a cluster
     actor_cpus: PosFloat = 1.0
     learner_cpus: PosFloat = 1.0
     buffer_cpus: PosFloat = 1.0
     actor_gpus: NonNegFloat = 0.0
     learner_gpus: NonNegFloat = 0.0
-    # custom Ray resources per role (e.g. `ray.actor_resources={node2 = 1}`): pins roles to nodes
-    actor_resources: dict[str, float] = {}
+    actor_resources: dict[str, float] = {}  # custom Ray resources per role (e.g. `{node2 = 1}`): pin roles to nodes
     learner_resources: dict[str, float] = {}
     buffer_resources: dict[str, float] = {}
     placement_strategy: str = "PACK"  # ray.util.placement_group's: PACK, SPREAD, STRICT_PACK, STRICT_SPREAD
@@ -214,17 +187,14 @@ class RaySection(_Section):
 class MonitorSection(_Section):
     live: Literal["auto", "on", "off"] = "auto"  # auto: rich Live on a TTY, plain lines otherwise
     refresh_s: PosFloat = 1.0
-    # plain lines: at most one per plain_every_s; a keep-alive line every 6 x when nothing is new
-    plain_every_s: PosFloat = 10.0
+    plain_every_s: PosFloat = 10.0  # plain lines: at most one per this; a keep-alive every 6 x
 
 
 class MetricsSection(_Section):
     tensorboard: bool = False  # also run_dir/tensorboard/ event files (extra `tensorboard`)
 
 
-class ControlSection(_Section):
-    """The learner acting on its ratio tail (learner/control.py)."""
-
+class ControlSection(_Section):  # the learner acting on its ratio tail (learner/control.py)
     # adaptive staleness: the limit moves by 1 in [staleness_min, staleness_max]: down when the p99 at
     # the highest lag exceeds the target, up below target * (1 - hysteresis), dwell_steps apart
     adaptive_staleness: bool = False
@@ -249,24 +219,17 @@ class ControlSection(_Section):
     pause_steps: PosInt = 8
 
 
-class DistillSection(_Section):
-    """The pipeline's self-distillation (actor/distill.py, learner/sft.py): per training prompt,
-    the shortest correct of ``samples`` completions; the *base* model is fine-tuned on them."""
-
+class DistillSection(_Section):  # the pipeline's self-distillation (actor/distill.py, learner/sft.py)
     prompts: PosInt = 2048
-    samples: Annotated[int, Meta(ge=2)] = 8
-    # optional rewrite pass: the kept completion + this text prompts a shorter correct one; "" = off
-    compress_prompt: str = ""
+    samples: Annotated[int, Meta(ge=2)] = 8  # per training prompt; the shortest correct one is kept
+    compress_prompt: str = ""  # a rewrite pass: the kept completion + this text asks for a shorter one; "" = off
     lr: PosFloat = 1e-3
     epochs: PosInt = 2
     batch: PosInt = 32
 
 
-class PipelineSection(_Section):
-    """``run.py pipeline``: each RL stage's table is a partial config over pipeline.RECIPE's."""
-
-    # the tiers: the task's levels in thirds, or difficulties ranked by rl2's held-out pass rate
-    tier_by: Literal["level", "pass_rate"] = "level"
+class PipelineSection(_Section):  # run.py pipeline: each RL stage's table is a partial config over RECIPE's
+    tier_by: Literal["level", "pass_rate"] = "level"  # the levels in thirds, or by rl2's held-out pass rate
     rl1: dict[str, Any] = {}
     rl2: dict[str, Any] = {}
     tiers: dict[str, Any] = {}
@@ -293,24 +256,15 @@ class ConfigError(ValueError):
     """A bad key or value; the message names its field path (``$.section.key``)."""
 
 
-def _parse_value(text: str) -> Any:
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text
-
-
 @functools.cache
 def _map_fields() -> frozenset[str]:
     """Paths of the fields that are maps, not sections: their keys are the user's (tiers, stages)."""
-    out: set[str] = set()
-    for sec in msgspec.inspect.type_info(Config).fields:
-        out |= {f"$.{sec.name}.{f.name}" for f in sec.type.fields if isinstance(f.type, msgspec.inspect.DictType)}
-    return frozenset(out)
+    return frozenset(f"$.{sec.name}.{f.name}" for sec in msgspec.inspect.type_info(Config).fields
+                     for f in sec.type.fields if isinstance(f.type, msgspec.inspect.DictType))
 
 
-def _known(node, key: str, where: str, maps: frozenset[str]) -> bool:
-    return isinstance(node, dict) and (key in node or any(where == m or where.startswith(m + ".") for m in maps))
+def _known(node, key: str, where: str) -> bool:
+    return isinstance(node, dict) and (key in node or any(f"{where}.".startswith(m + ".") for m in _map_fields()))
 
 
 def apply_override(tree: dict, item: str) -> None:
@@ -319,22 +273,23 @@ def apply_override(tree: dict, item: str) -> None:
     if "=" not in item:
         raise ConfigError(f"override {item!r} is not of the form section.key=value")
     path, _, raw = item.partition("=")
-    keys, maps = path.strip().split("."), _map_fields()
-    node = tree
-    for depth, k in enumerate(keys[:-1]):
-        if not _known(node, k, "$." + ".".join(keys[:depth]), maps):
+    keys, node = path.strip().split("."), tree
+    for depth, k in enumerate(keys):
+        if not _known(node, k, "$." + ".".join(keys[:depth])):
             raise ConfigError(f"unknown config key `$.{'.'.join(keys[: depth + 1])}`")
-        node = node.setdefault(k, {})
-    if not _known(node, keys[-1], "$." + ".".join(keys[:-1]), maps):
-        raise ConfigError(f"unknown config key `$.{path.strip()}`")
-    node[keys[-1]] = _parse_value(raw.strip())
+        if depth < len(keys) - 1:
+            node = node.setdefault(k, {})
+    try:
+        node[keys[-1]] = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:  # not a TOML literal: the text itself
+        node[keys[-1]] = raw.strip()
 
 
 def merge(base: dict, top: dict, where: str = "$", path: str = "$") -> None:
     """Merge the partial config tree ``top`` into ``base`` (the subtree at ``path``) in place;
     an unknown key is named under ``where`` (where ``top`` came from, e.g. ``$.pipeline.rl1``)."""
     for k, v in top.items():
-        if not _known(base, k, path, _map_fields()):
+        if not _known(base, k, path):
             raise ConfigError(f"unknown config key `{where}.{k}`")
         if isinstance(base.get(k), dict) and isinstance(v, dict) and f"{path}.{k}" not in _map_fields():
             merge(base[k], v, f"{where}.{k}", f"{path}.{k}")
@@ -351,63 +306,30 @@ def from_dict(tree: dict) -> Config:
     return cfg
 
 
+TIERS = ("default", "low", "medium", "high")
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # ray.util.placement_group's
+
+
 def validate(cfg: Config) -> None:
-    """Cross-field rules that per-field types cannot state."""
+    """Cross-field rules that per-field types cannot state (token limits: within what the buffer admits)."""
     if cfg.learner.groups_per_step % cfg.actor.num_actors:
         raise ConfigError("`$.learner.groups_per_step` must be a multiple of `$.actor.num_actors` "
                           f"({cfg.learner.groups_per_step} % {cfg.actor.num_actors} != 0): each actor owns "
                           "an equal share of the admission quota")
     if cfg.run.max_steps == 0 and cfg.run.max_time_s == 0:
         raise ConfigError("set `$.run.max_steps` or `$.run.max_time_s`: a run needs a budget")
-    _validate_lengths(cfg)
-    _validate_net(cfg.net)
-    _validate_ray(cfg.ray)
-    _validate_control(cfg.control, cfg.buffer.max_staleness)
-
-
-TIERS = ("default", "low", "medium", "high")
-
-
-def _validate_lengths(cfg: Config) -> None:
-    """Tier limits and the curriculum's start within actor.max_new_tokens (what the buffer admits)."""
-    cap = cfg.actor.max_new_tokens
-    for name, d in (("system_prompt", cfg.task.system_prompt), ("tier_max_new_tokens", cfg.task.tier_max_new_tokens)):
-        bad = sorted(set(d) - set(TIERS))
+    cap, t, r = cfg.actor.max_new_tokens, cfg.task, cfg.ray
+    for name, tiers in (("system_prompt", t.system_prompt), ("tier_max_new_tokens", t.tier_max_new_tokens),
+                        ("difficulty_tiers", t.difficulty_tiers.values())):
+        bad = sorted(set(tiers) - set(TIERS))
         if bad:
             raise ConfigError(f"`$.task.{name}` has {bad}: tiers are {', '.join(TIERS)}")
-    odd = {d: t for d, t in cfg.task.difficulty_tiers.items() if t not in TIERS}
-    if odd:
-        raise ConfigError(f"`$.task.difficulty_tiers` = {odd}: tiers are {', '.join(TIERS)}")
-    over = {t: n for t, n in cfg.task.tier_max_new_tokens.items() if n > cap}
+    over = {k: n for k, n in t.tier_max_new_tokens.items() if n > cap}
     if over:
         raise ConfigError(f"`$.task.tier_max_new_tokens` = {over} exceeds `$.actor.max_new_tokens` = {cap}")
     if cfg.actor.length_schedule != "off" and cfg.actor.length_start > cap:
         raise ConfigError(f"`$.actor.length_start` = {cfg.actor.length_start} exceeds "
                           f"`$.actor.max_new_tokens` = {cap}")
-
-
-def _validate_control(c: ControlSection, max_staleness: int) -> None:
-    """Bounds that contain the starting limit; ratio thresholds on the side of 1 they guard
-    (else they would fire on every clean step)."""
-    if c.staleness_min > c.staleness_max:
-        raise ConfigError(f"`$.control.staleness_max` = {c.staleness_max} is below "
-                          f"`$.control.staleness_min` = {c.staleness_min}")
-    if c.adaptive_staleness and not c.staleness_min <= max_staleness <= c.staleness_max:
-        raise ConfigError(f"`$.buffer.max_staleness` = {max_staleness} (the adaptive limit's start) is outside "
-                          f"[`$.control.staleness_min`, `$.control.staleness_max`] = "
-                          f"[{c.staleness_min}, {c.staleness_max}]")
-    for name in ("guard_ratio_p99", "guard_ratio_max"):
-        v = getattr(c, name)
-        if v and v <= 1.0:
-            raise ConfigError(f"`$.control.{name}` = {v} must be above 1 (or 0 = off)")
-    if c.guard_ratio_min and c.guard_ratio_min >= 1.0:
-        raise ConfigError(f"`$.control.guard_ratio_min` = {c.guard_ratio_min} must be below 1 (or 0 = off)")
-
-
-PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # ray.util.placement_group's
-
-
-def _validate_ray(r: RaySection) -> None:
     if r.placement_strategy not in PLACEMENT_STRATEGIES:
         raise ConfigError(f"`$.ray.placement_strategy` = {r.placement_strategy!r} is not one of "
                           f"{', '.join(PLACEMENT_STRATEGIES)}")
@@ -416,6 +338,20 @@ def _validate_ray(r: RaySection) -> None:
         if bad:
             raise ConfigError(f"`$.ray.{name}` = {bad}: custom resources need amounts above 0 "
                               "(CPUs and GPUs have their own fields)")
+    _validate_net(cfg.net)
+    c, max_staleness = cfg.control, cfg.buffer.max_staleness
+    if c.staleness_min > c.staleness_max:
+        raise ConfigError(f"`$.control.staleness_max` = {c.staleness_max} is below "
+                          f"`$.control.staleness_min` = {c.staleness_min}")
+    if c.adaptive_staleness and not c.staleness_min <= max_staleness <= c.staleness_max:
+        raise ConfigError(f"`$.buffer.max_staleness` = {max_staleness} (the adaptive limit's start) is outside "
+                          f"[`$.control.staleness_min`, `$.control.staleness_max`] = "
+                          f"[{c.staleness_min}, {c.staleness_max}]")
+    # a ratio threshold on the wrong side of 1 would fire on every clean step
+    for name, side in (("guard_ratio_p99", "above"), ("guard_ratio_max", "above"), ("guard_ratio_min", "below")):
+        v = getattr(c, name)
+        if v and (v <= 1.0 if side == "above" else v >= 1.0):
+            raise ConfigError(f"`$.control.{name}` = {v} must be {side} 1 (or 0 = off)")
 
 
 def _validate_net(n: NetSection) -> None:

@@ -11,7 +11,7 @@ import shutil
 
 
 def fsync_path(path: str) -> None:
-    """fsync a file or a directory by path (a directory fsync makes renames inside it durable)."""
+    """fsync a file or a directory (which makes renames inside it durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -38,10 +38,9 @@ def atomic_write(path: str, data: bytes, durable: bool = True, mode: int | None 
         fsync_path(os.path.dirname(os.path.abspath(path)))
 
 
-def atomic_dir(final: str, write, marker: str | None = None) -> str:
-    """Call ``write(tmp_dir)``, then make its result appear at ``final`` atomically (an existing
-    ``final`` is renamed aside until the new one is in place). ``marker``, if given, is written
-    last inside ``final``: a reader that requires it never picks up an unfinished directory."""
+def atomic_dir(final: str, write, marker: str) -> str:
+    """Call ``write(tmp_dir)``, then make its result appear at ``final`` atomically (an existing one is
+    renamed aside meanwhile); ``marker`` is written last, so a reader requiring it never sees half."""
     parent = os.path.dirname(os.path.abspath(final))
     os.makedirs(parent, exist_ok=True)
     base = os.path.basename(final)
@@ -61,8 +60,7 @@ def atomic_dir(final: str, write, marker: str | None = None) -> str:
         os.rename(tmp, final)
         if old:
             shutil.rmtree(old, ignore_errors=True)
-        if marker:
-            atomic_write(os.path.join(final, marker), b"ok\n")
+        atomic_write(os.path.join(final, marker), b"ok\n")
         fsync_path(parent)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -79,8 +77,7 @@ def read_json(path: str) -> dict | None:
 
 
 def run_file(run_dir: str, name: str, why_missing: str) -> str:
-    """``run_dir/name``; FileNotFoundError naming the run directory when it or the file is not
-    there (``why_missing``: what that may mean)."""
+    """``run_dir/name``; FileNotFoundError when it or the run directory is not there."""
     if not os.path.isdir(run_dir):
         raise FileNotFoundError(f"run directory {run_dir} does not exist")
     path = os.path.join(run_dir, name)

@@ -1,9 +1,6 @@
-"""Heartbeats: a hung role is told apart from a slow one by a file that stops moving.
-
-Each role touches ``run_dir/heartbeat/<role>`` from its loop (:func:`beat`, at most once a
-second). The launcher only asks whether the file's mtime changed since it last looked, timed on its
-own clock, so a role on a host with a skewed clock is never judged by that clock. Before its first
-beat since a (re)start a role gets at least :data:`START_GRACE_S` (model load, checkpoint load).
+"""Heartbeats: each role touches ``run_dir/heartbeat/<role>`` from its loop (at most once a second).
+The launcher only asks whether the file's mtime changed since it last looked, timed on its own
+clock, so a host's skewed clock never matters. Before its first beat a role gets START_GRACE_S.
 """
 
 from __future__ import annotations
@@ -23,7 +20,7 @@ def path(run_dir: str, role: str) -> str:
 
 
 def beat(run_dir: str, role: str) -> None:
-    """Touch the role's heartbeat file (created on the first call); nothing without a run directory."""
+    """Touch the role's heartbeat file; nothing without a run directory."""
     if not run_dir:
         return
     p, now = path(run_dir, role), time.monotonic()

@@ -1,36 +1,20 @@
-"""The one wire schema of driftrl (ARCHITECTURE.md: Dataflow).
-
-Every message is a frozen, tagged, ``array_like`` msgspec Struct. Each socket decodes with one
-typed decoder built by :func:`decoder` for exactly the messages it may receive, so a malformed
-frame raises ``msgspec.ValidationError``/``DecodeError`` at the socket and never reaches training.
-
-Fields are append-only within a schema version: new fields go at the end with a default; removing
-or retyping one bumps ``SCHEMA_VERSION``, which is checked in the ``Hello`` handshake and carried
-by every ``RolloutGroup`` (2: the by-reference fields of ``SampleRequest``/``SampleBatch`` went;
-3: ``Hello`` carries the run's secret, the buffer answers unauthenticated peers with an ``Ack``).
-
-A group is checked twice against the run's :class:`Limits`: the socket's decoder
-(:func:`group_decoder`) refuses a frame whose completions list or byte arrays exceed them before
-it allocates anything (a 40 MB frame of two million empty completions is refused at its array
-header, not after building two million objects), and :func:`validate_group` checks what a type
-cannot: token ids in the vocabulary, exactly ``group_size`` completions, finite values.
-
-Per-token arrays travel as raw little-endian bytes (``tokens``/``versions`` int32,
-``logprobs`` float32): decoding a list of 8k Python floats costs ~50x more than a bytes copy.
+"""The one wire schema: frozen, tagged, ``array_like`` msgspec Structs, a typed decoder per socket.
+Fields are append-only within ``SCHEMA_VERSION`` (checked in ``Hello``, carried by every group). A
+group's decoder refuses arrays over the run's :class:`Limits` before allocating them. Per-token
+arrays travel as raw little-endian bytes: decoding 8k Python floats costs ~50x a bytes copy.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from functools import lru_cache
-from typing import Annotated, Union
+from typing import Annotated, Any, NamedTuple, Union
 
 import msgspec
 import numpy as np
 from msgspec import Meta
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4  # 4: control reaches actors as its own message (schema 3 actors would miss it)
 
 TOKEN_DTYPE = np.dtype("<i4")
 LOGPROB_DTYPE = np.dtype("<f4")
@@ -38,18 +22,14 @@ VERSION_DTYPE = np.dtype("<i4")
 
 
 class _Msg(msgspec.Struct, frozen=True, array_like=True, tag=True, omit_defaults=False):
-    """Base of every tagged wire message: frozen, encoded as an array, tag = class kwarg."""
-
-
-# ---- handshake / liveness -------------------------------------------------------------------
+    """Base of every tagged wire message."""
 
 
 class Hello(_Msg, tag="hello"):
     role: str
     id: str
     schema_version: int = SCHEMA_VERSION
-    # the run's secret (core.net.run_secret): the buffer trusts a socket only after a Hello with it
-    token: str = ""
+    token: str = ""  # the run's secret (core.net.run_secret): a socket is trusted only after a Hello with it
     # learner only: the step and version of the weights it holds; the buffer serves again the groups
     # trained after that step (a restarted learner lost them), except those whose every token is newer
     step: int = -1
@@ -60,17 +40,13 @@ class Shutdown(_Msg, tag="shutdown"):
     reason: str = ""
 
 
-# ---- trajectories ---------------------------------------------------------------------------
-
-
 class Completion(msgspec.Struct, frozen=True, array_like=True):
     # per-token arrays, equal lengths: sampled ids, behaviour log-probs of the distribution
     # actually sampled from (after temperature), and the policy version that produced each token
     tokens: bytes
     logprobs: bytes
     versions: bytes
-    # "stop" (EOS sampled) or "length" (hit max_new_tokens)
-    finish_reason: str
+    finish_reason: str  # "stop" (EOS sampled) or "length" (hit max_new_tokens)
     reward: float
 
     @property
@@ -87,19 +63,21 @@ class Completion(msgspec.Struct, frozen=True, array_like=True):
         return np.frombuffer(self.versions, dtype=VERSION_DTYPE)
 
 
+def staleness(learner_version: int, oldest_version):
+    """The one definition of staleness (ARCHITECTURE.md: Versions and staleness): the learner's
+    version minus the oldest policy version among a sample's or a group's tokens (ints or arrays)."""
+    return learner_version - oldest_version
+
+
 class RolloutGroup(_Msg, tag="group"):
-    # exactly-once identity: (actor_id, seq) is unique per run; seq counts from 0 per actor
     actor_id: str
-    seq: int
-    # what was asked
+    seq: int  # (actor_id, seq): the exactly-once identity, unique per run; seq counts from 0 per actor
     group_id: str
     task: str
     tier: str
     prompt_tokens: bytes
-    # G completions of the same prompt
-    completions: list[Completion]
-    # policy version when the group was admitted (its first token's version)
-    start_version: int
+    completions: list[Completion]  # G completions of the same prompt
+    start_version: int  # the policy version when the group was admitted (its first token's)
     created_at: float
     schema_version: int = SCHEMA_VERSION
 
@@ -107,61 +85,57 @@ class RolloutGroup(_Msg, tag="group"):
     def key(self) -> tuple[str, int]:
         return (self.actor_id, self.seq)
 
-    def min_version(self) -> int:
-        """Oldest policy version among the group's tokens (the staleness anchor, ARCHITECTURE.md: Versions and staleness); the
-        start version when no completion has a token. One numpy reduction over all completions'
-        versions joined: ~5x cheaper than one per completion (4 us instead of 21 for 8 x 1,024)."""
+    def _versions(self) -> np.ndarray:
+        # one array over all completions: ~5x cheaper than a reduction per completion
         versions = b"".join([c.versions for c in self.completions])
-        n = len(versions) // VERSION_DTYPE.itemsize
-        return int(np.frombuffer(versions, VERSION_DTYPE, n).min()) if n else self.start_version
+        return np.frombuffer(versions, VERSION_DTYPE, len(versions) // VERSION_DTYPE.itemsize)
+
+    def min_version(self) -> int:
+        """Oldest policy version among the tokens (the staleness anchor); the start version without any."""
+        v = self._versions()
+        return int(v.min()) if v.size else self.start_version
 
     def max_version(self) -> int:
-        """Newest policy version among the group's tokens, or its start version if newer."""
-        versions = b"".join([c.versions for c in self.completions])
-        n = len(versions) // VERSION_DTYPE.itemsize
-        newest = int(np.frombuffer(versions, VERSION_DTYPE, n).max()) if n else self.start_version
-        return max(newest, self.start_version)
+        """Newest policy version among the tokens, or the start version if newer."""
+        v = self._versions()
+        return max(int(v.max()), self.start_version) if v.size else self.start_version
 
     def nbytes(self) -> int:
-        return len(self.prompt_tokens) + sum(
-            len(c.tokens) + len(c.logprobs) + len(c.versions) for c in self.completions
-        )
+        return len(self.prompt_tokens) + sum(len(c.tokens) + len(c.logprobs) + len(c.versions)
+                                             for c in self.completions)
 
 
 class Ack(_Msg, tag="ack"):
     actor_id: str
     seq: int
-    # "ok": accepted (durable if persistence is on) · "duplicate": already accepted earlier ·
-    # "busy": buffer full, or the group is newer than any learner version it knows of yet: resend
-    # later · "rejected": invalid or stale, never resend ·
-    # "dropped": accepted earlier, since discarded as stale · "hello": answer to Hello, ``seq`` is
-    # the actor's next unused seq · "unauthenticated": this connection has not presented the run's
-    # secret in a Hello (yet, or since the buffer restarted): send one, then resend
+    # "ok": accepted (durable if persisted) · "duplicate": accepted earlier · "busy": buffer full, or
+    # newer than any learner version known yet: resend later · "rejected": invalid or stale, never
+    # resend · "dropped": accepted, since discarded as stale · "hello": answer to Hello, ``seq`` is the
+    # next unused seq · "unauthenticated": no Hello with the run's secret on this connection yet
     status: str
     reason: str = ""
 
 
 class Acks(_Msg, tag="acks"):
-    # several acks for one actor, in order: what became durable in one group commit leaves as
-    # one message (a ZeroMQ send costs more than encoding a few more acks)
-    acks: list[Ack]
-    # the learner's control state, passed on by the buffer (learner/control.py): the staleness
-    # limit the actor's admission follows (-1: unchanged) and whether it may start new groups.
-    # Once the limit or the pause differ from the run's config, every message to an actor is an
-    # Acks carrying them, and a change is sent at once to every actor (``acks`` may be empty)
-    max_staleness: int = -1
-    pause: bool = False
+    acks: list[Ack]  # one actor's acks of one group commit, in order
+
+
+class Control(_Msg, tag="control"):
+    # the learner's control state, passed on by the buffer to every actor when it changes (and to
+    # an actor that says Hello once it departed from the config): the staleness limit admission
+    # follows and whether new groups may start
+    max_staleness: int
+    pause: bool
 
 
 class SampleRequest(_Msg, tag="sample_req"):
     request_id: int
     num_groups: int
     learner_version: int
-    # the learner's current staleness limit (control.adaptive_staleness), which the buffer's
-    # store and, through Acks, the actors' admission follow; -1: unchanged
+    # the learner's staleness limit (control.adaptive_staleness) for the buffer and, through Control,
+    # the actors; -1: unchanged
     max_staleness: int = -1
-    # guard_action = pause_actors: the actors start no new group while set
-    pause_actors: bool = False
+    pause_actors: bool = False  # guard_action = pause_actors: the actors start no new group while set
     # every step up to this one is in a checkpoint a fallback could still load: the buffer forgets
     # the groups trained by then (-1: none yet)
     covered_step: int = -1
@@ -170,8 +144,7 @@ class SampleRequest(_Msg, tag="sample_req"):
 class SampleBatch(_Msg, tag="sample_batch"):
     request_id: int
     groups: list[RolloutGroup]
-    # buffer state when the batch was cut, for the dashboard
-    depth: int = 0
+    depth: int = 0  # the buffer's when the batch was cut, for the dashboard
 
 
 class Consumed(_Msg, tag="consumed"):
@@ -181,12 +154,8 @@ class Consumed(_Msg, tag="consumed"):
     step: int = -1  # the step that trained them (kept until covered); -1: never trained, forget them
 
 
-# ---- weights ----------------------------------------------------------------------------------
-
-
 class Bucket(msgspec.Struct, frozen=True, array_like=True):
-    # one flat buffer of a single dtype; tensors laid out back to back at these byte offsets
-    dtype: str
+    dtype: str  # one flat buffer of a single dtype, its tensors back to back at ``offsets`` (bytes)
     names: list[str]
     offsets: list[int]
     nbytes: int
@@ -200,40 +169,74 @@ class WeightUpdateHeader(_Msg, tag="weights"):
     buckets: list[Bucket]
 
 
-# ---- metrics: JSON lines in run_dir/metrics/ (core/metrics.py), on no socket ------------------
+# the weight transports' file headers and frames (weightsync/)
+class FileHeader(_Msg, tag="ws_file"):
+    layout: WeightUpdateHeader  # version -1
+    payload_at: int  # where the payload starts: a multiple of PAGE
+    file_bytes: int
 
-MetricValue = Union[float, list[float]]
+
+class IpcSlot(_Msg, tag="ws_ipc"):
+    """One device slot, as a reader opens it; the handle fields are ``_share_cuda_()``'s."""
+
+    slot: int
+    device: int
+    handle: bytes | None
+    size_bytes: int
+    offset_bytes: int
+    ref_counter_handle: bytes | None
+    ref_counter_offset: int
+    event_handle: bytes | None
+    event_sync_required: bool
+    layout: WeightUpdateHeader  # version -1
 
 
+class RankDevice(_Msg, tag="ws_device"):
+    # subscriber -> publisher, after its Hello: where its rank computes
+    host: str
+    device: str  # "cpu" | "cuda:N"
+
+
+class CollectiveInit(_Msg, tag="ws_init"):
+    # publisher -> one subscriber, once: its place in the communicator
+    rank: int
+    world_size: int
+    backend: str  # BACKENDS
+    unique_id: bytes  # NCCL unique id (128 B), else b"host:port" of the Gloo / torch.distributed store
+    layout: WeightUpdateHeader  # version -1
+
+
+# the reward pool's frames on its workers' pipes (actor/rewards.py): untagged, one type per direction
+class ScoreRequest(msgspec.Struct, array_like=True):
+    id: int
+    payload: Any
+
+
+class ScoreReply(msgspec.Struct, array_like=True):
+    id: int
+    score: float = 0.0
+    error: str = ""
+
+
+# metrics travel on no socket: JSON lines in run_dir/metrics/ (core/metrics.py)
 class MetricRecords(_Msg, tag="metrics"):
     role: str
     id: str
     step: int
     time: float
-    values: dict[str, MetricValue]
+    values: dict[str, float | list[float]]
 
-
-# ---- socket codecs ----------------------------------------------------------------------------
 
 ACTOR_TO_BUFFER = Union[Hello, RolloutGroup]
-BUFFER_TO_ACTOR = Union[Ack, Acks]
+BUFFER_TO_ACTOR = Union[Ack, Acks, Control]
 LEARNER_TO_BUFFER = Union[Hello, SampleRequest, Consumed]
 BUFFER_TO_LEARNER = Union[SampleBatch, Ack]  # Ack: "unauthenticated", or "rejected" for a Hello
 
-_encoder = msgspec.msgpack.Encoder()
+encode = msgspec.msgpack.Encoder().encode
+decoder = msgspec.msgpack.Decoder  # decoder(kind): a typed decoder for one socket (a message class or a Union)
 
 
-def encode(msg: msgspec.Struct) -> bytes:
-    return _encoder.encode(msg)
-
-
-def decoder(kind) -> msgspec.msgpack.Decoder:
-    """A typed decoder for one socket; ``kind`` is a message class or a Union of them."""
-    return msgspec.msgpack.Decoder(kind)
-
-
-@dataclass(frozen=True)
-class Limits:
+class Limits(NamedTuple):
     """What one RolloutGroup of a run may hold (0: not checked, as for a tool without a config)."""
 
     group_size: int = 0  # exactly this many completions
@@ -243,8 +246,6 @@ class Limits:
 
     @classmethod
     def of(cls, cfg) -> Limits:
-        """The limits a run's config sets: ``actor.group_size`` / ``max_new_tokens``,
-        ``buffer.max_prompt_tokens``, ``model.vocab_size``."""
         return cls(cfg.actor.group_size, cfg.buffer.max_prompt_tokens, cfg.actor.max_new_tokens,
                    cfg.model.vocab_size)
 
@@ -258,8 +259,8 @@ def _cap(items: int) -> Meta:
 
 @lru_cache(maxsize=16)
 def bounded_group(limits: Limits) -> type:
-    """A RolloutGroup subclass whose array lengths are bounded by ``limits``: its decoder refuses a
-    frame at the first array header above them, before allocating the elements."""
+    """RolloutGroup with array lengths bounded by ``limits``: its decoder refuses a frame at the first
+    array header above them, before allocating (two million empty completions cost nothing)."""
     tok, item = Annotated[bytes, _cap(limits.max_new_tokens * TOKEN_DTYPE.itemsize)], TOKEN_DTYPE.itemsize
     comp = msgspec.defstruct("Completion", [("tokens", tok), ("logprobs", tok), ("versions", tok)],
                              bases=(Completion,), module=__name__)
@@ -271,7 +272,7 @@ def bounded_group(limits: Limits) -> type:
 
 def group_decoder(limits: Limits, *others) -> msgspec.msgpack.Decoder:
     """The decoder of a socket that receives RolloutGroups within ``limits`` (and ``others``)."""
-    return decoder(Union[(*others, bounded_group(limits))] if others else bounded_group(limits))
+    return decoder(Union[(*others, bounded_group(limits))])
 
 
 class _GroupHead(msgspec.Struct, array_like=True):
@@ -285,9 +286,8 @@ _head = msgspec.msgpack.Decoder(_GroupHead)
 
 
 def group_key(frame) -> tuple[str, int] | None:
-    """``(actor_id, seq)`` of an encoded RolloutGroup, read without decoding its arrays (the rest
-    of the frame is skipped, nothing is allocated for it); None if the frame does not start like
-    one."""
+    """``(actor_id, seq)`` of an encoded RolloutGroup, without decoding its arrays; None if the frame
+    does not start like one."""
     try:
         head = _head.decode(frame)
     except (msgspec.DecodeError, msgspec.ValidationError):
@@ -312,22 +312,15 @@ class InvalidMessage(ValueError):
 
 _FINISH_REASONS = ("stop", "length")
 _MAX_LOGPROB = 1e-4  # float32 rounding may push log(1) a hair above 0; anything more is a bug
-# the fast path compares byte lengths, which equals comparing element counts only while the
-# three per-token dtypes have one item size
+# the fast path compares byte lengths as element counts
 assert TOKEN_DTYPE.itemsize == LOGPROB_DTYPE.itemsize == VERSION_DTYPE.itemsize
 
 
 def validate_group(g: RolloutGroup, limits: Limits = NO_LIMITS) -> int:
-    """Semantic checks a typed decoder cannot express, against the run's ``limits``. Raises
-    InvalidMessage; returns the group's :meth:`RolloutGroup.min_version` (computed on the way, the
-    buffer needs it). A non-empty prompt is required whatever the limits: the learner predicts
-    the first completion token from the last prompt token.
-
-    The common case (a valid group) is checked in one pass: scalar checks per completion, then
-    one numpy reduction over all completions' arrays joined (~6 us for 8 x 1,024 tokens instead
-    of ~40 us per-completion). Only when that pass fails does the per-completion loop run, to
-    raise the first failing reason exactly as it always has.
-    """
+    """What a typed decoder cannot check, against ``limits``: raises InvalidMessage, returns the group's
+    min_version. A prompt is required (the learner predicts the first token from its last). A valid
+    group costs one numpy pass over all arrays joined (~6 us for 8 x 1,024 tokens, ~40 us per
+    completion); only a failing one gets the per-completion checks, for the exact reason."""
     if g.schema_version != SCHEMA_VERSION:
         raise InvalidMessage("schema_version", f"got {g.schema_version}, want {SCHEMA_VERSION}")
     if not g.completions:
@@ -336,15 +329,6 @@ def validate_group(g: RolloutGroup, limits: Limits = NO_LIMITS) -> int:
         raise InvalidMessage("negative_id")
     if len(g.prompt_tokens) % TOKEN_DTYPE.itemsize:
         raise InvalidMessage("ragged_bytes", "prompt_tokens")
-    _check_shape(g, limits)
-    min_version = _completions_pass(g, limits)
-    if min_version is None:
-        _explain_completions(g, limits)
-        raise AssertionError("fast path and reference checks disagree")  # unreachable
-    return min_version
-
-
-def _check_shape(g: RolloutGroup, limits: Limits) -> None:
     n, prompt = len(g.completions), len(g.prompt_tokens) // TOKEN_DTYPE.itemsize
     if limits.group_size and n != limits.group_size:
         raise InvalidMessage("group_size", f"{n} completions, want {limits.group_size}")
@@ -352,6 +336,11 @@ def _check_shape(g: RolloutGroup, limits: Limits) -> None:
         raise InvalidMessage("empty_prompt")
     if limits.max_prompt_tokens and prompt > limits.max_prompt_tokens:
         raise InvalidMessage("prompt_too_long", f"{prompt} > {limits.max_prompt_tokens} tokens")
+    min_version = _completions_pass(g, limits)
+    if min_version is None:
+        _explain_completions(g, limits)
+        raise AssertionError("fast path and reference checks disagree")  # unreachable
+    return min_version
 
 
 def _ids_ok(ids: np.ndarray, vocab_size: int) -> bool:
@@ -359,8 +348,7 @@ def _ids_ok(ids: np.ndarray, vocab_size: int) -> bool:
 
 
 def _completions_pass(g: RolloutGroup, limits: Limits) -> int | None:
-    """None unless every per-completion check of :func:`_explain_completions` would pass; then
-    the group's min_version."""
+    """The group's min_version if every check of :func:`_explain_completions` would pass, else None."""
     item = TOKEN_DTYPE.itemsize
     cap = limits.max_new_tokens * item or math.inf
     comps = g.completions
@@ -375,8 +363,7 @@ def _completions_pass(g: RolloutGroup, limits: Limits) -> int | None:
     lp = np.frombuffer(b"".join([c.logprobs for c in comps]), dtype=LOGPROB_DTYPE)
     if not lp.size:
         return g.start_version
-    # max() propagates NaN and NaN <= x is False, so one comparison rejects NaN and positives;
-    # +inf is caught by the same test, -inf by min()
+    # max() propagates NaN and NaN <= x is False: one test rejects NaN, +inf and positives; min() -inf
     if not (lp.max() <= _MAX_LOGPROB and lp.min() > -math.inf):
         return None
     oldest = g.min_version()
@@ -388,44 +375,34 @@ def _explain_completions(g: RolloutGroup, limits: Limits) -> None:
     if not _ids_ok(np.frombuffer(g.prompt_tokens, dtype=TOKEN_DTYPE), limits.vocab_size):
         raise InvalidMessage("token_out_of_vocab", f"prompt, vocabulary {limits.vocab_size or '?'}")
     for i, c in enumerate(g.completions):
-        n_tok, r1 = divmod(len(c.tokens), TOKEN_DTYPE.itemsize)
-        n_lp, r2 = divmod(len(c.logprobs), LOGPROB_DTYPE.itemsize)
-        n_ver, r3 = divmod(len(c.versions), VERSION_DTYPE.itemsize)
-        if r1 or r2 or r3:
+        sizes = [len(c.tokens), len(c.logprobs), len(c.versions)]
+        if any(n % TOKEN_DTYPE.itemsize for n in sizes):  # (the three dtypes are equally wide)
             raise InvalidMessage("ragged_bytes", f"completion {i}")
+        n_tok, n_lp, n_ver = (n // TOKEN_DTYPE.itemsize for n in sizes)
         if not (n_tok == n_lp == n_ver):
             raise InvalidMessage("length_mismatch", f"completion {i}: {n_tok}/{n_lp}/{n_ver}")
         if limits.max_new_tokens and n_tok > limits.max_new_tokens:
             raise InvalidMessage("completion_too_long", f"completion {i}: {n_tok} > {limits.max_new_tokens}")
         if not math.isfinite(c.reward):
             raise InvalidMessage("nonfinite_reward", f"completion {i}")
-        if n_tok:
-            _explain_arrays(i, c, limits.vocab_size)
+        lp = c.logprob_array()
+        if not np.isfinite(lp).all():
+            raise InvalidMessage("nonfinite_logprob", f"completion {i}")
+        if (lp > _MAX_LOGPROB).any():
+            raise InvalidMessage("positive_logprob", f"completion {i}")
+        if (c.version_array() < 0).any():
+            raise InvalidMessage("negative_version", f"completion {i}")
+        if not _ids_ok(c.token_array(), limits.vocab_size):
+            raise InvalidMessage("token_out_of_vocab", f"completion {i}, vocabulary {limits.vocab_size or '?'}")
         if c.finish_reason not in _FINISH_REASONS:
             raise InvalidMessage("finish_reason", repr(c.finish_reason)[:32])
 
 
-def _explain_arrays(i: int, c: Completion, vocab_size: int) -> None:
-    lp = c.logprob_array()
-    if not np.isfinite(lp).all():
-        raise InvalidMessage("nonfinite_logprob", f"completion {i}")
-    if (lp > _MAX_LOGPROB).any():
-        raise InvalidMessage("positive_logprob", f"completion {i}")
-    if (c.version_array() < 0).any():
-        raise InvalidMessage("negative_version", f"completion {i}")
-    if not _ids_ok(c.token_array(), vocab_size):
-        raise InvalidMessage("token_out_of_vocab", f"completion {i}, vocabulary {vocab_size or '?'}")
-
-
 def make_completion(tokens, logprobs, versions, finish_reason: str, reward: float) -> Completion:
-    """Build a Completion from array-likes, converting to the wire dtypes."""
-    return Completion(
-        tokens=np.ascontiguousarray(tokens, dtype=TOKEN_DTYPE).tobytes(),
-        logprobs=np.ascontiguousarray(logprobs, dtype=LOGPROB_DTYPE).tobytes(),
-        versions=np.ascontiguousarray(versions, dtype=VERSION_DTYPE).tobytes(),
-        finish_reason=finish_reason,
-        reward=float(reward),
-    )
+    """A Completion from array-likes, in the wire dtypes."""
+    return Completion(np.ascontiguousarray(tokens, dtype=TOKEN_DTYPE).tobytes(),
+                      np.ascontiguousarray(logprobs, dtype=LOGPROB_DTYPE).tobytes(),
+                      np.ascontiguousarray(versions, dtype=VERSION_DTYPE).tobytes(), finish_reason, float(reward))
 
 
 def group_from_samples(samples, rewards, *, actor_id: str, seq: int, group_id: str, task: str, tier: str,

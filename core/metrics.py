@@ -1,11 +1,7 @@
-"""Metrics as files: each role process appends its MetricRecords to its own JSON-lines file,
-``run_dir/metrics/<role>-<id>.jsonl``; one follower in the launcher tails them all, feeds the live
-view and merges them into ``run_dir/metrics.jsonl`` (and TensorBoard). Why files, and the failure
-rules, are in ARCHITECTURE.md (Metric vocabulary). Values are a float or a list of floats: NaN is
-"no value" (JSON null); ±inf is an overflow, never a measurement, so it is dropped and counted on
-write and on read. ``metrics.merged.json`` notes how far each role file was merged, so a resume or
-the final eval merges only what is new (a crash between the two merges lines twice, never loses
-them). None of these classes is thread-safe: one writer per thread and file.
+"""Metrics as files (ARCHITECTURE.md: Metric vocabulary): each role appends JSON lines to its own
+``run_dir/metrics/<role>-<id>.jsonl``; the launcher's follower merges them into ``metrics.jsonl`` and
+records how far in ``metrics.merged.json`` (a crash repeats lines, never loses them). NaN is "no value"
+(JSON null); ±inf is an overflow, dropped and counted. Not thread-safe: one writer per thread and file.
 """
 
 from __future__ import annotations
@@ -20,13 +16,12 @@ from numbers import Real
 
 import msgspec
 
-from core.files import atomic_write
+from core.files import atomic_write, read_json
 from core.messages import MetricRecords
 
 METRICS_DIR = "metrics"  # run_dir/metrics/<role>-<id>.jsonl: one writer each
 MERGED_FILE = "metrics.jsonl"  # every role's records, merged by the launcher
 MERGED_STATE = "metrics.merged.json"  # role file name -> [bytes merged, inode]
-TENSORBOARD_DIR = "tensorboard"
 READ_CHUNK = 8 << 20  # bytes per read of one file: a big backlog comes in slices
 MAX_LINE = 4 << 20  # a record is a few KB; a "line" this long is garbage
 _RESERVED = ("step", "time", "role", "id")
@@ -38,26 +33,21 @@ def _number(x) -> bool:
     return isinstance(x, Real) and not isinstance(x, bool)
 
 
-def _as_value(key: str, v) -> float | list[float]:
-    # numpy scalars/arrays are coerced here so the encoder never sees a foreign type
+def _value(v, null: bool) -> float | list[float] | None:
+    """Floats of a number or list of numbers (numpy's too; with ``null``, JSON null as NaN); None if not a metric."""
     if hasattr(v, "tolist"):
         v = v.tolist()
-    if _number(v):
-        return float(v)
-    if isinstance(v, (list, tuple)) and all(map(_number, v)):
-        return [float(x) for x in v]
-    raise TypeError(f"metric {key!r}: expected a number or a list of numbers, got {v!r:.80}")
+    if _number(v) or (null and v is None):
+        return math.nan if v is None else float(v)
+    if isinstance(v, (list, tuple)) and all(_number(x) or (null and x is None) for x in v):
+        return [math.nan if x is None else float(x) for x in v]
+    return None
 
 
 def finite_values(values: dict) -> tuple[dict, list[str]]:
     """``values`` without ±inf (a list holding one goes too), and the dropped keys."""
-    keep, dropped = {}, []
-    for k, v in values.items():
-        if any(map(math.isinf, v)) if isinstance(v, list) else math.isinf(v):
-            dropped.append(k)
-        else:
-            keep[k] = v
-    return keep, dropped
+    dropped = [k for k, v in values.items() if (any(map(math.isinf, v)) if isinstance(v, list) else math.isinf(v))]
+    return {k: v for k, v in values.items() if k not in dropped}, dropped
 
 
 def record_to_json(rec: MetricRecords) -> bytes:
@@ -66,53 +56,41 @@ def record_to_json(rec: MetricRecords) -> bytes:
     return msgspec.json.encode({"step": rec.step, "time": rec.time, "role": rec.role, "id": rec.id, **row})
 
 
-def _json_value(v) -> float | list[float] | None:
-    """null (a NaN on write) is NaN again; None if not a metric."""
-    if v is None or _number(v):
-        return math.nan if v is None else float(v)
-    if isinstance(v, list) and all(x is None or _number(x) for x in v):
-        return [math.nan if x is None else float(x) for x in v]
-    return None
-
-
 def record_from_json(row) -> MetricRecords:
-    """The inverse of :func:`record_to_json` (``row`` parsed), leaving out values that are not
-    metrics; ValueError for a row without a valid envelope."""
+    """The inverse of :func:`record_to_json`, without non-metric values; ValueError for a bad envelope."""
     if not isinstance(row, dict):
         raise ValueError(f"a metrics line is a JSON object, got {type(row).__name__}")
     step, t, role, id_ = (row.get(k) for k in _RESERVED)
-    if not (isinstance(step, int) and not isinstance(step, bool) and _number(t)
+    if not (isinstance(step, int) and not isinstance(step, bool) and _number(t) and math.isfinite(t)
             and isinstance(role, str) and isinstance(id_, str)):
-        raise ValueError(f"a metrics line needs int step, number time, str role and id: {str(row)[:80]}")
-    values = {k: _json_value(v) for k, v in row.items() if k not in _RESERVED}
+        raise ValueError(f"a metrics line needs int step, finite time, str role and id: {str(row)[:80]}")
+    values = {k: _value(v, null=True) for k, v in row.items() if k not in _RESERVED}
     return MetricRecords(role=role, id=id_, step=step, time=float(t),
                          values={k: v for k, v in values.items() if v is not None})
 
 
+def _counters(id: str, counts: dict) -> MetricRecords:
+    """The ``monitor/<name>`` record (step -1) of a writer's or the follower's counters."""
+    values = {f"monitor/{k}": float(v) for k, v in counts.items()}
+    return MetricRecords(role="monitor", id=id, step=-1, time=time.time(), values=values)
+
+
 def _path_part(name: str) -> str:
-    """A role or id as one file or directory name."""
     out = "".join(c if c.isascii() and (c.isalnum() or c in "._-") else "_" for c in name)[:64]
     return out if out.strip(".") else "_"
 
 
-def role_path(run_dir: str, role: str, id: str) -> str:
-    return os.path.join(run_dir, METRICS_DIR, f"{_path_part(role)}-{_path_part(id)}.jsonl")
-
-
 class _Appender:
-    """Whole lines appended to one file, one ``os.write`` on ``O_APPEND`` each (a crash tears at most
-    the last line). An OSError never leaves it: logged once, counted in ``errors``, and the line
-    a failure (or a dead predecessor) may have torn is ended before the next."""
+    """Whole lines appended with one ``os.write`` on ``O_APPEND`` each (a crash tears at most the last
+    line). An OSError is logged once and counted in ``errors``; a torn line is ended before the next."""
 
     def __init__(self, path: str):
         self.path = path
         self.errors = 0
         self._fd: int | None = None
-        self._torn = False
-        self._failing = False
+        self._torn = self._failing = False
 
     def open(self) -> None:
-        """Open (create) the file now; raises OSError."""
         if self._fd is None:
             os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
             self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -149,49 +127,7 @@ class _Appender:
             self._fd = None
 
 
-class MetricsWriter:
-    """One role process's metrics file. Its counters, once one is not zero, follow its records as a
-    ``monitor``/``<role>-<id>`` record (``monitor/values_dropped``, ``monitor/write_errors``)."""
-
-    def __init__(self, run_dir: str, role: str, id: str):
-        self.role, self.id = role, id
-        self.path = role_path(run_dir, role, id)
-        self.written = self.values_dropped = 0  # records written, ±inf values left out
-        self._file = _Appender(self.path)
-        self._reported = (0, 0)
-        self._closed = False
-
-    @property
-    def write_errors(self) -> int:
-        return self._file.errors
-
-    def emit(self, step: int, values: dict) -> None:
-        """Append one record; never blocks and never raises OSError. TypeError for a value that is
-        not a number or a list of numbers (a caller bug, reported where it happens)."""
-        clean = {str(k): _as_value(k, v) for k, v in values.items()}
-        if self._closed:
-            return
-        clean, dropped = finite_values(clean)
-        if dropped and not self.values_dropped:
-            log.warning("metrics: an infinite value of %r dropped (counted as monitor/values_dropped)",
-                        dropped[0])
-        self.values_dropped += len(dropped)
-        if self._append(self.role, self.id, int(step), clean):
-            self.written += 1
-            now = (self.values_dropped, self.write_errors)
-            if now != self._reported:
-                self._reported = now
-                self._append("monitor", f"{self.role}-{self.id}", -1, {
-                    "monitor/values_dropped": float(now[0]), "monitor/write_errors": float(now[1])})
-
-    def _append(self, role: str, id: str, step: int, values: dict) -> bool:
-        rec = MetricRecords(role=role, id=id, step=step, time=time.time(), values=values)
-        return self._file.append(record_to_json(rec) + b"\n")
-
-    def close(self) -> None:
-        self._closed = True
-        self._file.close()
-
+class _Closing:
     def __enter__(self):
         return self
 
@@ -199,21 +135,54 @@ class MetricsWriter:
         self.close()
 
 
+class MetricsWriter(_Closing):
+    """One role's metrics file; its counters, once not zero, follow as a ``monitor``/``<role>-<id>`` record."""
+
+    def __init__(self, run_dir: str, role: str, id: str):
+        self.role, self.id = role, id
+        self.path = os.path.join(run_dir, METRICS_DIR, f"{_path_part(role)}-{_path_part(id)}.jsonl")
+        self.values_dropped = 0
+        self._file = _Appender(self.path)
+        self._reported = {"values_dropped": 0, "write_errors": 0}
+        self._closed = False
+
+    write_errors = property(lambda self: self._file.errors)
+
+    def emit(self, step: int, values: dict) -> None:
+        """Append one record; never raises OSError. TypeError for a non-numeric value (a caller bug)."""
+        clean = {}
+        for k, v in values.items():
+            if (value := _value(v, null=False)) is None:
+                raise TypeError(f"metric {k!r}: expected a number or a list of numbers, got {v!r:.80}")
+            clean[str(k)] = value
+        if self._closed:
+            return
+        clean, dropped = finite_values(clean)
+        if dropped and not self.values_dropped:
+            log.warning("metrics: an infinite value of %r dropped (counted as monitor/values_dropped)", dropped[0])
+        self.values_dropped += len(dropped)
+        rec = MetricRecords(role=self.role, id=self.id, step=int(step), time=time.time(), values=clean)
+        if self._file.append(record_to_json(rec) + b"\n"):
+            now = {"values_dropped": self.values_dropped, "write_errors": self.write_errors}
+            if now != self._reported:
+                self._reported = now
+                self._file.append(record_to_json(_counters(f"{self.role}-{self.id}", now)) + b"\n")
+
+    def close(self) -> None:
+        self._closed = True
+        self._file.close()
+
+
 class FileTail:
-    """The records appended to one JSON-lines file since the last :meth:`read`, complete lines only
-    (a torn last line is kept until its newline arrives). A line that is not a record, or has a
-    non-finite time, is skipped and counted; a file that shrank or was replaced is read again from
-    its start. ``offset``/``ino``: where an earlier reader of the same file stopped."""
+    """The complete lines appended to one JSON-lines file since the last :meth:`read`, decoded. A bad
+    line is skipped and counted; a file that shrank or was replaced is read again from its start."""
 
     def __init__(self, path: str, offset: int = 0, ino: int | None = None):
-        self.path = path
-        self.offset = offset
-        self.bad_lines = self.values_dropped = self.resets = 0  # values_dropped: ±inf left out
+        self.path, self.offset, self._ino = path, offset, ino
+        self.bad_lines = self.values_dropped = self.resets = 0
         self._partial = b""
-        self._ino = ino
 
     def read(self) -> list[MetricRecords]:
-        """Every complete new line, decoded; [] while the file does not exist."""
         try:
             with open(self.path, "rb") as f:
                 st = os.fstat(f.fileno())
@@ -226,8 +195,6 @@ class FileTail:
         except FileNotFoundError:
             return []
         self.offset += len(chunk)
-        if not chunk:
-            return []
         lines = (self._partial + chunk).split(b"\n")
         self._partial = lines.pop()
         if len(self._partial) > MAX_LINE:  # never a line: drop it instead of growing without bound
@@ -240,9 +207,7 @@ class FileTail:
             return None
         try:
             rec = record_from_json(json.loads(line))
-        except (ValueError, TypeError):  # JSONDecodeError, UnicodeDecodeError, a wrong shape
-            rec = None
-        if rec is None or not math.isfinite(rec.time):
+        except (ValueError, TypeError, OverflowError):  # bad JSON or UTF-8, a wrong shape, an int past float
             self.bad_lines += 1
             return None
         values, dropped = finite_values(rec.values)
@@ -250,22 +215,15 @@ class FileTail:
         return msgspec.structs.replace(rec, values=values) if dropped else rec
 
     def caught_up(self) -> bool:
-        """True when the last read reached the end of the file (nothing backlogged)."""
         try:
             return os.path.getsize(self.path) <= self.offset
         except OSError:
             return True
 
-    def done(self) -> list:
-        """``[bytes of complete lines read, inode]``: where the next reader starts."""
-        return [self.offset - len(self._partial), self._ino]
 
-
-class MetricsFollower:
-    """Every role's file under ``run_dir/metrics/`` (files appear as roles start): :meth:`read`
-    returns what any of them gained since the last read, in time order. Read-only unless ``merge``
-    (the launcher's, which appends it and its own counters, as a ``monitor``/``follower`` record
-    when one changed, to metrics.jsonl); ``tensorboard``: a :class:`TensorBoardWriter` also fed."""
+class MetricsFollower(_Closing):
+    """Every role file under ``run_dir/metrics/``: :meth:`read` returns what they gained, in time order. Read-only
+    unless ``merge`` (the launcher's: appends it, and its counters when they change, to metrics.jsonl)."""
 
     def __init__(self, run_dir: str, merge: bool = False, tensorboard: TensorBoardWriter | None = None):
         self.dir = os.path.join(run_dir, METRICS_DIR)
@@ -274,44 +232,31 @@ class MetricsFollower:
         if self._merged is not None:
             self._merged.open()  # readers expect the file from the start; an unwritable run dir fails here
         self._state_path = os.path.join(run_dir, MERGED_STATE)
-        self._state = self._load_state() if merge else {}  # role file name -> [bytes merged, inode]
-        self._state_errors = 0
+        state = read_json(self._state_path) if merge else None  # none valid: every file from its start
+        ok = isinstance(state, dict) and all(isinstance(v, list) and len(v) == 2 and isinstance(v[0], int)
+                                             and isinstance(v[1], (int, type(None))) for v in state.values())
+        self._state = state if ok else {}
         self._tb = tensorboard
-        self.tensorboard_errors = 0
-        self._reported = (0, 0, 0)
+        self._state_errors = self.tensorboard_errors = 0
+        self._reported = {"bad_lines": 0, "values_dropped": 0, "write_errors": 0}
 
     bad_lines = property(lambda self: sum(t.bad_lines for t in self._tails.values()))
     values_dropped = property(lambda self: sum(t.values_dropped for t in self._tails.values()))
     resets = property(lambda self: sum(t.resets for t in self._tails.values()))
     write_errors = property(lambda self: self._merged.errors + self._state_errors if self._merged else 0)
 
-    def _load_state(self) -> dict[str, list]:
-        """The saved state; {} without a valid one (every role file is then merged from its start)."""
-        try:
-            with open(self._state_path, "rb") as f:
-                state = json.loads(f.read())
-        except (OSError, ValueError):
-            return {}
-        ok = isinstance(state, dict) and all(isinstance(v, list) and len(v) == 2 and isinstance(v[0], int)
-                                             and isinstance(v[1], (int, type(None))) for v in state.values())
-        return state if ok else {}
-
     def read(self) -> list[MetricRecords]:
         """Never raises for a bad line or a failed write: both are counted."""
         with contextlib.suppress(OSError):  # no directory (yet): no files
-            for name in sorted(n for n in os.listdir(self.dir) if n.endswith(".jsonl")):
-                if name not in self._tails:
-                    start = self._state.get(name, (0, None))
-                    self._tails[name] = FileTail(os.path.join(self.dir, name), *start)
+            for name in sorted(n for n in os.listdir(self.dir) if n.endswith(".jsonl") and n not in self._tails):
+                self._tails[name] = FileTail(os.path.join(self.dir, name), *self._state.get(name, (0, None)))
         out = sorted((r for tail in self._tails.values() for r in tail.read()), key=lambda r: r.time)
         if self._merged is not None:
-            now = (self.bad_lines, self.values_dropped, self.write_errors)
+            now = {"bad_lines": self.bad_lines, "values_dropped": self.values_dropped,
+                   "write_errors": self.write_errors}
             if now != self._reported:
                 self._reported = now
-                values = dict(zip(("monitor/bad_lines", "monitor/values_dropped", "monitor/write_errors"),
-                                  map(float, now)))
-                out.append(MetricRecords(role="monitor", id="follower", step=-1, time=time.time(),
-                                         values=values))
+                out.append(_counters("follower", now))
             if out:
                 self._merged.append(b"".join(record_to_json(r) + b"\n" for r in out))
             self._save_state()
@@ -326,7 +271,8 @@ class MetricsFollower:
         return out
 
     def _save_state(self) -> None:
-        state = {name: t.done() for name, t in self._tails.items()}
+        # per file [bytes of complete lines read, inode]: where the next reader starts
+        state = {name: [t.offset - len(t._partial), t._ino] for name, t in self._tails.items()}
         if state == self._state:
             return
         try:
@@ -334,13 +280,11 @@ class MetricsFollower:
         except OSError as e:
             self._state_errors += 1
             if self._state_errors == 1:
-                log.error("metrics: cannot write %s (%s); the run continues", self._state_path,
-                          e.strerror or e)
+                log.error("metrics: cannot write %s (%s); the run continues", self._state_path, e.strerror or e)
             return
         self._state = state
 
     def caught_up(self) -> bool:
-        """True when the last read reached the end of every file."""
         return all(t.caught_up() for t in self._tails.values())
 
     def close(self) -> None:
@@ -351,15 +295,9 @@ class MetricsFollower:
         if self._merged is not None:
             self._merged.close()
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
 
 def read_all(follower) -> list[MetricRecords]:
-    """Read ``follower`` (a :class:`MetricsFollower` or :class:`FileTail`) to the end of its files."""
+    """Read a :class:`MetricsFollower` or :class:`FileTail` to the end of its files."""
     out = follower.read()
     while not follower.caught_up():
         out += follower.read()
@@ -367,24 +305,20 @@ def read_all(follower) -> list[MetricRecords]:
 
 
 def follower_for(cfg, run_dir: str) -> MetricsFollower:
-    """The launcher's follower: merges into metrics.jsonl and, with ``metrics.tensorboard``,
-    writes TensorBoard event files (ConfigError without the package, before any file is opened)."""
+    """The launcher's follower: merges into metrics.jsonl, and TensorBoard with ``metrics.tensorboard``."""
     tb = TensorBoardWriter(run_dir) if cfg.metrics.tensorboard else None  # opens no file yet
     return MetricsFollower(run_dir, merge=True, tensorboard=tb)
 
 
 def merge_pending(run_dir: str) -> None:
-    """Merge what the role files gained since the last merge (after the launcher: the final eval)."""
+    """Merge what the role files gained since the last merge (the final eval, after the launcher)."""
     with MetricsFollower(run_dir, merge=True) as follower:
         read_all(follower)
 
 
 class TensorBoardWriter:
-    """Every finite scalar as an event under ``tensorboard/<role>/<id>/`` (one TensorBoard run per
-    source, as in the JSONL), at the record's step and time; a launcher record (step -1) goes at
-    the latest learner step seen, the learner's step at that time. NaN and lists are not written:
-    a TensorBoard histogram is a distribution, not ``staleness/hist``'s counts by index.
-    tensorboardX imports torch when installed; the launcher has it loaded already."""
+    """Every finite scalar as an event under ``tensorboard/<role>/<id>/``; a step -1 record goes at the
+    latest learner step. Lists are not written (``staleness/hist`` is counts, not a distribution)."""
 
     def __init__(self, run_dir: str):
         try:
@@ -395,8 +329,8 @@ class TensorBoardWriter:
             raise ConfigError("`$.metrics.tensorboard` = true needs tensorboardX: "
                               "pip install -e '.[tensorboard]'") from None
         self._make = SummaryWriter
-        self.root = os.path.join(run_dir, TENSORBOARD_DIR)
-        self._writers: dict[tuple[str, str], object] = {}
+        self.root = os.path.join(run_dir, "tensorboard")
+        self._writers: dict[str, object] = {}  # by logdir
         self.learner_step = 0
 
     def write(self, records: list[MetricRecords]) -> None:
@@ -404,15 +338,13 @@ class TensorBoardWriter:
             if rec.role == "learner" and rec.step >= 0:
                 self.learner_step = rec.step
             step = rec.step if rec.step >= 0 else self.learner_step
-            key = (rec.role, rec.id)
-            if key not in self._writers:
-                logdir = os.path.join(self.root, _path_part(rec.role), _path_part(rec.id))
-                self._writers[key] = self._make(logdir=logdir, flush_secs=5)
+            logdir = os.path.join(self.root, _path_part(rec.role), _path_part(rec.id))
+            if logdir not in self._writers:
+                self._writers[logdir] = self._make(logdir=logdir, flush_secs=5)
             for k, v in rec.values.items():
                 if isinstance(v, float) and math.isfinite(v):
-                    self._writers[key].add_scalar(k, v, global_step=step, walltime=rec.time)
+                    self._writers[logdir].add_scalar(k, v, global_step=step, walltime=rec.time)
 
     def close(self) -> None:
         for w in self._writers.values():
             w.close()
-        self._writers.clear()

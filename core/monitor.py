@@ -1,12 +1,6 @@
-"""The live terminal view of a run: the latest value of every metric (ARCHITECTURE.md: Metric
-vocabulary) and a short history, as a rich ``Live`` dashboard (a TTY, or ``monitor.live = "on"``)
-or as one plain line at most every ``monitor.plain_every_s`` seconds (pipes, CI logs).
-
-It shows only what roles reported ("–" for a metric nobody sent) and never raises on what a role
-sends: NaN, ±inf and huge values are shown as such or skipped where they cannot be drawn, a value
-of the wrong type is dropped and counted (``monitor/values_dropped``), and a render that fails
-anyway is logged once and counted (``render_errors``): a view is not worth stopping a run for.
-"""
+"""The live view of a run: a rich ``Live`` dashboard on a TTY (or ``monitor.live = "on"``), else a plain
+line at most every ``monitor.plain_every_s`` s. It shows what roles reported ("–" otherwise), hostile values
+as such, and a render that fails anyway is logged once and counted: a view must never stop a run."""
 
 from __future__ import annotations
 
@@ -25,7 +19,6 @@ from rich.text import Text
 
 from core.messages import MetricRecords
 
-HISTORY = 60  # points kept per sparkline metric
 SPARK_KEYS = ("eval/reward", "reward/mean", "length/mean", "ratio/p99")
 _SPARK = "▁▂▃▄▅▆▇█"
 _EIGHTHS = " ▏▎▍▌▋▊▉"
@@ -51,10 +44,8 @@ def fmt(v, digits: int = 3) -> str:
     a = abs(v)
     if a >= 1e15 or (digits > 0 and 0 < a < 10 ** -digits):
         return f"{v:.1e}"
-    if a >= 1e6:
-        return f"{v / 1e6:.1f}M"
     if a >= 1e4:
-        return f"{v / 1e3:.1f}k"
+        return f"{v / 1e6:.1f}M" if a >= 1e6 else f"{v / 1e3:.1f}k"
     return f"{v:.0f}" if a >= 100 else f"{v:.{digits}f}"
 
 
@@ -100,64 +91,46 @@ def _moved(values: dict, latest: dict, prefix: str) -> str | None:
 
 
 class Monitor:
-    def __init__(self, cfg, console: Console | None = None, live: bool | None = None):
-        self.console = console if console is not None else Console()
-        mode = cfg.monitor.live
-        self.live = mode == "on" or (mode == "auto" and self.console.is_terminal) if live is None else live
+    def __init__(self, cfg, console: Console | None = None, live: bool | str | None = None):
+        """``live``: a bool, or a ``monitor.live`` mode overriding the config's."""
+        self.console = console or Console()
+        mode = cfg.monitor.live if live is None else live
+        self.live = mode in (True, "on") or (mode == "auto" and self.console.is_terminal)
         self.refresh_s, self.plain_every_s = cfg.monitor.refresh_s, cfg.monitor.plain_every_s
         self.max_steps, self.max_time_s = cfg.run.max_steps, cfg.run.max_time_s
         self.stage = cfg.run.stage  # a pipeline's stage (pipeline.py): leads the step counter
         self.start_time = time.time()
-        self.records = self.values_dropped = self.render_errors = 0
+        self.records = self.render_errors = 0
         self.latest: dict[str, float | list[float]] = {}
         self._by_source: dict[str, dict[str, float | list[float]]] = {}  # "role/id" -> values
-        self._history = {k: deque(maxlen=HISTORY) for k in SPARK_KEYS}
-        self.eval_first: float | None = None
-        self.eval_best: float | None = None
+        self._history = {k: deque(maxlen=60) for k in SPARK_KEYS}  # the points of each sparkline
+        self.eval_first = self.eval_best = None  # of eval/reward
         self._last_render = self._last_line = -math.inf
         self._dirty = False
         self._live: Live | None = None
-        # the learner's control guard and action whose counters last went up (their value and
-        # threshold are rebuilt from control/last_*: metrics carry numbers only)
-        self.last_guard: str | None = None
-        self.last_action: str | None = None
+        # the control guard and action whose counters last went up (metrics carry numbers only)
+        self.last_guard = self.last_action = None
         self.last_restart: tuple[str, float] | None = None  # (role, wall-clock time of the record)
         self.note: str | None = None  # a status an embedding command sets, shown in the header
 
     def update(self, records: list[MetricRecords]) -> None:
         for rec in records:
             self.records += 1
-            values = self._clean(rec.values)
+            values = rec.values  # floats and lists of floats (metrics.record_from_json)
             # of several guards in one record the first, whose values control/last_* are
             self.last_guard = _moved(values, self.latest, "control/guard/") or self.last_guard
             self.last_action = _moved(values, self.latest, "control/action/") or self.last_action
-            role = _moved(values, self.latest, RESTARTS)
-            if role is not None:
+            if (role := _moved(values, self.latest, RESTARTS)) is not None:
                 self.last_restart = (role, rec.time)
             self.latest.update(values)
             self._by_source.setdefault(f"{rec.role}/{rec.id}", {}).update(values)
             for k in SPARK_KEYS:
                 if isinstance(values.get(k), float):
                     self._history[k].append(values[k])
-            ev = values.get("eval/reward")
-            if isinstance(ev, float) and not math.isnan(ev):
+            if isinstance(ev := values.get("eval/reward"), float) and not math.isnan(ev):
                 self.eval_first = ev if self.eval_first is None else self.eval_first
                 self.eval_best = ev if self.eval_best is None else max(self.eval_best, ev)
-        if records:
-            self._dirty = True
-
-    def _clean(self, values: dict) -> dict:
-        """Floats and lists of floats: in-process records may carry ints (converted) or anything
-        else (dropped, counted)."""
-        out = {}
-        for k, v in values.items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                out[k] = float(v)
-            elif isinstance(v, list) and all(isinstance(x, float) for x in v):
-                out[k] = v
-            else:
-                self.values_dropped += 1
-        return out
+        self._dirty = self._dirty or bool(records)
 
     def restarts_text(self) -> str | None:
         """``3 · last actor0 12s ago`` (the launcher's ``run/restarts/<role>``); None without one."""
@@ -214,13 +187,9 @@ class Monitor:
         """(label, count, ratio p99) per staleness; the tail past MAX_STALENESS_ROWS is merged."""
         hist = self.latest.get("staleness/hist")
         counts = list(hist) if isinstance(hist, list) else []
-        p99 = {}
-        for k, v in self.latest.items():
-            suffix = k[len(BY_STALENESS):]
-            # the size cap only stops a bad key (and isascii a digit like "²", which int refuses)
-            if k.startswith(BY_STALENESS) and suffix.isascii() and suffix.isdigit() and len(suffix) < 5:
-                if isinstance(v, float):
-                    p99[int(suffix)] = v
+        # the size cap only stops a bad key (and isascii a digit like "²", which int refuses)
+        p99 = {int(s): v for k, v in self.latest.items() if k.startswith(BY_STALENESS) and isinstance(v, float)
+               and (s := k[len(BY_STALENESS):]).isascii() and s.isdigit() and len(s) < 5}
         n = max(len(counts), max(p99, default=-1) + 1)
         rows = [(str(s), counts[s] if s < len(counts) else None, p99.get(s)) for s in range(n)]
         if len(rows) > MAX_STALENESS_ROWS:
@@ -234,18 +203,6 @@ class Monitor:
         budget = f"/{self.max_steps}" if self.max_steps else ""
         stage = f"{self.stage} · " if self.stage else ""
         return f"{stage}step {fmt(self.get('learner/step'), 0)}{budget}"
-
-    def summary(self) -> dict:
-        out = dict(self.latest)
-        if (tok := self.actor_tokens_per_s()) is not None:
-            out["actor/tokens_per_s"] = tok
-        if self.eval_first is not None:
-            out["eval/reward_first"] = self.eval_first
-            out["eval/reward_best"] = self.eval_best
-        out["time/elapsed_s"] = self.elapsed()
-        out["monitor/records"] = self.records
-        out["monitor/values_dropped"] = self.values_dropped
-        return out
 
     def format_line(self) -> str:
         g, hist = self.get, self.latest.get("staleness/hist")
@@ -275,12 +232,9 @@ class Monitor:
         return " | ".join(p for p in parts if p)
 
     def renderable(self):
-        rows = [
-            [self._reward_panel(), self._ratio_panel(), self._staleness_panel()],
-            [self._throughput_panel(), self._buffer_panel(), self._sync_panel()],
-        ]
         grids = [self._header()]
-        for row in rows:
+        for row in ((self._reward_panel(), self._ratio_panel(), self._staleness_panel()),
+                    (self._throughput_panel(), self._buffer_panel(), self._sync_panel())):
             height = max(len(body.rows) for _, body in row) + 2
             grid = Table.grid(expand=True)
             for _ in row:
@@ -301,8 +255,7 @@ class Monitor:
         grid.add_column(ratio=1)
         grid.add_column(no_wrap=True, justify="right")
         grid.add_row(Text("driftrl", style="bold magenta"),
-                     ProgressBar(total=1.0, completed=frac, complete_style="green", finished_style="green"),
-                     info)
+                     ProgressBar(total=1.0, completed=frac, complete_style="green", finished_style="green"), info)
         # restarts and the note on their own line: a narrow terminal crops them, not the bar
         rst, status = self.restarts_text(), Text(" " * 11, no_wrap=True, overflow="ellipsis")
         if rst is not None:
@@ -319,9 +272,8 @@ class Monitor:
         t.add_column(justify="right", no_wrap=True)
         # the third column (sparklines, units) absorbs the squeeze on narrow terminals
         t.add_column(no_wrap=True, overflow="crop", ratio=1)
-        for row in rows:
-            if row is not None:
-                t.add_row(*row)
+        for row in filter(None, rows):
+            t.add_row(*row)
         return title, t
 
     def _cell(self, key: str, digits: int = 3, value=None) -> Text:
@@ -339,9 +291,7 @@ class Monitor:
 
     def _reward_panel(self):
         ev, first, limit = self.get("eval/reward"), self.eval_first, self.get("length/limit")
-        style = ""
-        if ev is not None and first is not None and not math.isnan(ev):
-            style = "bold green" if ev > first else "bold red" if ev < first else ""
+        style = "" if ev is None or first is None else "bold green" if ev > first else "bold red" if ev < first else ""
         return self._panel(
             "reward (held-out · train)",
             ("eval", Text(fmt(ev, 3), style=style), self._spark("eval/reward")),
@@ -415,27 +365,18 @@ class Monitor:
             return
         self._last_render = now
         try:
-            self._draw(force, now)
+            if self._live is not None:
+                self._live.update(self.renderable(), refresh=True)
+                self._dirty = False
+            elif not self.live and (force or now - self._last_line >= self.plain_every_s * (1 if self._dirty else 6)):
+                # plain: at most a line per plain_every_s when something arrived, a keep-alive in stalls
+                self.console.print(self.format_line(), markup=False, highlight=False, soft_wrap=True)
+                self._last_line = now
+                self._dirty = False
         except Exception:  # noqa: BLE001 -- a view bug must not end the run it shows
-            self._render_failed()
-
-    def _render_failed(self) -> None:
-        self.render_errors += 1
-        if self.render_errors == 1:
-            log.exception("the live view failed to render (the run continues; counted in render_errors)")
-
-    def _draw(self, force: bool, now: float) -> None:
-        if self._live is not None:
-            self._live.update(self.renderable(), refresh=True)
-            self._dirty = False
-        elif self.live:
-            return  # live mode outside the context manager: nothing to draw on
-        elif force or now - self._last_line >= self.plain_every_s * (1 if self._dirty else 6):
-            # plain: a line when something new arrived (at most one per plain_every_s), and a
-            # keep-alive line during long stalls
-            self.console.print(self.format_line(), markup=False, highlight=False, soft_wrap=True)
-            self._last_line = now
-            self._dirty = False
+            self.render_errors += 1
+            if self.render_errors == 1:
+                log.exception("the live view failed to render (the run continues; counted in render_errors)")
 
     def __enter__(self):
         if self.live:
@@ -447,14 +388,9 @@ class Monitor:
     def __exit__(self, *exc):
         # Live.stop restores the cursor even on KeyboardInterrupt; the last frame stays on screen
         try:
-            if self._live is not None:
-                self._live.update(self.renderable(), refresh=True)
-            elif self._dirty:
+            if self._live is not None or self._dirty:
                 self.refresh(force=True)
-        except Exception:  # noqa: BLE001 -- as in refresh
-            self._render_failed()
         finally:
             if self._live is not None:
                 self._live.stop()
                 self._live = None
-        return False

@@ -1,10 +1,8 @@
-"""ZeroMQ helpers: the one place sockets are bound, connected and secured.
-
-A non-loopback bind requires CURVE server keys, and a CURVE server admits only its allow-list
-through a ZAP handler (:func:`serve_curve`): without one, libzmq admits any key pair that knows the
-server's public key. Above the transport every role sends the per-run secret ``run_dir/secret`` in
-its ``Hello``: CURVE keeps other hosts out, the secret other local processes (any can reach a
-loopback port).
+"""ZeroMQ helpers: the one place sockets are bound, connected and secured. A non-loopback bind
+requires CURVE, and a CURVE server admits only its allow-list through a ZAP handler (without one,
+libzmq admits any key pair that knows the server's public key). Every role also sends the per-run
+secret ``run_dir/secret`` in its ``Hello``: CURVE keeps other hosts out, the secret other local
+processes (any can reach a loopback port).
 """
 
 from __future__ import annotations
@@ -14,7 +12,8 @@ import os
 import secrets
 import socket as _socket
 import stat
-from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import NamedTuple
 
 import zmq
 from zmq.utils import z85
@@ -24,11 +23,10 @@ SECRET_HEX_CHARS = 64  # 32 random bytes
 
 
 class InsecureBindError(RuntimeError):
-    """A bind or connect that would put traffic on the network without CURVE authentication."""
+    """Traffic on the network without CURVE authentication."""
 
 
-@dataclass(frozen=True)
-class Curve:
+class Curve(NamedTuple):
     server_public: bytes
     server_secret: bytes = b""  # server side only
     client_public: bytes = b""  # client side only
@@ -42,7 +40,7 @@ def make_curve_keys() -> tuple[str, str]:
 
 def curve_from_config(net) -> Curve | None:
     """The CURVE keys of a config's NetSection, None without server keys (a client's public key is
-    derived from its secret: ``net.curve_client_public`` is the servers' allow-list)."""
+    derived from its secret)."""
     if not net.curve_server_public:
         return None
     secret = net.curve_client_secret.encode()
@@ -60,9 +58,8 @@ def client_keys(net) -> list[str]:
 
 
 def serve_curve(ctx: zmq.Context, net):
-    """``(curve, authenticator)`` for the server sockets of ``ctx``: the keys to bind with and a
-    running ZAP handler admitting only :func:`client_keys` (stop it when the sockets close);
-    ``(None, None)`` without CURVE keys."""
+    """``(curve, authenticator)``: the keys to bind with and a running ZAP handler admitting only
+    :func:`client_keys` (stop it when the sockets close); ``(None, None)`` without CURVE keys."""
     curve = curve_from_config(net)
     if curve is None:
         return None, None
@@ -70,8 +67,6 @@ def serve_curve(ctx: zmq.Context, net):
     if not allowed:
         raise InsecureBindError("CURVE without a client allow-list (net.curve_client_public) would "
                                 "admit any key pair")
-    from types import SimpleNamespace
-
     from zmq.auth.thread import ThreadAuthenticator
 
     auth = ThreadAuthenticator(ctx)
@@ -82,8 +77,7 @@ def serve_curve(ctx: zmq.Context, net):
 
 
 def check_host(host: str) -> None:
-    """ValueError unless ``host`` is ``localhost`` or an IPv4 address (``127.evil`` fails here,
-    not at bind)."""
+    """ValueError unless ``host`` is ``localhost`` or an IPv4 address (``127.evil`` fails here)."""
     if host == "localhost":
         return
     try:
@@ -93,10 +87,8 @@ def check_host(host: str) -> None:
 
 
 def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
     try:
-        return ipaddress.IPv4Address(host).is_loopback
+        return host == "localhost" or ipaddress.IPv4Address(host).is_loopback
     except ValueError:
         return False
 
@@ -111,24 +103,22 @@ def check_curve_key(key: str) -> None:
 
 
 def create_run_secret(run_dir: str) -> str:
-    """``run_dir/secret`` if it exists (a resumed run keeps it), else a new one, created
-    exclusively with mode 0600 so that no other process can have created or read it first."""
+    """``run_dir/secret`` if it exists (a resume keeps it), else a new one, created exclusively with
+    mode 0600 so that no other process can have created or read it first."""
     path = os.path.join(run_dir, SECRET_FILE)
     try:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600)
     except FileExistsError:
         return run_secret(run_dir)
-    try:
-        os.write(fd, secrets.token_hex(SECRET_HEX_CHARS // 2).encode())
+    with open(fd, "w") as f:
+        f.write(secrets.token_hex(SECRET_HEX_CHARS // 2))
+        f.flush()
         os.fsync(fd)
-    finally:
-        os.close(fd)
     return run_secret(run_dir)
 
 
 def run_secret(run_dir: str) -> str:
-    """``run_dir/secret``; RuntimeError unless it is a regular 0600 file of this user holding a
-    secret this module wrote."""
+    """``run_dir/secret``; RuntimeError unless a regular 0600 file of this user holding a valid secret."""
     path = os.path.join(run_dir, SECRET_FILE)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
@@ -136,7 +126,7 @@ def run_secret(run_dir: str) -> str:
         raise RuntimeError(f"no run secret at {path}: the launcher creates it (core.net.create_run_secret)") from None
     except OSError as e:  # a symlink (ELOOP) or unreadable
         raise RuntimeError(f"cannot open the run secret {path}: {e.strerror}") from None
-    try:
+    with open(fd, "rb") as f:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise RuntimeError(f"the run secret {path} is not a regular file")
@@ -146,17 +136,16 @@ def run_secret(run_dir: str) -> str:
         if st.st_mode & 0o077:
             raise RuntimeError(f"the run secret {path} has mode {stat.S_IMODE(st.st_mode):04o}: "
                                "group/other may read or change it; it must be 0600")
-        token = os.read(fd, SECRET_HEX_CHARS + 1).decode("ascii", "replace")
-    finally:
-        os.close(fd)
+        token = f.read(SECRET_HEX_CHARS + 1).decode("ascii", "replace")
     if len(token) != SECRET_HEX_CHARS or any(ch not in "0123456789abcdef" for ch in token):
         raise RuntimeError(f"the run secret {path} is damaged (want {SECRET_HEX_CHARS} hex characters)")
     return token
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A free port for a server on ``host`` (on every interface's when it is not loopback)."""
     with _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
+        s.bind((host if is_loopback(host) else "0.0.0.0", 0))
         return s.getsockname()[1]
 
 
@@ -171,11 +160,8 @@ def bind(sock: zmq.Socket, host: str, port: int = 0, curve: Curve | None = None)
         sock.curve_publickey = curve.server_public
         sock.curve_secretkey = curve.server_secret
     elif not is_loopback(host):
-        raise InsecureBindError(
-            f"refusing to bind {host}: a non-loopback bind requires ZeroMQ CURVE keys "
-            "(net.curve_server_public / net.curve_server_secret; make them with "
-            "core.net.make_curve_keys())"
-        )
+        raise InsecureBindError(f"refusing to bind {host}: off loopback, ZeroMQ CURVE keys are required "
+                                "(net.curve_server_public/secret; make them with core.net.make_curve_keys())")
     if port:
         sock.bind(f"tcp://{host}:{port}")
         return port
@@ -192,12 +178,9 @@ def connect(sock: zmq.Socket, host: str, port: int, curve: Curve | None = None) 
     sock.connect(f"tcp://{host}:{port}")
 
 
-def socket(ctx: zmq.Context, kind: int, *, linger_ms: int = 0, max_msg: int = -1, hwm: int = 0):
+def socket(ctx: zmq.Context, kind: int, *, linger_ms: int = 0, max_msg: int = -1):
     s = ctx.socket(kind)
     s.linger = linger_ms
     if max_msg > 0:  # a larger frame closes the peer's connection instead of being allocated
         s.setsockopt(zmq.MAXMSGSIZE, max_msg)
-    if hwm:
-        s.sndhwm = hwm
-        s.rcvhwm = hwm
     return s

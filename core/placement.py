@@ -3,8 +3,8 @@
 ``auto`` needs no configuration: no GPU, all on ``cpu``; one GPU, all share ``cuda:0``; N >= 2,
 the learner on ``cuda:0`` and actor i on ``cuda:1 + i % (N - 1)`` (the learner's optimiser state
 never competes with an engine's KV cache). :func:`check` runs before anything allocates (at
-launch, and in each role again, so a role started by hand fails alike): any value or weight
-transport the machine or placement cannot serve is a ConfigError naming the field.
+launch, and in each role again, so a role started by hand fails alike): any value the machine
+cannot serve is a ConfigError naming the field.
 """
 
 from __future__ import annotations
@@ -17,24 +17,10 @@ _DEVICE = re.compile(r"auto|cpu|cuda(?::(\d+))?")
 
 
 def visible_gpus() -> int:
-    """CUDA devices this process can use (0 without CUDA); torch is imported only here."""
+    """CUDA devices this process can use (0 without CUDA); torch is imported lazily."""
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def _no_cuda_reason() -> str:
-    import torch
-
-    if torch.version.cuda is None:
-        return f"torch {torch.__version__} built without CUDA"
-    return f"torch {torch.__version__} built for CUDA {torch.version.cuda}, but no device is visible"
-
-
-def _auto_actor(index: int, n_gpus: int) -> str:
-    if n_gpus == 0:
-        return "cpu"
-    return "cuda:0" if n_gpus == 1 else f"cuda:{1 + index % (n_gpus - 1)}"
 
 
 def resolve(field: str, value, n_gpus: int, auto: str) -> str:
@@ -42,12 +28,14 @@ def resolve(field: str, value, n_gpus: int, auto: str) -> str:
     m = _DEVICE.fullmatch(value) if isinstance(value, str) else None
     if m is None:
         raise ConfigError(f"`$.{field}` = {value!r} is not a device: use 'auto', 'cpu', 'cuda' or 'cuda:N'")
-    if value == "auto":
-        return auto
-    if value == "cpu":
-        return "cpu"
+    if value in ("auto", "cpu"):
+        return auto if value == "auto" else "cpu"
     if n_gpus == 0:
-        raise ConfigError(f"{field}={value!r} but this machine has no CUDA ({_no_cuda_reason()})")
+        import torch
+
+        cuda = torch.version.cuda
+        why = f"built for CUDA {cuda}, but no device is visible" if cuda else "built without CUDA"
+        raise ConfigError(f"{field}={value!r} but this machine has no CUDA (torch {torch.__version__} {why})")
     index = int(m.group(1) or 0)
     if index >= n_gpus:
         raise ConfigError(f"{field}={value!r} but this machine has {n_gpus} CUDA device(s) (cuda:0..cuda:{n_gpus - 1})")
@@ -63,7 +51,8 @@ def resolve_actor(actor_cfg, index: int, n_gpus: int) -> str:
                               f"{actor_cfg.num_actors}: give one per actor, or one string for all")
         value = value[index]
     field = "actor.device" if isinstance(actor_cfg.device, str) else f"actor.device[{index}]"
-    return resolve(field, value, n_gpus, _auto_actor(index, n_gpus))
+    auto = "cpu" if n_gpus == 0 else "cuda:0" if n_gpus == 1 else f"cuda:{1 + index % (n_gpus - 1)}"
+    return resolve(field, value, n_gpus, auto)
 
 
 def place(cfg, n_gpus: int) -> tuple[str, list[str]]:
@@ -72,31 +61,10 @@ def place(cfg, n_gpus: int) -> tuple[str, list[str]]:
     return learner, [resolve_actor(cfg.actor, i, n_gpus) for i in range(cfg.actor.num_actors)]
 
 
-def check_transport(transport: str, learner: str, actors: list[str]) -> None:
-    """A weight transport the placement can serve; ConfigError naming the device fields."""
-    if transport == "nccl":
-        cpu = ["learner.device"] * (learner == "cpu") + [f"actor {i}" for i, d in enumerate(actors) if d == "cpu"]
-        if cpu:
-            raise ConfigError(f"weightsync.transport='nccl' moves CUDA tensors, but {', '.join(cpu)} "
-                              f"resolved to 'cpu' (learner.device -> {learner!r}, actor.device -> {actors}): "
-                              "set learner.device/actor.device to CUDA devices, or use shm")
-        ranks = [learner, *actors]
-        shared = sorted({d for d in ranks if ranks.count(d) > 1})
-        if shared:
-            raise ConfigError(f"weightsync.transport='nccl' needs one CUDA device per rank, but {shared} "
-                              f"hold several (learner.device -> {learner!r}, actor.device -> {actors}): "
-                              "NCCL rejects two ranks on one GPU; use cuda_ipc on a shared device")
-    if transport == "cuda_ipc" and any(d != learner or d == "cpu" for d in actors):
-        raise ConfigError(f"weightsync.transport='cuda_ipc' shares device memory, so the learner and every "
-                          f"actor must be on one CUDA device: learner.device -> {learner!r}, "
-                          f"actor.device -> {actors}")
-
-
 def check(cfg, n_gpus: int | None = None) -> tuple[str, list[str]]:
-    """:func:`place` on this machine (or ``n_gpus``), then :func:`check_transport`."""
-    learner, actors = place(cfg, visible_gpus() if n_gpus is None else n_gpus)
-    check_transport(cfg.weightsync.transport, learner, actors)
-    return learner, actors
+    """:func:`place` on this machine (or ``n_gpus``); the weight transport's own rules on top of it:
+    :func:`weightsync.check_devices`."""
+    return place(cfg, visible_gpus() if n_gpus is None else n_gpus)
 
 
 def learner_device(cfg):

@@ -1,14 +1,12 @@
 """``python run.py plot [RUN_DIR]``: PNG figures of a run from its ``metrics.jsonl`` (a pipeline
-directory: one figure across its RL stages). The x axis is the learner step (actors and the buffer
-stamp the policy version they hold: the learner step that published it); the launcher's step -1
-records (restarts, drawn as vertical lines) go at the learner step nearest in wall-clock time. A
-metric nobody logged leaves its panel saying "not logged", so a partial run gets every figure.
-matplotlib (extra ``plot``) is imported only to draw, with the Agg backend. The last stdout line of
-``main`` is ``{"plots": [paths]}``.
+directory: one figure across its RL stages), over the learner step; step -1 records (restarts, drawn
+as vertical lines) go at the learner step nearest in time. A metric nobody logged says "not logged".
+The last stdout line is ``{"plots": [paths]}``.
 """
 
 from __future__ import annotations
 
+import argparse
 import bisect
 import json
 import math
@@ -16,11 +14,10 @@ import os
 import sys
 from collections import defaultdict
 
-from core.attach import AttachError, metrics_path
+from core.attach import metrics_path
 from core.metrics import MERGED_FILE, FileTail, read_all
 from core.monitor import BY_STALENESS, RESTARTS
 
-PLOTS_DIR = "plots"
 # (file, figure title, panel title, [(metric, label), ...], log y): the figures of plain lines
 LINE_FIGURES = (
     ("reward", "reward", "held-out and train reward",
@@ -36,13 +33,11 @@ Points = list[tuple[float, float]]
 
 
 def load(run_dir: str) -> list:
-    """Every record of the run's metrics.jsonl, in file order (a torn or garbage line skipped)."""
     return read_all(FileTail(metrics_path(run_dir)))
 
 
 def timeline(records: list):
-    """``step_at(t)``: the step of the learner record nearest to wall-clock time ``t`` (None
-    without learner records)."""
+    """``step_at(t)``: the step of the learner record nearest in time to ``t`` (None without one)."""
     pairs = sorted((r.time, r.step) for r in records if r.role == "learner" and r.step >= 0)
     times = [t for t, _ in pairs]
 
@@ -74,14 +69,13 @@ def restart_steps(records: list) -> list[tuple[float, str]]:
         for k, v in rec.values.items():
             if k.startswith(RESTARTS) and isinstance(v, float) and v > seen.get(k, 0.0):
                 seen[k] = v
-                x = step_at(rec.time)
-                if x is not None:
+                if (x := step_at(rec.time)) is not None:
                     out.append((x, k[len(RESTARTS):]))
     return out
 
 
 def per_step(pts: Points) -> Points:
-    """The mean value at each step, in step order: a role reports several times per step."""
+    """The mean value at each step, in step order."""
     acc = defaultdict(list)
     for x, v in pts:
         acc[x].append(v)
@@ -89,38 +83,31 @@ def per_step(pts: Points) -> Points:
 
 
 def merged(idx: dict, key: str) -> Points:
-    """All sources of ``key`` in one series, per step."""
     return per_step([p for pts in idx.get(key, {}).values() for p in pts])
 
 
 def not_logged(ax, keys) -> None:
-    ax.text(0.5, 0.5, "not logged:\n" + "\n".join(keys), ha="center", va="center",
-            transform=ax.transAxes, color="gray")
+    ax.text(0.5, 0.5, "not logged:\n" + "\n".join(keys), ha="center", va="center", transform=ax.transAxes, color="gray")
     ax.set_xticks([])
     ax.set_yticks([])
 
 
-def mark_restarts(ax, restarts) -> None:
-    for i, (x, role) in enumerate(restarts):
-        ax.axvline(x, color="red", linestyle="--", linewidth=1, alpha=0.7,
-                   label="restart" if i == 0 else None)
-        ax.annotate(role, (x, 1.0), xycoords=("data", "axes fraction"), fontsize=7, color="red",
-                    rotation=90, va="top", ha="right")
-
-
-def draw_lines(ax, series: list[tuple[str, Points]], restarts, absent, log_y: bool = False) -> bool:
-    """One line per non-empty series; False (and ``absent``, the names looked for, shown as "not
-    logged") when all are empty."""
+def draw_lines(ax, title: str, series: list[tuple[str, Points]], restarts, absent, log_y: bool = False) -> bool:
+    """One line per non-empty series; False (``absent`` shown as "not logged") when all are empty."""
+    ax.set_title(title)
     drawn = [(label, pts) for label, pts in series if pts]
-    for label, pts in drawn:
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label, marker="." if len(pts) < 30 else None)
     if not drawn:
         not_logged(ax, absent)
         return False
+    for label, pts in drawn:
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label, marker="." if len(pts) < 30 else None)
     ys = [p[1] for _, pts in drawn for p in pts]
     if log_y and min(ys) > 0 and max(ys) > 10 * min(ys):  # a max far off the quantiles
         ax.set_yscale("log")
-    mark_restarts(ax, restarts)
+    for i, (x, role) in enumerate(restarts):
+        ax.axvline(x, color="red", linestyle="--", linewidth=1, alpha=0.7, label="restart" if i == 0 else None)
+        ax.annotate(role, (x, 1.0), xycoords=("data", "axes fraction"), fontsize=7, color="red",
+                    rotation=90, va="top", ha="right")
     ax.set_xlabel("learner step")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -128,16 +115,14 @@ def draw_lines(ax, series: list[tuple[str, Points]], restarts, absent, log_y: bo
 
 
 def line_panel(ax, idx: dict, title: str, keys, restarts, log_y: bool = False) -> None:
-    ax.set_title(title)
     series = [(label, merged(idx, k)) for k, label in keys]
     missing = [k for (k, _), (_, pts) in zip(keys, series) if not pts]
-    if draw_lines(ax, series, restarts, [k for k, _ in keys], log_y) and missing:
-        ax.text(0.01, 0.01, "not logged: " + ", ".join(missing), transform=ax.transAxes, fontsize=7,
-                color="gray")
+    if draw_lines(ax, title, series, restarts, [k for k, _ in keys], log_y) and missing:
+        ax.text(0.01, 0.01, "not logged: " + ", ".join(missing), transform=ax.transAxes, fontsize=7, color="gray")
 
 
 def figures(records: list):
-    """``(name, figure)`` of every figure (matplotlib imported by the caller)."""
+    """``(name, figure)`` of every figure."""
     import matplotlib.pyplot as plt
 
     idx, restarts = index(records), restart_steps(records)
@@ -157,24 +142,21 @@ def figures(records: list):
         a.set(xlabel="staleness (policy versions)", ylabel="samples", xticks=range(len(counts)))
     else:
         not_logged(a, ["staleness/hist"])
-    line_panel(b, idx, "staleness over steps", [("staleness/mean", "mean"), ("staleness/max", "max")],
-               restarts)
+    line_panel(b, idx, "staleness over steps", [("staleness/mean", "mean"), ("staleness/max", "max")], restarts)
     yield "staleness", fig
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    ax.set_title("ratio p99 by staleness")
     lags = sorted((int(k[len(BY_STALENESS):]), k) for k in idx
-                  if k.startswith(BY_STALENESS) and k[len(BY_STALENESS):].isdigit())
+                  if k.startswith(BY_STALENESS) and k[len(BY_STALENESS):].isdecimal())
     series = [(f"staleness {lag}", merged(idx, k)) for lag, k in lags]
-    draw_lines(ax, series, restarts, [BY_STALENESS + "<lag>"])
+    draw_lines(ax, "ratio p99 by staleness", series, restarts, [BY_STALENESS + "<lag>"])
     yield "ratio_by_staleness", fig
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.5))
-    a.set_title("tokens/s")  # of every actor and of the learner
     actors = sorted(idx.get("actor/tokens_per_s", {}).items())
     series = [(f"{src.split('/', 1)[1]} (actor/tokens_per_s)", per_step(pts)) for src, pts in actors]
     series.append(("learner (learner/tokens_per_s)", merged(idx, "learner/tokens_per_s")))
-    draw_lines(a, series, restarts, ["actor/tokens_per_s", "learner/tokens_per_s"])
+    draw_lines(a, "tokens/s", series, restarts, ["actor/tokens_per_s", "learner/tokens_per_s"])
     line_panel(b, idx, "samples/s", [("learner/samples_per_s", "learner (learner/samples_per_s)")], restarts)
     yield "throughput", fig
 
@@ -187,9 +169,8 @@ PIPELINE_PANELS = (("mean response length (tokens)", "length/mean"), ("ratio p99
 
 
 def pipeline_figure(pipeline_dir: str):
-    """Length, ratio p99 and held-out reward of each RL stage that has metrics, each stage's steps
-    after the one before; the distillation sits between rl1 and rl2 (a dashed line: the policy is
-    replaced there, not trained)."""
+    """Length, ratio p99 and held-out reward of each RL stage, one after the other; a dashed line marks
+    the distillation between rl1 and rl2."""
     import matplotlib.pyplot as plt
 
     stages, offset = [], 0.0  # (stage, first step on the shared axis, {metric: points})
@@ -203,8 +184,7 @@ def pipeline_figure(pipeline_dir: str):
     for ax, (title, key) in zip(axes[0], PIPELINE_PANELS):
         for i, (stage, start, series) in enumerate(stages):
             if series[key]:
-                ax.plot(*zip(*series[key]), color=f"C{i}", label=stage,
-                        marker="." if key == "eval/reward" else None)
+                ax.plot(*zip(*series[key]), color=f"C{i}", label=stage, marker="." if key == "eval/reward" else None)
             if stage == "rl2":
                 ax.axvline(start, color="gray", linestyle="--", linewidth=0.8)
                 ax.annotate("distill", (start, 1), xycoords=("data", "axes fraction"), fontsize=8, va="top")
@@ -219,8 +199,7 @@ def pipeline_figure(pipeline_dir: str):
 
 
 def write_plots(run_dir: str, out_dir: str | None = None) -> list[str]:
-    """Every figure as ``<out_dir>/<name>.png`` (default ``run_dir/plots``); the paths written.
-    A pipeline directory gets its one figure across the stages, ``pipeline.png``."""
+    """Every figure as ``<out_dir>/<name>.png`` (default ``run_dir/plots``); the paths written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -228,7 +207,7 @@ def write_plots(run_dir: str, out_dir: str | None = None) -> list[str]:
 
     pipeline = os.path.exists(os.path.join(run_dir, "pipeline.json"))
     records = [] if pipeline else load(run_dir)
-    out_dir = out_dir or os.path.join(run_dir, PLOTS_DIR)
+    out_dir = out_dir or os.path.join(run_dir, "plots")
     os.makedirs(out_dir, exist_ok=True)
     paths = []
     for name, fig in [("pipeline", pipeline_figure(run_dir))] if pipeline else figures(records):
@@ -241,21 +220,17 @@ def write_plots(run_dir: str, out_dir: str | None = None) -> list[str]:
 
 
 def main(argv=None) -> int:
-    import argparse
-
     ap = argparse.ArgumentParser(prog="run.py plot", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_dir", nargs="?", default=os.path.join("runs", "latest"))
     ap.add_argument("--out", help="where to write the PNGs (default RUN_DIR/plots)")
     args = ap.parse_args(argv)
     try:
-        import matplotlib  # noqa: F401 -- only to say what is missing before reading anything
-    except ImportError:
-        print("plot: matplotlib is not installed: pip install -e '.[plot]'", file=sys.stderr)
+        paths = write_plots(args.run_dir, args.out)  # imports matplotlib before it reads anything
+    except ImportError as e:
+        print(f"plot: {e.name or e} is not installed: pip install -e '.[plot]'", file=sys.stderr)
         return 2
-    try:
-        paths = write_plots(args.run_dir, args.out)
-    except AttachError as e:
+    except FileNotFoundError as e:
         print(f"plot: {e}", file=sys.stderr)
         return 2
     for p in paths:

@@ -36,7 +36,6 @@ def choose(value: str, device: str, flags=None) -> tuple[str, str]:
 
 
 def dtype_name(value: str, device) -> str:
-    """:func:`choose`'s dtype for a ``torch.device`` or device string."""
     return choose(value, str(device))[0]
 
 

@@ -21,47 +21,43 @@ ORPHAN_POLL_S = 0.5
 ORPHAN_GRACE_S = 15.0  # after the launcher is gone: time to stop cleanly before a hard exit
 
 
-def die_with_parent(sig: int = signal.SIGTERM) -> None:
+def die_with_parent() -> None:
     """Every role calls this first: umask 077 (a run directory holds CURVE keys and weights), and
     it ends when the launcher dies, even by SIGKILL: the kernel's parent-death signal, and as a
-    fallback (no prctl, or a wait that ignores the stop flag) a thread that sends ``sig`` itself
+    fallback (no prctl, or a wait that ignores the stop flag) a thread that sends SIGTERM itself
     and ``os._exit``\\ s after :data:`ORPHAN_GRACE_S`."""
     os.umask(0o077)
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError):  # without glibc (e.g. musl) no prctl: the watchdog remains
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     launcher = os.environ.get("DRIFTRL_LAUNCHER_PID")
     if not launcher:
         return  # started by hand, not by a launcher: nothing to watch
     if os.getppid() != int(launcher):
-        os.kill(os.getpid(), sig)  # the launcher died before prctl took effect
-    threading.Thread(target=_watch_launcher, args=(int(launcher), sig), name="orphan-watch",
-                     daemon=True).start()
+        os.kill(os.getpid(), signal.SIGTERM)  # the launcher died before prctl took effect
+    threading.Thread(target=_watch_launcher, args=(int(launcher),), name="orphan-watch", daemon=True).start()
 
 
-def _watch_launcher(launcher: int, sig: int) -> None:
+def _watch_launcher(launcher: int) -> None:
     while os.getppid() == launcher:  # a dead parent's children are re-parented
         time.sleep(ORPHAN_POLL_S)
-    logging.getLogger("driftrl.proc").warning("launcher %d is gone: stopping", launcher)
-    os.kill(os.getpid(), sig)
+    log = logging.getLogger("driftrl.proc")
+    log.warning("launcher %d is gone: stopping", launcher)
+    os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(ORPHAN_GRACE_S)
-    logging.getLogger("driftrl.proc").error("still running %.0fs after the launcher died: exiting", ORPHAN_GRACE_S)
+    log.error("still running %.0fs after the launcher died: exiting", ORPHAN_GRACE_S)
     os._exit(1)
 
 
 def stop_event() -> threading.Event:
     """An Event set by SIGTERM/SIGINT, so loops end at a safe point."""
     ev = threading.Event()
-
-    def _handler(signum, frame):
-        ev.set()
-
-    signal.signal(signal.SIGTERM, _handler)
-    signal.signal(signal.SIGINT, _handler)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: ev.set())
     return ev
 
 
-def setup_logging(role: str, level: int = logging.INFO) -> logging.Logger:
-    logging.basicConfig(level=level, format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s",
+def setup_logging(role: str) -> logging.Logger:
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr, force=True)
     return logging.getLogger(f"driftrl.{role}")

@@ -1,11 +1,5 @@
-"""Progress of long work (evaluation, model builds, loading): a ``rich`` bar on a terminal,
-periodic log lines otherwise, so a job's log still shows that it moves and how fast.
-
-    with progress("eval scratch", total=256) as advance:
-        for batch in batches:
-            ...
-            advance(len(batch))
-"""
+"""Progress of long work (evaluation, model builds, loading): a ``rich`` bar on a terminal, periodic
+log lines otherwise, so a job's log still shows that it moves and how fast."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Registries of the seams (engine, backend, task, launcher): config value -> "module:Class".
-
-Implementations are imported only when chosen, so an optional stack (SGLang, Megatron, Ray)
-costs nothing to a run that does not use it, and adding one is one file plus one registry line.
-"""
+"""Registries of the seams: config value -> "module:Class", imported only when chosen, so an optional
+stack (SGLang, Megatron, Ray) costs nothing to a run that does not use it."""
 
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
 """``run_dir/trained_keys.jsonl``: what each learner step trained and the version it published.
-
-Why: exactly-once is checkable after the fact, and the file is the learner's record of the
-versions it published -- each line is fsynced before its version is published, and a restarted
-learner publishes one above the newest ever, so weights never appear to go back in time. The
-groups themselves stay in the buffer's store until a checkpoint covers them (buffer/durable.py):
-recovery from a checkpoint at step S moves the lines after S to ``trained_keys.rolled_back.jsonl``
-and the buffer serves those groups again.
+Exactly-once is checkable after the fact, and each line is fsynced before its version is published,
+so a restarted learner publishes above the newest ever: weights never go back in time. Recovery from
+a checkpoint at step S moves the lines after S to ``trained_keys.rolled_back.jsonl``; the buffer
+(buffer/durable.py) serves those groups again.
 """
 
 from __future__ import annotations
@@ -23,11 +20,16 @@ RECENT_STEPS = 64  # kept lines whose keys the buffer may still serve (their Con
 
 
 def append(run_dir: str, step: int, version: int, keys) -> None:
-    path = os.path.join(run_dir, TRAINED)
+    append_durable(os.path.join(run_dir, TRAINED), "the trained-keys audit",
+                   [{"step": step, "version": version, "keys": [list(k) for k in keys]}])
+
+
+def append_durable(path: str, what: str, records: list[dict]) -> None:
+    """Append JSON lines to ``path``, fsynced; a failure is a WriteError naming ``what``."""
     try:
-        _append(path, [{"step": step, "version": version, "keys": [list(k) for k in keys]}])
+        _append(path, records)
     except OSError as e:
-        raise WriteError("the trained-keys audit", path, e) from None
+        raise WriteError(what, path, e) from None
 
 
 def _append(path: str, records: list[dict]) -> None:

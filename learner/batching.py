@@ -1,9 +1,6 @@
-"""RolloutGroups -> padded tensors aligned for next-token log-probs.
-
-Row ``i`` is ``prompt + completion`` right-padded to ``L``; column ``j`` of every ``[N, L-1]``
-tensor describes the token ``ids[i, j+1]`` predicted from position ``j``. Only completion tokens
-are marked in ``mask``. :func:`collate` is also the learner's last check of the data: a group the
-batch cannot be built from raises ValueError, and the learner skips the batch instead of dying.
+"""RolloutGroups -> padded tensors aligned for next-token log-probs: row ``i`` is ``prompt +
+completion`` right-padded, column ``j`` of every ``[N, L-1]`` tensor is about ``ids[i, j+1]``.
+:func:`collate` is the learner's last check of the data: ValueError, and the batch is skipped.
 """
 
 from __future__ import annotations
@@ -26,8 +23,7 @@ class Batch:
     staleness: torch.Tensor  # [N] int64: learner version - oldest token version of the sample
     keys: list[tuple[str, int]]
     num_tokens: int  # completion tokens
-    # [N, L-1] int64: each completion token's policy version (0 elsewhere), for learner/tail.py
-    versions: torch.Tensor | None = None
+    versions: torch.Tensor | None = None  # [N, L-1] int64: each completion token's policy version (0 elsewhere)
     group_ids: list[str] = field(default_factory=list)  # per group: its prompt's group_id
 
     @property
@@ -53,8 +49,7 @@ BUCKET_MIN_TOKENS = 256
 
 
 def by_length(batch: Batch) -> tuple[Batch, torch.Tensor]:
-    """``batch`` with its rows stably sorted by length, and the order: ``sorted[i]`` is
-    ``batch[order[i]]``; the per-group fields are unchanged."""
+    """``batch``'s rows stably sorted by length and the order (``sorted[i]`` is ``batch[order[i]]``)."""
     order = torch.argsort(batch.key_mask.sum(dim=1), stable=True)
     rows = {f: getattr(batch, f)[order] for f in ("ids", "key_mask", "mask", "behaviour_logp", "staleness")}
     return replace(batch, **rows, versions=None if batch.versions is None else batch.versions[order]), order
@@ -100,7 +95,7 @@ def collate(groups: list[M.RolloutGroup], learner_version: int, pad_id: int = 0,
             starts.append(len(prompt))
             lps.append(c.logprob_array())
             vers.append(c.version_array())
-            stale.append(learner_version - (int(vers[-1].min()) if len(vers[-1]) else g.start_version))
+            stale.append(M.staleness(learner_version, int(vers[-1].min()) if len(vers[-1]) else g.start_version))
     n, width = len(rows), max(map(len, rows))
     ids = torch.full((n, width), pad_id, dtype=torch.long)
     key_mask = torch.zeros(n, width, dtype=torch.bool)

@@ -1,23 +1,8 @@
-"""Atomic, pickle-free checkpoints.
-
-Layout of ``run_dir/checkpoints/step_000042/``::
-
-    model/            HF-format weights + config + tokenizer (AutoModelForCausalLM loads it)
-    ...               the backend's own state (torch: optim.safetensors, rng.safetensors)
-    meta.json         step, version, stage, data position, consumed count, the backend's metadata
-                      (optimiser hyper-params), python RNG state
-    MANIFEST.json     size and sha256 of every other file, written after them
-    COMPLETE          written last: a directory without it is never loaded
-
-Writes go to a hidden temporary directory, every file is fsynced, the directory is renamed into
-place, and only then is ``COMPLETE`` written (``core.files.atomic_dir``). Nothing is pickled, so
-a checkpoint from an untrusted source cannot execute code when loaded.
-
-Integrity: :func:`load` verifies the manifest first (a flipped byte or a truncated file is an
-error, never silently loaded), and :func:`latest` is the newest *intact* checkpoint: a damaged
-newer one is skipped with a warning naming what is wrong, so a run resumes from the one before.
-A write that fails (disk full, ...) raises :class:`WriteError` naming the path and what was being
-written; nothing torn is left (the temporary directory is removed).
+"""Atomic, pickle-free, verified checkpoints (ARCHITECTURE.md: Recovery). ``step_000042/`` holds
+``model/`` (HF format), the backend's state, ``meta.json``, ``MANIFEST.json`` (size and sha256 of
+every other file) and ``COMPLETE``, written last (``core.files.atomic_dir``). Nothing is pickled, so
+an untrusted checkpoint cannot run code; :func:`latest` skips a damaged one with a warning; a failed
+write raises :class:`WriteError` and leaves nothing torn.
 """
 
 from __future__ import annotations
@@ -38,11 +23,8 @@ KEEP = 2
 
 
 class WriteError(RuntimeError):
-    """A file the learner must write could not be (disk full, ...); names the path and what."""
-
     def __init__(self, what: str, path: str, err: OSError):
         super().__init__(f"cannot write {what} {path}: {err.strerror or err}")
-        self.path, self.errno = path, err.errno
 
 
 class DamagedCheckpoint(RuntimeError):
@@ -80,19 +62,15 @@ def save(ckpt_root: str, step: int, backend, meta: dict) -> str:
     return final
 
 
-def _files(root: str) -> list[str]:
-    out = [os.path.relpath(os.path.join(d, n), root) for d, _, names in os.walk(root) for n in names]
-    return sorted(p for p in out if p not in (MANIFEST, MARKER))
-
-
 def _sha256(path: str) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _manifest(root: str) -> dict:
+    files = [os.path.relpath(os.path.join(d, n), root) for d, _, names in os.walk(root) for n in names]
     return {p: {"bytes": os.path.getsize(os.path.join(root, p)), "sha256": _sha256(os.path.join(root, p))}
-            for p in _files(root)}
+            for p in sorted(files) if p not in (MANIFEST, MARKER)}
 
 
 def verify(path: str) -> None:
@@ -128,8 +106,8 @@ def _pid_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # alive, someone else's
+        pass
     return True
 
 

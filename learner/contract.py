@@ -1,10 +1,7 @@
-"""Start-up contract check: actor and learner must agree on what a log-prob is.
-
-An engine built as the actors build theirs samples a fixed batch; a backend built as the learner
-builds its own scores the same tokens with the same weights (both passed in, so this module
-imports no implementation). If the mean |Δlog p| or the k3 mismatch exceeds its bound the run
-refuses to start, naming the sampling settings that differ -- usually a temperature applied on
-one side only, which would skew every ratio of the run.
+"""Start-up contract check: actor and learner must agree on what a log-prob is. The learner's backend
+scores a fixed batch the actors' engine sampled, same weights (both passed in: no implementation is
+imported); past the bounds the run refuses to start, naming the sampling settings that differ --
+usually a temperature applied on one side only, which would skew every ratio of the run.
 """
 
 from __future__ import annotations
@@ -25,8 +22,7 @@ class ContractError(RuntimeError):
 
 def sample_fixed_batch(engine, task, n_prompts: int = 16, group_size: int = 4, seed: int = 4321,
                        max_new_tokens: int = 32):
-    """The fixed batch both sides score; responses capped at ``max_new_tokens``, since per-token
-    numerics show as well in 2k tokens (uncapped, a 100M+ model took minutes to start)."""
+    """The fixed batch both sides score; responses capped (uncapped, a 100M+ model took minutes to start)."""
     rng = random.Random(seed)
     prompts = [task.sample(rng, "train") for _ in range(n_prompts)]
     samples = engine.generate([list(p.tokens) for p in prompts for _ in range(group_size)],

@@ -1,15 +1,9 @@
-"""Acting on the ratio tail: an adaptive staleness limit and guard-rails. Pure: no I/O.
+"""Acting on the ratio tail before the optimiser step: an adaptive staleness limit and guard-rails. Pure: no I/O.
 
-Turns the ratio tail measured by lag each step (``learner/ratio_metrics.py``) into decisions
-the loop carries out *before* the optimiser step, rather than a static staleness knob.
-:class:`StalenessController` moves the limit by one, judging the ratio p99 at the highest lag
-present (the lag the limit admits, so the one it answers for): lower above ``target``, raise
-below ``target * (1 - hysteresis)`` (the band between holds, so the limit does not flap), never
-within ``dwell_steps`` of the last change (data trained right after it was admitted under the
-old limit), always within ``[lo, hi]``.
-
-Worked example (target 1.30, hysteresis 0.1 -> raise below 1.17, dwell 2, bounds [1, 4], limit 2
-from step 0)::
+:class:`StalenessController` moves the limit by one, judging the ratio p99 at the highest lag present
+(the lag the limit answers for): lower above ``target``, raise below ``target * (1 - hysteresis)``
+(the band between holds: no flapping), never within ``dwell_steps`` of the last change, always within
+``[lo, hi]``. Example (target 1.30, hysteresis 0.1 -> raise below 1.17, dwell 2, limit 2 at step 0)::
 
     step  highest lag  its p99   decision
        1            2     1.05   hold: dwell (1 step since the change at step 0)
@@ -18,10 +12,9 @@ from step 0)::
        4            3     1.40   lower 3 -> 2 (1.40 > 1.30)
        6            2     1.20   hold: 1.17 <= 1.20 <= 1.30
 
-:class:`GuardRails` fires *at* a threshold (0 or None: off): ratio p99, max and the Δlog p p99 at
-lag 0 (the engine/learner numerics gap with no policy drift in it) and KL k3 from above, ratio
-min from below (a low tail starves those tokens' gradients), and any non-finite ratio/mismatch
-value. :class:`Control` holds both, the pause of ``pause_actors`` and the ``control/*`` counters.
+:class:`GuardRails` fire *at* a threshold (0 or None: off): from above for ratio p99/max, KL k3 and
+the lag-0 |Δlog p| p99 (the engine/learner numerics gap alone), from below for ratio min (a low tail
+starves gradients), and on any non-finite ratio/mismatch value.
 """
 
 from __future__ import annotations
@@ -69,8 +62,6 @@ def highest_lag(metrics: dict) -> tuple[int, float] | None:
 
 
 class StalenessController:
-    """Its settings are checked where they are read (core/config.py, section ``control``)."""
-
     def __init__(self, limit: int, lo: int, hi: int, target: float, hysteresis: float, dwell_steps: int,
                  start_step: int = 0):
         self.limit, self.lo, self.hi = limit, lo, hi
@@ -117,18 +108,13 @@ class GuardRails:
             if not isinstance(v, float) or not math.isfinite(v):
                 continue  # absent (no lag-0 tokens this step), or the non-finite guard's
             if (v >= t) if above else (v <= t):
-                side = ">=" if above else "<="
-                trips.append(Trip(name, v, t, f"{key} = {v:.4g} {side} {name} threshold {t:.4g}"))
-        return trips + (self._nonfinite(metrics) if self.nonfinite else [])
-
-    @staticmethod
-    def _nonfinite(metrics: dict) -> list[Trip]:
+                trips.append(Trip(name, v, t, f"{key} = {v:.4g} {'>=' if above else '<='} {name} threshold {t:.4g}"))
         bad = sorted(k for k, v in metrics.items() if k.startswith(_WATCHED) and isinstance(v, float)
                      and not math.isfinite(v))
-        if not bad:
-            return []
-        v = metrics[bad[0]]
-        return [Trip(NONFINITE, v, math.nan, f"non-finite {', '.join(bad[:4])} (first: {bad[0]} = {v})")]
+        if self.nonfinite and bad:
+            v = metrics[bad[0]]
+            trips.append(Trip(NONFINITE, v, math.nan, f"non-finite {', '.join(bad[:4])} (first: {bad[0]} = {v})"))
+        return trips
 
 
 @dataclass
@@ -147,7 +133,7 @@ class Verdict:
 
 
 class Control:
-    """The learner's control state, from the ``control`` config section."""
+    """The learner's control state: both of the above, the pause of ``pause_actors``, the counters."""
 
     def __init__(self, cc, max_staleness: int, start_step: int = 0):
         self.cc, self.configured = cc, max_staleness
@@ -204,8 +190,6 @@ class Control:
                         "control/last_step": float(step)})
         return out
 
-
-# ---- rollback: the versions whose data must never be trained ----------------------------------
 
 class Poisoned:
     """Version intervals ``(after, upto]`` of rolled-back weights: a group carrying any token of

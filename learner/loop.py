@@ -1,24 +1,15 @@
-"""Learner process: sample -> recompute log-probs -> Ring-Zero step -> publish -> mark consumed.
-
-Why each rule (ARCHITECTURE.md: Versions and staleness, Recovery, Control):
-- a batch never kills the learner: one that fails validation or raises (NaN loss, bad id) is
-  dropped and counted; only ``MAX_SKIPS_IN_A_ROW`` failures in a row -- a broken learner -- end it;
-- each step: optimiser step -> ``trained_keys.jsonl`` (fsynced) -> publish -> ``Consumed(step)``;
-  the buffer keeps trained groups until a checkpoint covers them, so a restarted learner (from its
-  newest intact checkpoint) is served again what it trained since, and publishes one version above
-  the newest ever published: weights never appear to go back in time;
-- guard-rails run between backward and the optimiser step (``control.guard_action``); a rollback
-  reloads the newest checkpoint like a restart and never trains a group sampled by the discarded
-  weights (``run_dir/rollbacks.jsonl``, fsynced first).
-Exit ``core.proc.EXIT_WRITE_FAILED`` (75) when a checkpoint, the final model or the audit cannot be
-written; the run resumes from the newest intact checkpoint once space is freed.
+"""Learner process: sample -> recompute log-probs -> loss -> optimiser step -> publish -> mark consumed.
+A bad batch (fails validation, NaN loss, bad id) is dropped and counted, never fatal, until
+``MAX_SKIPS_IN_A_ROW`` in a row. Each step's keys are fsynced to ``trained_keys.jsonl`` before its
+version is published; a restart or a guard-rail rollback resumes from the newest intact checkpoint,
+publishes above the newest version ever published and never trains a group sampled by discarded
+weights (ARCHITECTURE.md: Recovery, Control). Exit 75 (``EXIT_WRITE_FAILED``) when a write fails.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import json
 import logging
 import os
 import sys
@@ -31,7 +22,6 @@ from buffer.client import LearnerClient
 from core import config as C
 from core import heartbeat
 from core import messages as M
-from core import placement
 from core.metrics import MetricsWriter
 from core.proc import EXIT_WRITE_FAILED, die_with_parent, setup_logging, stop_event
 from core.stats import dense_histogram
@@ -39,6 +29,7 @@ from learner import audit, checkpoint, tail
 from learner.backends import NonFiniteError, make_backend
 from learner.batching import collate
 from learner.control import Control, Poisoned
+from weightsync import check_devices
 from weightsync.base import make_publisher
 
 log = logging.getLogger("driftrl.learner")
@@ -49,7 +40,7 @@ ROLLBACKS = "rollbacks.jsonl"  # one line per rollback: the versions whose data 
 class LearnerLoop:
     def __init__(self, cfg: C.Config, run_dir: str, stop=None, client=None, metrics=None):
         self.cfg, self.run_dir, self.stop = cfg, run_dir, stop
-        placement.check(cfg)  # as run.py checks it, so a learner started by hand fails the same way
+        check_devices(cfg)  # as run.py checks it, so a learner started by hand fails the same way
         self.backend = make_backend(cfg, cfg.model.path)
         self.ckpt_root = os.path.join(run_dir, "checkpoints")
         self.counts = collections.Counter()  # dropped_stale, skipped_batches, ... (see _emit)
@@ -65,8 +56,6 @@ class LearnerLoop:
         self.stale_hist: list[float] = []
         self.window = collections.deque(maxlen=10)  # (wait_s, busy_s) of recent steps
         self._skips_in_a_row = 0
-
-    # ---- recovery ----------------------------------------------------------------------------
 
     def _recover(self) -> None:
         """Newest intact checkpoint (or the initial weights) + the audit: see the docstring."""
@@ -86,8 +75,6 @@ class LearnerLoop:
             log.info("resumed from %s at step %d version %d (checkpoint version %d): %d steps rolled back, "
                      "their groups served again by the buffer", path or "the initial weights", self.step,
                      self.version, self._ckpt_version, rec.rolled_back_steps)
-
-    # ---- the loop ----------------------------------------------------------------------------
 
     def publish(self) -> dict[str, float]:
         stats = self.publisher.publish(self.version, self.backend.named_tensors())
@@ -146,8 +133,7 @@ class LearnerLoop:
         return groups if len(groups) == want else None
 
     def _control_request(self) -> dict:
-        """What the next SampleRequest carries of the control state (only what departs from the
-        defaults, which mean "as configured")."""
+        """The control state the next SampleRequest carries (only what departs from the config)."""
         out = {"max_staleness": self.control.max_staleness} if self.control.controller is not None else {}
         if self.control.paused:
             out["pause_actors"] = True
@@ -157,7 +143,7 @@ class LearnerLoop:
 
     def _fresh(self, g: M.RolloutGroup) -> bool:
         """Within the staleness bound at the current version (counted when not)."""
-        lag = self.version - g.min_version()
+        lag = M.staleness(self.version, g.min_version())
         if lag < 0:  # a token from a version not yet published: corrupt, never train on it
             log.warning("group %s has tokens of version %d > learner version %d: dropped",
                         g.key, g.min_version(), self.version)
@@ -166,19 +152,14 @@ class LearnerLoop:
         if lag > self.control.max_staleness:
             self.counts["dropped_stale"] += 1  # the buffer should have caught it; never train on it
             return False
-        if self._poisoned(g):
+        if self.poisoned.intervals and self.poisoned.hit(
+                np.frombuffer(b"".join([c.versions for c in g.completions]), M.VERSION_DTYPE)):
             self.counts["dropped_rolled_back"] += 1  # sampled by weights a rollback discarded
             return False
         return True
 
-    def _poisoned(self, g: M.RolloutGroup) -> bool:
-        if not self.poisoned.intervals:
-            return False
-        return self.poisoned.hit(np.frombuffer(b"".join([c.versions for c in g.completions]), M.VERSION_DTYPE))
-
     def train_step(self, groups: list[M.RolloutGroup]):
-        """One optimiser step on ``groups`` -> ``(metrics, batch)``; ``(None, None)`` when the batch
-        was skipped (bad data; see the module docstring)."""
+        """One optimiser step on ``groups`` -> ``(metrics, batch)``; ``(None, None)`` if skipped."""
         try:
             batch = collate(groups, self.version, vocab_size=self.cfg.model.vocab_size)
             m, verdict = self._guarded_step(batch)
@@ -200,16 +181,14 @@ class LearnerLoop:
         return m, batch
 
     def _guarded_step(self, batch):
-        """``Backend.step`` with the guard-rails between forward/backward and the optimiser ->
-        ``(metrics, verdict)``."""
+        """``Backend.step`` with the guard-rails before the optimiser -> ``(metrics, verdict)``."""
         verdicts = []
 
         def check(m) -> bool:
             verdicts.append(self.control.observe(self.step + 1, m))
             return verdicts[0].blocks_step
 
-        m = self.backend.step(batch, check)
-        return m, verdicts[0]
+        return self.backend.step(batch, check), verdicts[0]
 
     def _on_verdict(self, verdict, groups: list[M.RolloutGroup]) -> None:
         """Log the staleness decision and carry out the guard action (see the module docstring)."""
@@ -264,8 +243,6 @@ class LearnerLoop:
         """Tell the buffer these groups will never be trained."""
         self.client.consumed(keys, self.version)
 
-    # ---- checkpoints -------------------------------------------------------------------------
-
     def _maybe_save(self) -> None:
         r = self.cfg.run
         if (r.ckpt_every and self.step % r.ckpt_every == 0) or (
@@ -280,8 +257,6 @@ class LearnerLoop:
         self._covered = self._ckpt_step if self._ckpt_step is not None else -1
         self._ckpt_step, self._ckpt_at = self.step, time.time()
         return path
-
-    # ---- metrics -----------------------------------------------------------------------------
 
     def _emit(self, m: dict, batch, wait_s: float, busy_s: float, t_start: float) -> None:
         st = batch.staleness.tolist()
@@ -322,31 +297,13 @@ class LearnerLoop:
 
 
 def read_rollbacks(run_dir: str) -> list[tuple[int, int]]:
-    """``(after, upto)`` version intervals of every rollback so far (``run_dir/rollbacks.jsonl``);
-    a line torn by a crash described no rollback that took effect."""
-    path = os.path.join(run_dir, ROLLBACKS)
-    if not os.path.exists(path):
-        return []
-    out = []
-    with open(path) as f:
-        for line in f:
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            out.append((rec["after"], rec["upto"]))
-    return out
+    """``(after, upto)`` version intervals of every rollback so far (a line torn by a crash: none)."""
+    return [(rec["after"], rec["upto"]) for rec in audit.read(os.path.join(run_dir, ROLLBACKS))]
 
 
 def record_rollback(run_dir: str, step: int, after: int, upto: int) -> None:
-    path = os.path.join(run_dir, ROLLBACKS)
-    try:
-        with open(path, "a") as f:
-            f.write(json.dumps({"step": step, "after": after, "upto": upto, "time": time.time()}) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError as e:
-        raise checkpoint.WriteError("the rollback record", path, e) from None
+    audit.append_durable(os.path.join(run_dir, ROLLBACKS), "the rollback record",
+                         [{"step": step, "after": after, "upto": upto, "time": time.time()}])
 
 
 def main(argv=None) -> None:

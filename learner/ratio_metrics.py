@@ -1,8 +1,6 @@
 """The train/inference mismatch metrics ``ratio/*`` and ``mismatch/*`` (ARCHITECTURE.md: Metric
-vocabulary), from the learner's freshly recomputed log-probs (never the actor's cached ones) and the
-actor's behaviour log-probs. Float64 numpy over the response tokens only, percentiles by
-``np.percentile`` (linear), so a dashboard figure can be reproduced from dumped arrays; torch-free
-on purpose (tensors are copied to host), so the buffer or monitor can use :func:`percentiles`.
+vocabulary) from the learner's freshly recomputed log-probs and the actor's behaviour ones: float64
+numpy over the response tokens, ``np.percentile`` (linear), so a figure can be reproduced from dumps.
 """
 
 from __future__ import annotations
@@ -20,9 +18,6 @@ FIXED_KEYS = ("ratio/mean", *(f"ratio/{name}" for name, _ in RATIO_QS), "ratio/m
 def percentiles(values, qs) -> list[float]:
     """``np.percentile`` (linear interpolation) of ``values`` at each q in 0..100; NaNs if empty."""
     arr = np.asarray(values, dtype=np.float64).ravel()
-    qs = [float(q) for q in qs]
-    if any(not 0.0 <= q <= 100.0 for q in qs):
-        raise ValueError(f"percentiles need q in [0, 100], got {qs}")
     if arr.size == 0:
         return [math.nan] * len(qs)
     return [float(v) for v in np.percentile(arr, qs)]
@@ -37,13 +32,10 @@ def _host(x) -> np.ndarray:
 def ratio_metrics(logp, behaviour_logp, mask, staleness=None, eps_high: float = 2.0) -> dict[str, float]:
     """The metrics over the response tokens (``mask`` > 0) of ``[B, T]`` log-probs (torch or numpy).
 
-    With ``log r = logp - behaviour_logp`` and ``rho = exp(log r)`` per token: ``ratio/ess =
-    (sum rho)^2 / (n sum rho^2)`` in (0, 1] (1 = on-policy); ``mismatch/kl_k3`` = mean of ``rho - 1 -
-    log r``, an unbiased, non-negative estimate of KL(behaviour || learner); ``ratio/clip_frac`` the
-    fraction with rho > ``eps_high``. ``staleness`` (per token ``[B, T]`` or per sample ``[B]``)
-    adds ``ratio/p99_by_staleness/<s>`` per lag present and, with lag 0 (no policy drift: the
-    engine/learner numerics gap alone), ``mismatch/abs_logp_diff_p99_by_staleness/0``. With no
-    response tokens every fixed key is NaN ("no value").
+    Per token ``rho = exp(logp - behaviour_logp)``: ``ratio/ess = (sum rho)^2 / (n sum rho^2)`` (1 =
+    on-policy); ``mismatch/kl_k3`` estimates KL(behaviour || learner), unbiased and >= 0. ``staleness``
+    (``[B]`` or ``[B, T]``) adds the p99 per lag and, at lag 0 (numerics alone), the |Δlog p| p99.
+    With no response tokens every fixed key is NaN.
     """
     lp, bl = _host(logp), _host(behaviour_logp)
     m = _host(mask) > 0

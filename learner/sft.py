@@ -1,11 +1,7 @@
-"""Self-distillation, the learner's half: supervised fine-tuning of the *base* model on the
-shortest-correct corpus (``actor/distill.py`` writes it; only its JSONL is read here, so learner/
-does not import actor/).
-
-Loss: mean NLL of the completion tokens (EOS included) over the batch; prompt tokens are context
-only. The head goes through :func:`token_logprobs`; the body runs in FP32 whatever
-``learner.body_dtype`` says: SFT has no engine/learner ratio to reproduce, the weights are saved
-in FP32 anyway, and on a CPU without native BF16 FP32 is an order of magnitude faster.
+"""Self-distillation, the learner's half: fine-tune the *base* model on the shortest-correct corpus
+(``actor/distill.py`` writes the JSONL; learner/ does not import actor/). Loss: mean NLL of the
+completion tokens (EOS included). The body runs in FP32 whatever ``learner.body_dtype`` says: SFT
+has no engine/learner ratio to reproduce, and on a CPU without native BF16 FP32 is far faster.
 A batch with a non-finite loss or gradient norm is skipped and counted, never applied.
 """
 
@@ -46,9 +42,8 @@ def load_corpus(path: str) -> list[tuple[list[int], list[int]]]:
 
 
 def collate(rows: list[tuple[list[int], list[int]]], pad_id: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Right-padded ``(inputs, key_mask, targets, mask)``, each ``[B, T-1]`` for the longest
-    ``T = len(prompt + completion)``: ``inputs[:, i]`` predicts ``targets[:, i]``, and ``mask``
-    is 1 exactly where the target is a completion token."""
+    """Right-padded ``(inputs, key_mask, targets, mask)``, each ``[B, T-1]``: ``inputs[:, i]`` predicts
+    ``targets[:, i]``; ``mask`` is 1 exactly where the target is a completion token."""
     width = max(len(p) + len(c) for p, c in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width - 1))
@@ -71,28 +66,20 @@ def masked_nll(model, inputs: Tensor, key_mask: Tensor, targets: Tensor, mask: T
 
 def _step(model, opt, params, batch: tuple, lc) -> float | None:
     """One optimiser step on one collated batch; None (and no step) if not finite."""
+    opt.zero_grad(set_to_none=True)  # also what a skipped batch left
     loss = masked_nll(model, *batch, lc)
     if not torch.isfinite(loss):
         return None
-    opt.zero_grad(set_to_none=True)
     loss.backward()
-    norm = float(torch.nn.utils.clip_grad_norm_(params, lc.grad_clip or float("inf")))
-    if not math.isfinite(norm):
-        opt.zero_grad(set_to_none=True)
+    if not math.isfinite(float(torch.nn.utils.clip_grad_norm_(params, lc.grad_clip or float("inf")))):
         return None
     opt.step()
     return float(loss.detach())
 
 
-def check_vocab(rows, vocab_size: int, path: str) -> None:
-    top = max(max(p + c) for p, c in rows)
-    if top >= vocab_size:
-        raise ValueError(f"{path}: token id {top} is outside the base model's vocab_size = {vocab_size}")
-
-
 def finetune(cfg, base_dir: str, corpus_path: str, out_dir: str, seed: int) -> dict:
-    """Fine-tune the model in ``base_dir`` on the corpus (``cfg.distill`` and the optimiser and
-    device settings of ``cfg.learner``), write it to ``out_dir`` atomically; returns its stats."""
+    """Fine-tune ``base_dir``'s model on the corpus (``cfg.distill``, ``cfg.learner``'s optimiser and
+    device), write it to ``out_dir`` atomically; returns its stats."""
     t0 = time.time()
     rows = load_corpus(corpus_path)
     torch.set_num_threads(cfg.learner.threads)
@@ -100,7 +87,8 @@ def finetune(cfg, base_dir: str, corpus_path: str, out_dir: str, seed: int) -> d
     device = placement.learner_device(cfg)
     model = load_pretrained(base_dir).float().to(device).train()
     model.fp32_attn_softmax = cfg.learner.fp32_attn_softmax
-    check_vocab(rows, model.cfg.vocab_size, corpus_path)
+    if (top := max(max(p + c) for p, c in rows)) >= model.cfg.vocab_size:
+        raise ValueError(f"{corpus_path}: token id {top} is outside the base model's vocab_size {model.cfg.vocab_size}")
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.distill.lr, betas=tuple(cfg.learner.betas),
                             weight_decay=cfg.learner.weight_decay)
     params = [p for p in model.parameters() if p.requires_grad]

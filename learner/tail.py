@@ -1,12 +1,7 @@
-"""Tail forensics: the tokens behind the ratio's tail, one JSON line per step in ``tail.jsonl``.
-
-``ratio/p99`` says *that* the tail moved; this says *which tokens* make it. Each step the learner
-keeps the ``learner.tail_k`` response tokens with the largest ratio ρ = exp(logp − behaviour_logp)
-above 1 ("high": the learner now likes them more than the actor did) and the ``tail_k`` with the
-smallest below 1 ("low"), so a token is never in both; with where they sit and how old they are,
-``python run.py tail`` (learner/tailview.py) can tell a stale-sample tail from a first-token, an EOS
-or a precision one. Staleness is the token's own (``version`` − ``Batch.versions``: an update may
-land inside a running completion), else the sample's. Only the ``≤ 2k`` picked tokens are decoded.
+"""Tail forensics: ``ratio/p99`` says *that* the tail moved; ``tail.jsonl`` says *which tokens* make it: per
+step the ``tail_k`` response tokens with the largest ratio above 1 ("high") and the smallest below 1 ("low"),
+where they sit and how stale they are (the token's own version when known), so ``run.py tail``
+(learner/tailview.py) can tell a stale-sample tail from a first-token, an EOS or a precision one.
 """
 
 from __future__ import annotations
@@ -16,6 +11,7 @@ import math
 import os
 from typing import TYPE_CHECKING, Callable, Sequence
 
+from core.messages import staleness
 from learner.checkpoint import WriteError
 
 if TYPE_CHECKING:  # tensor methods only: `run.py tail` reads TAIL_FILE without importing torch
@@ -24,7 +20,7 @@ if TYPE_CHECKING:  # tensor methods only: `run.py tail` reads TAIL_FILE without 
     from learner.batching import Batch
 
 TAIL_FILE = "tail.jsonl"
-# every record's keys, in order (the viewer and the tests read these names)
+# every record's keys, in order (the viewer reads these names)
 RECORD_FIELDS = ("step", "version", "direction", "ratio", "log_ratio", "logp", "behaviour_logp",
                  "token_id", "text", "position", "length", "staleness", "prompt_id", "group", "sample")
 # exp() of more overflows a float64, and JSON has no inf: the ratio is capped there (log_ratio is exact)
@@ -33,81 +29,49 @@ MAX_LOG_RATIO = 709.0
 Decode = Callable[[Sequence[int]], list[str]]
 
 
-def _top(values: Tensor, where: Tensor, k: int) -> list[int]:
-    """Flat indices of the (at most) ``k`` largest ``values`` among ``where``, largest first."""
-    idx = where.reshape(-1).nonzero().squeeze(1)
-    best = values.reshape(-1)[idx].topk(min(k, idx.numel())).indices
-    return idx[best].tolist()
-
-
 def pick(log_ratio: Tensor, mask: Tensor, k: int) -> list[tuple[str, int, int]]:
-    """``(direction, row, column)`` of the ``k`` response tokens with the largest ``log_ratio``
-    above 0 ("high", largest first) and the ``k`` with the smallest below 0 ("low", smallest
-    first); prompt and padding columns (``mask`` 0) are never picked."""
-    if k < 0:
-        raise ValueError(f"learner.tail_k must be >= 0, got {k}")
-    if log_ratio.shape != mask.shape:
-        raise ValueError(f"log_ratio {tuple(log_ratio.shape)} and mask {tuple(mask.shape)} "
-                         "must have one shape")
-    width, sel = mask.shape[1], mask > 0
-    high = _top(log_ratio, sel & (log_ratio > 0), k)
-    low = _top(-log_ratio, sel & (log_ratio < 0), k)
-    return [(d, i // width, i % width) for d, flat in (("high", high), ("low", low)) for i in flat]
-
-
-def spans(mask: Tensor) -> tuple[list[int], list[int]]:
-    """First response column and response length of each row (collate marks one contiguous run)."""
-    sel = mask > 0
-    return sel.int().argmax(dim=1).tolist(), sel.sum(dim=1).tolist()
+    """``(direction, row, column)`` of the ``k`` response tokens with the largest ``log_ratio`` above 0
+    ("high", largest first) and the ``k`` smallest below 0 ("low", smallest first)."""
+    out, width = [], mask.shape[1]
+    for direction, v in (("high", log_ratio), ("low", -log_ratio)):
+        idx = ((mask > 0) & (v > 0)).reshape(-1).nonzero().squeeze(1)
+        best = v.reshape(-1)[idx].topk(min(k, idx.numel())).indices
+        out += [(direction, i // width, i % width) for i in idx[best].tolist()]
+    return out
 
 
 def records(batch: Batch, logp: Tensor, *, step: int, version: int, k: int, decode: Decode) -> list[dict]:
-    """The step's tail records (keys :data:`RECORD_FIELDS`): "high" ones first, then "low".
-    ``version`` is the one whose weights scored the batch; ``logp`` the learner's ``[N, L-1]``
-    log-probs of the step, aligned with ``batch.mask``; row ``i`` is sample ``i % G`` of group
-    ``batch.keys[i // G]``."""
-    mask = batch.mask
-    if tuple(logp.shape) != tuple(mask.shape):
-        raise ValueError(f"logp {tuple(logp.shape)} must be shaped like the batch's mask {tuple(mask.shape)}")
-    if mask.shape[0] != len(batch.keys) * batch.group_size:
-        raise ValueError(f"{mask.shape[0]} rows are not {len(batch.keys)} groups x {batch.group_size}")
+    """The step's tail records (keys :data:`RECORD_FIELDS`), "high" first. ``version``: the one whose
+    weights scored the batch; ``logp``: the learner's ``[N, L-1]`` log-probs, aligned with ``batch.mask``."""
+    if tuple(logp.shape) != tuple(batch.mask.shape):
+        raise ValueError(f"logp {tuple(logp.shape)} must be shaped like the batch's mask {tuple(batch.mask.shape)}")
     lr = logp.double() - batch.behaviour_logp.double()
-    picks = pick(lr, mask, k)
-    start, length = spans(mask)
+    picks = pick(lr, batch.mask, k)
+    sel = batch.mask > 0  # one contiguous response run per row (collate): its first column and length
+    start, length = sel.int().argmax(dim=1).tolist(), sel.sum(dim=1).tolist()
     texts = decode([int(batch.ids[r, c + 1]) for _, r, c in picks])  # column j predicts ids[:, j+1]
     out = []
     for (direction, r, c), text in zip(picks, texts):
         g, log_r = r // batch.group_size, float(lr[r, c])
         actor_id, seq = batch.keys[g]
-        if batch.versions is not None:
-            stale = version - int(batch.versions[r, c])
-        else:  # per sample [N] or per token [N, L-1]
-            stale = int(batch.staleness[r, c] if batch.staleness.dim() == 2 else batch.staleness[r])
-        out.append({"step": step, "version": version, "direction": direction,
-                    "ratio": math.exp(min(log_r, MAX_LOG_RATIO)), "log_ratio": log_r,
-                    "logp": float(logp[r, c]), "behaviour_logp": float(batch.behaviour_logp[r, c]),
-                    "token_id": int(batch.ids[r, c + 1]), "text": text, "position": c - start[r],
-                    "length": length[r], "staleness": stale,
-                    "prompt_id": batch.group_ids[g] if batch.group_ids else "",
-                    "group": f"{actor_id}:{seq}", "sample": r % batch.group_size})
+        stale = int(batch.staleness[r]) if batch.versions is None else staleness(version, int(batch.versions[r, c]))
+        out.append(dict(zip(RECORD_FIELDS, (
+            step, version, direction, math.exp(min(log_r, MAX_LOG_RATIO)), log_r, float(logp[r, c]),
+            float(batch.behaviour_logp[r, c]), int(batch.ids[r, c + 1]), text, c - start[r], length[r], stale,
+            batch.group_ids[g] if batch.group_ids else "", f"{actor_id}:{seq}", r % batch.group_size))))
     return out
 
 
 def token_decoder(tokenizer) -> Decode:
-    """One text per id, special tokens included (EOS in the tail is a finding, not noise), in one
-    ``decode_batch`` call; ``tokenizer`` is a :class:`model.tokenizer.Tokenizer`."""
+    """One text per id of a model.tokenizer.Tokenizer, special tokens included (EOS in the tail is a finding)."""
     return lambda ids: tokenizer.tok.decode_batch([[int(i)] for i in ids], skip_special_tokens=False)
 
 
 class TailWriter:
-    """Appends ``{step, version, tokens, k, records}`` per step to ``run_dir/tail.jsonl``, opened
-    and closed each time (not fsynced: forensics, not recovery state). A resumed run writes the
-    lines of rolled-back steps again: readers keep the last line per step. A failed write raises
-    :class:`WriteError` like every learner write."""
+    """Appends ``{step, version, tokens, k, records}`` per step to ``run_dir/tail.jsonl``; not fsynced
+    (forensics, not recovery state). A resumed run rewrites rolled-back steps: the last line per step wins."""
 
     def __init__(self, run_dir: str, k: int, decode: Decode):
-        if k < 1:
-            raise ValueError(f"learner.tail_k must be >= 1 for a writer, got {k}")
         self.path, self.k, self.decode = os.path.join(run_dir, TAIL_FILE), k, decode
 
     def write(self, step: int, version: int, batch: Batch, logp: Tensor) -> None:
@@ -122,8 +86,7 @@ class TailWriter:
 
 
 def writer_for(cfg, run_dir: str) -> TailWriter | None:
-    """The run's writer, decoding with the model directory's tokenizer; None when
-    ``learner.tail_k`` is 0 (off)."""
+    """The run's writer, decoding with the model's tokenizer; None when ``learner.tail_k`` is 0."""
     from model.tokenizer import Tokenizer
 
     if not cfg.learner.tail_k:

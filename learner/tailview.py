@@ -1,12 +1,7 @@
-"""``python run.py tail [RUN_DIR]``: what makes a run's ratio tail, from ``run_dir/tail.jsonl``
-(learner/tail.py): which tokens, how stale their samples were (a stale tail shrinks with
-``buffer.max_staleness``; a staleness-0 one is engine/learner numerics), where in the response they
-sit, which texts keep coming back, and whether the tail grows over the run. Rich tables on a
-terminal, aligned plain text otherwise, or one JSON line (``--json``).
-
-Position buckets, with ``n = ceil(length / 10)``: "first 10%" is positions ``< n``, "last 10%"
-``>= length - n``, the rest "middle" (of all tokens about 10/80/10 %, so a much larger share is a
-finding). The last line of a step wins (a resumed run writes rolled-back steps again).
+"""``python run.py tail [RUN_DIR]``: what makes a run's ratio tail (``run_dir/tail.jsonl``, the last line of a
+step winning): which tokens, how stale (a stale tail shrinks with ``buffer.max_staleness``; a staleness-0 one
+is engine/learner numerics), where in the response ("first 10%": positions < ceil(length / 10), "last 10%" as
+many from the end, else "middle"), which texts recur, whether it grows. Rich tables on a terminal, else text.
 """
 
 from __future__ import annotations
@@ -18,21 +13,27 @@ import os
 import sys
 from collections import Counter, defaultdict
 
+from rich import box
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
 from core.files import run_file
 from core.monitor import fmt
 from learner.tail import TAIL_FILE
 
 TOP = 20  # most extreme tokens shown per direction
-TOP_TOKENS = 10
-TREND_BUCKETS = 8
 BUCKETS = ("first 10%", "middle", "last 10%")
 
 
-def _parse(path: str) -> list[dict]:
-    """JSON lines of ``path``; a torn last line (the learner died mid-write) is skipped."""
+def load(run_dir: str, last: int = 0) -> list[dict]:
+    """The run's step lines in step order, the last of each step winning; the ``last`` ones if > 0.
+    A torn last line (the learner died mid-write) is skipped."""
+    path = run_file(run_dir, TAIL_FILE, "the learner writes it every step when learner.tail_k > 0 "
+                    "(no step finished yet, or tail_k = 0)")
     with open(path, encoding="utf-8") as f:
         lines = [line for line in f if line.strip()]
-    out = []
+    by_step = {}
     for n, line in enumerate(lines, 1):
         try:
             rec = json.loads(line)
@@ -40,52 +41,37 @@ def _parse(path: str) -> list[dict]:
             if n < len(lines):
                 raise ValueError(f"{path}:{n} is not a JSON line: {e}") from None
             continue
-        if not (isinstance(rec, dict) and isinstance(rec.get("step"), int)
-                and isinstance(rec.get("records"), list)):
+        if not (isinstance(rec, dict) and isinstance(rec.get("step"), int) and isinstance(rec.get("records"), list)):
             raise ValueError(f"{path}:{n} is not a tail line (needs an int `step` and a `records` list): "
                              f"{line[:80]!r}")
-        out.append(rec)
-    return out
-
-
-def load(run_dir: str, last: int = 0) -> list[dict]:
-    """The run's step lines in step order, the last line of each step winning; only the
-    ``last`` steps when > 0."""
-    path = run_file(run_dir, TAIL_FILE, "the learner writes it every step when learner.tail_k > 0 "
-                    "(no step finished yet, or tail_k = 0)")
-    by_step = {line["step"]: line for line in _parse(path)}
+        by_step[rec["step"]] = rec
     steps = [by_step[s] for s in sorted(by_step)]
     return steps[-last:] if last > 0 else steps
 
 
 def bucket(position: int, length: int) -> str:
     n = math.ceil(length / 10)
-    if position < n:
-        return BUCKETS[0]
-    return BUCKETS[2] if position >= length - n else BUCKETS[1]
+    return BUCKETS[0] if position < n else BUCKETS[2] if position >= length - n else BUCKETS[1]
 
 
 def _shares(counter: Counter, total: int, order) -> dict:
     """``{key: {count, share}}`` in ``order``; share None when there is nothing (JSON has no NaN)."""
-    return {str(key): {"count": counter[key], "share": counter[key] / total if total else None}
-            for key in order}
+    return {str(key): {"count": counter[key], "share": counter[key] / total if total else None} for key in order}
 
 
-def top_tokens(recs: list[dict], n: int = TOP_TOKENS) -> list[dict]:
+def top_tokens(recs: list[dict], n: int = 10) -> list[dict]:
     """The ``n`` token ids most often in the tail: text, count, per direction, mean log-ratio."""
     groups = defaultdict(list)
     for r in recs:
         groups[r["token_id"]].append(r)
     ranked = sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0]))[:n]
     return [{"token_id": tid, "text": rs[0]["text"], "count": len(rs),
-             "high": sum(r["direction"] == "high" for r in rs),
-             "low": sum(r["direction"] == "low" for r in rs),
+             "high": sum(r["direction"] == "high" for r in rs), "low": sum(r["direction"] == "low" for r in rs),
              "mean_log_ratio": sum(r["log_ratio"] for r in rs) / len(rs)} for tid, rs in ranked]
 
 
-def trend(steps: list[dict], n: int = TREND_BUCKETS) -> list[dict]:
-    """Per bucket of consecutive steps: the largest "high" and smallest "low" ratio, and the mean
-    |log-ratio| of the tail records."""
+def trend(steps: list[dict], n: int = 8) -> list[dict]:
+    """Per bucket of consecutive steps: the largest "high" and smallest "low" ratio, the mean |log-ratio|."""
     out, size = [], max(1, math.ceil(len(steps) / n))
     for chunk in (steps[i:i + size] for i in range(0, len(steps), size)):
         recs = [r for s in chunk for r in s["records"]]
@@ -114,8 +100,7 @@ def summarise(steps: list[dict], top: int = TOP) -> dict:
             "top_tokens": top_tokens(recs), "trend": trend(steps)}
 
 
-EXTREME_HEADERS = ("ratio", "log ρ", "token", "pos/len", "stale", "logp", "behaviour", "group", "sample",
-                   "step")
+EXTREME_HEADERS = ("ratio", "log ρ", "token", "pos/len", "stale", "logp", "behaviour", "group", "sample", "step")
 
 
 def _extreme_row(r: dict) -> tuple:
@@ -125,8 +110,7 @@ def _extreme_row(r: dict) -> tuple:
 
 
 def _share_rows(table: dict) -> list[tuple]:
-    return [(key, str(v["count"]), f"{100 * v['share']:.1f}%" if v["count"] else "–")
-            for key, v in table.items()]
+    return [(key, str(v["count"]), f"{100 * v['share']:.1f}%" if v["count"] else "–") for key, v in table.items()]
 
 
 def sections(s: dict) -> list[tuple[str, tuple, list[tuple]]]:
@@ -161,11 +145,6 @@ def plain(s: dict) -> str:
 
 
 def show_rich(s: dict) -> None:
-    from rich import box
-    from rich.console import Console
-    from rich.table import Table
-    from rich.text import Text
-
     console = Console()
     console.print(headline(s))
     for title, headers, rows in sections(s):

@@ -1,11 +1,7 @@
-"""What a checkpoint's config.json says, and whether driftrl's decoder can run it exactly.
-
-:class:`ArchConfig` is the one parsed view of an HF config; one :class:`Family` row per model
-family holds its switches and transformers' defaults for keys config.json may omit (all three
-default to an untied head; a directly built ArchConfig, the tiny model's, is a tied Qwen3).
-:meth:`ArchConfig.from_hf` keeps every key it does not parse in ``extra`` and remembers which keys
-it read, so :meth:`ArchConfig.to_hf` writes back exactly the input's keys. Whatever the decoder
-would only approximate is refused by key and value before any weight is read.
+"""What a checkpoint's config.json says, and whether driftrl's decoder can run it exactly: one
+:class:`Family` row per family (its switches and transformers' defaults for omitted keys);
+:meth:`ArchConfig.from_hf` keeps unparsed keys in ``extra`` so :meth:`ArchConfig.to_hf` writes back
+exactly the input's keys. Whatever the decoder would only approximate is refused before any weight is read.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
-"""The tiny base model: built by driftrl itself, deterministically, then cached.
-
-No model hub is reachable, so a built-in task's run pre-trains its own base model on text the
-task writes, with habits that leave the skill latent for RL to elicit. A task with worked
-solutions is pre-trained all worked for the first :data:`METHOD_FRAC` of the steps (a tiny model
-learnt long division from worked solutions alone in ~600 steps, but had not begun after 1200 with
-70% bare answers -- measured), then at ``pretrain_worked_frac``. Built in a temporary directory
-renamed into place, keyed by a hash of the recipe: no half model, no colliding builders.
+"""The tiny base model of a built-in task: pre-trained deterministically on text the task writes (the
+skill latent, for RL to elicit), cached under a hash of the recipe, built in a temporary directory
+renamed into place. Worked solutions only for the first :data:`METHOD_FRAC` of the steps: long
+division was learnt from them alone in ~600 steps, not begun after 1200 at 70% bare answers (measured).
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -78,25 +73,6 @@ def _prefixed(ids: list[int], tok, rng: random.Random, prefixes: list[str]) -> l
     return ids[:head] + tok.encode(rng.choice(prefixes)) + ids[head:]
 
 
-def _stage_cfg(mc, step: int):
-    """The model config a step's corpus is drawn with: all worked in the method stage."""
-    if mc.pretrain_worked_frac > 0 and step < METHOD_FRAC * mc.pretrain_steps:
-        return msgspec.structs.replace(mc, pretrain_worked_frac=1.0)
-    return mc
-
-
-def _init_model(mc, vocab_size: int, special_ids: dict) -> Qwen3:
-    model = Qwen3(ArchConfig(
-        vocab_size=vocab_size, hidden_size=mc.hidden_size, intermediate_size=mc.intermediate_size,
-        num_hidden_layers=mc.num_layers, num_attention_heads=mc.num_heads, num_key_value_heads=mc.num_kv_heads,
-        head_dim=mc.hidden_size // mc.num_heads, max_position_embeddings=mc.max_position_embeddings, **special_ids))
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.02)
-    return model
-
-
 def _loss(model, ids, mask, pad_id: int):
     pos = torch.arange(ids.shape[1]).expand_as(ids)
     hidden = model(ids[:, :-1], pos[:, :-1], ids[:, :-1] != pad_id)
@@ -107,9 +83,11 @@ def _loss(model, ids, mask, pad_id: int):
 def _train(model, opt, sched, task, rng: random.Random, mc) -> float:
     """The pre-training steps under a progress bar; the last loss."""
     loss_v = float("nan")
+    worked = msgspec.structs.replace(mc, pretrain_worked_frac=1.0) if mc.pretrain_worked_frac > 0 else mc
     with progress("building the tiny base model (first use only)", mc.pretrain_steps) as advance:
         for step in range(mc.pretrain_steps):
-            batch = _corpus_batch(task, rng, mc.pretrain_batch, _stage_cfg(mc, step))
+            stage = worked if step < METHOD_FRAC * mc.pretrain_steps else mc  # the method stage: all worked
+            batch = _corpus_batch(task, rng, mc.pretrain_batch, stage)
             loss = _loss(model, *batch, task.tok.pad_id)
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -121,29 +99,28 @@ def _train(model, opt, sched, task, rng: random.Random, mc) -> float:
     return loss_v
 
 
-@contextlib.contextmanager
-def _one_thread():
-    """One thread for a tiny model's matmuls (a second made each step 15x slower on shared cores)."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(prev)
-
-
 def pretrain(cfg, task, files: dict[str, bytes], special_ids: dict, out_dir: str) -> dict:
     """Pre-train on ``task``'s corpus; write the model, ``files`` and a build record into ``out_dir``."""
     mc = cfg.model
     torch.manual_seed(mc.pretrain_seed)
     rng = random.Random(mc.pretrain_seed)
-    model = _init_model(mc, task.tok.vocab_size, special_ids)
+    model = Qwen3(ArchConfig(
+        vocab_size=task.tok.vocab_size, hidden_size=mc.hidden_size, intermediate_size=mc.intermediate_size,
+        num_hidden_layers=mc.num_layers, num_attention_heads=mc.num_heads, num_key_value_heads=mc.num_kv_heads,
+        head_dim=mc.hidden_size // mc.num_heads, max_position_embeddings=mc.max_position_embeddings, **special_ids))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.02)
     opt = torch.optim.AdamW(model.parameters(), lr=mc.pretrain_lr, weight_decay=0.01, betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=mc.pretrain_lr, total_steps=max(mc.pretrain_steps, 1),
                                                 pct_start=0.05)
-    t0 = time.time()
-    with _one_thread():
+    t0, threads = time.time(), torch.get_num_threads()
+    torch.set_num_threads(1)  # a second thread made each tiny-model step 15x slower on shared cores
+    try:
         loss_v = _train(model, opt, sched, task, rng, mc)
+    finally:
+        torch.set_num_threads(threads)
     info = {"pretrain_loss": loss_v, "pretrain_s": time.time() - t0,
             "recipe": recipe_key(cfg, task.pretrain_recipe(mc))}
     save_pretrained(model, out_dir, {**files, "driftrl_base.json": json.dumps(info).encode()})

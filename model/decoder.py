@@ -1,10 +1,7 @@
-"""One compact decoder for the Llama, Qwen2 and Qwen3 families.
-
-Our own module rather than transformers' models: the actor needs a KV cache whose weights can be
-swapped between decode steps, and the learner needs the attention and LM-head precision under its
-control. The families differ only in switches ``model/arch.py`` reads from config.json; names,
-shapes and numerics follow transformers exactly (tests/unit/test_families.py compares log-probs),
-so weights load and travel under their HF names. RMSNorm statistics and rope cos/sin stay FP32.
+"""One compact decoder for the Llama, Qwen2 and Qwen3 families (switches: ``model/arch.py``), our own
+rather than transformers': the actor swaps weights under a live KV cache, and the learner controls
+attention and head precision. Names, shapes and numerics follow transformers exactly
+(tests/unit/test_families.py), so weights travel under HF names. RMSNorm and rope cos/sin stay FP32.
 """
 
 from __future__ import annotations
@@ -16,13 +13,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from model.arch import ArchConfig
-from model.attention import DTYPES, attention_probs, attention_values, body_autocast
+from model.attention import DTYPES, attention_probs, attention_values, body_autocast  # noqa: F401 (re-exports)
 from model.rope import inv_freq
 
 if TYPE_CHECKING:
     from model.kvcache import KVCache
 
-__all__ = ["DTYPES", "ArchConfig", "Decoder", "Qwen3", "attention_probs", "attention_values", "body_autocast"]
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -31,10 +27,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        dtype = x.dtype
         x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
 def _rotate_half(x):
@@ -68,10 +62,9 @@ class Attention(nn.Module):
         return self.o_proj(cache.attend(self.layer, q, k, v, bias, fp32_softmax))
 
     def _attend_full(self, q, k, v, bias, fp32_softmax: bool):
-        """Cache-free attention (the learner's path), the cached path's values laid out for CPU speed:
-        queries grouped per kv head (no repeat_interleave of K/V) and scores built transposed,
-        ``[B, nkv, S, rep*T]``, since torch's CPU softmax over a short last dim is ~4x slower
-        (learner step 51.8 -> 45.6 ms, measured; the cached path gained nothing from it)."""
+        """Cache-free attention (the learner's): queries grouped per kv head (no repeat_interleave) and
+        scores built transposed, ``[B, nkv, S, rep*T]``: torch's CPU softmax over a short last dim is
+        ~4x slower (learner step 51.8 -> 45.6 ms, measured)."""
         b, _, t, hd = q.shape
         rep = self.nh // self.nkv
         qg = q.reshape(b, self.nkv, rep * t, hd)

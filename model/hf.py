@@ -1,11 +1,8 @@
-"""HF-format model directories (``model.safetensors`` or sharded with an index, plus the tokenizer's
-files): load into / save from :class:`model.decoder.Decoder`.
-
-Loading checks config.json (``model/arch.py``) and the safetensors headers against the model's
-names, shapes and float dtypes before reading anything -- never a partly random model -- then
-reads one shard at a time, casting as it goes (peak: the model plus one tensor). Pickled ``*.bin``
-weights are refused. Saving writes the input's config keys unchanged (only the dtype says what was
-written) and no tied head twice, so transformers loads the directory as is.
+"""HF-format model directories (safetensors, sharded or not, plus tokenizer files) <-> :class:`Decoder`.
+Loading checks config.json and the safetensors headers (names, shapes, float dtypes) before reading
+anything -- never a partly random model -- then reads a shard at a time (peak: the model plus one
+tensor); pickled ``*.bin`` is refused. Saving keeps the input's config keys and writes a tied head
+once, so transformers loads the directory as is.
 """
 
 from __future__ import annotations
@@ -17,6 +14,8 @@ import os
 import time
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from model.decoder import DTYPES, ArchConfig, Decoder
 
@@ -54,8 +53,6 @@ def weight_files(path: str) -> list[str]:
 
 def _headers(path: str, files: list[str]) -> dict[str, tuple[str, tuple[int, ...], str]]:
     """name -> (file, shape, safetensors dtype) of every tensor, read from the headers only."""
-    from safetensors import safe_open
-
     found = {}
     for name in files:
         with safe_open(os.path.join(path, name), framework="pt") as f:
@@ -84,10 +81,8 @@ def _check(path: str, cfg: ArchConfig, found: dict, expected: dict) -> None:
             f"non-float dtypes {dtypes[:8]}")
 
 
-def _read(path: str, files: list[str], found: dict, dtype) -> dict[str, torch.Tensor]:
-    """Every tensor, one shard at a time, each cast to ``dtype`` as it arrives."""
-    from safetensors import safe_open
-
+def _read(path: str, files: list[str], found: dict) -> dict[str, torch.Tensor]:
+    """Every tensor, one shard at a time, each cast to FP32 as it arrives."""
     state, start, total = {}, time.perf_counter(), 0
     for i, name in enumerate(files, 1):
         t0, nbytes = time.perf_counter(), 0
@@ -96,7 +91,7 @@ def _read(path: str, files: list[str], found: dict, dtype) -> dict[str, torch.Te
             for key in keys:
                 tensor = f.get_tensor(key)
                 nbytes += tensor.numel() * tensor.element_size()
-                state[key] = tensor.to(dtype)
+                state[key] = tensor.float()
         total += nbytes
         log.info("loaded %s shard %d/%d %s: %d tensors, %.1f MB in %.2f s", path, i, len(files), name,
                  len(keys), nbytes / 1e6, time.perf_counter() - t0)
@@ -104,25 +99,17 @@ def _read(path: str, files: list[str], found: dict, dtype) -> dict[str, torch.Te
     return state
 
 
-def _untie(path: str, state: dict) -> None:
-    """Drop a tied head's stored copy, refusing one that differs from the embedding it is tied to."""
-    head = state.pop("lm_head.weight", None)
-    if head is not None and not torch.equal(head, state["model.embed_tokens.weight"]):
-        raise ValueError(f"{path}: config.json says tie_word_embeddings=true but lm_head.weight differs from "
-                         "model.embed_tokens.weight; set tie_word_embeddings=false to use both")
-
-
-def load_pretrained(path: str, dtype: str = "float32") -> Decoder:
-    """The model in ``path`` with its weights in ``dtype`` (rope frequencies stay FP32)."""
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r}: expected one of {sorted(DTYPES)}")
+def load_pretrained(path: str) -> Decoder:
+    """The model in ``path``, its weights cast to FP32 as they are read."""
     cfg = ArchConfig.from_hf(read_config(path))
     files = weight_files(path)
     found = _headers(path, files)
     _check(path, cfg, found, Decoder.shapes(cfg))
-    state = _read(path, files, found, DTYPES[dtype])
-    if cfg.tie_word_embeddings:
-        _untie(path, state)
+    state = _read(path, files, found)
+    head = state.pop("lm_head.weight", None) if cfg.tie_word_embeddings else None  # a tied head's stored copy
+    if head is not None and not torch.equal(head, state["model.embed_tokens.weight"]):
+        raise ValueError(f"{path}: config.json says tie_word_embeddings=true but lm_head.weight differs from "
+                         "model.embed_tokens.weight; set tie_word_embeddings=false to use both")
     return Decoder.from_state(cfg, state)
 
 
@@ -137,14 +124,11 @@ def tokenizer_files(model_dir: str) -> dict[str, bytes]:
     return out
 
 
-def save_pretrained(model: Decoder, path: str, extra_files: dict[str, bytes] | None = None,
-                    dtype: str | None = None) -> None:
-    """Write config.json, model.safetensors in ``dtype`` (default: the model's) and ``extra_files``
-    into ``path``; plain writes (callers wanting atomicity use ``core.files.atomic_dir``)."""
-    from safetensors.torch import save_file
-
+def save_pretrained(model: Decoder, path: str, extra_files: dict[str, bytes] | None = None) -> None:
+    """Write config.json, model.safetensors in the model's dtype and ``extra_files`` into ``path``;
+    plain writes (callers wanting atomicity use ``core.files.atomic_dir``)."""
     names = {v: k for k, v in DTYPES.items()}
-    target = DTYPES[dtype] if dtype is not None else next(model.parameters()).dtype
+    target = next(model.parameters()).dtype
     if target not in names:
         raise ValueError(f"cannot save weights as {target}: expected one of {sorted(DTYPES)}")
     os.makedirs(path, exist_ok=True)

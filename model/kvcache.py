@@ -1,11 +1,7 @@
-"""The actor's KV cache: preallocated per-slot K/V (zeroed: a masked column is never NaN), one
-length per slot, and the cached attention over it.
-
-A forward over B rows uses slots [0, B) -- a view, no copy -- unless :meth:`bind` names others
-(a prefill of freshly admitted slots). The decoder's causal part assumes the T new tokens are the
-last T of the S columns: a T > 1 forward is a prefill of empty rows or lock-step use; a T = 1
-decode step may mix rows of any length. GQA without ``repeat_interleave`` (the queries of a kv
-head stacked): the interleave cost 33 ms of a ~200 ms 135M-shape decode step (measured).
+"""The actor's KV cache: preallocated per-slot K/V (zeroed: a masked column is never NaN), a length
+per slot, the cached attention. A forward over B rows uses slots [0, B) unless :meth:`bind` names
+others; its T new tokens are the last T of the S columns (T > 1: a prefill of empty rows or lock-step;
+T = 1 may mix lengths). GQA stacks a kv head's queries (``repeat_interleave`` took 33 of ~200 ms).
 """
 
 from __future__ import annotations
@@ -58,15 +54,6 @@ class KVCache:
             self._where = rows[:, None], pos
         return self._where
 
-    def update(self, layer: int, k, v, s: int):
-        """Write ``k``/``v`` at each row's length; return the rows' first ``s`` keys and values."""
-        rows, pos = self._targets(k.shape[0], k.shape[2])
-        self.k[layer][rows, :, pos] = k.transpose(1, 2).to(self.k[layer].dtype)
-        self.v[layer][rows, :, pos] = v.transpose(1, 2).to(self.v[layer].dtype)
-        if self._rows is None:
-            return self.k[layer][: k.shape[0], :, :s], self.v[layer][: k.shape[0], :, :s]
-        return self.k[layer][self._rows, :, :s], self.v[layer][self._rows, :, :s]
-
     def advance(self, t: int) -> None:
         """After a forward's last layer: its rows grow by ``t`` (or by their ``valid`` counts)."""
         if self._where is not None:
@@ -74,10 +61,14 @@ class KVCache:
         self._rows = self._valid = self._where = None
 
     def attend(self, layer: int, q, k, v, bias, fp32_softmax: bool = True):
-        """Write ``k``/``v`` [B, nkv, T, hd], attend ``q`` [B, nh, T, hd] over each row's first S keys
-        (``bias`` [B, 1, T, S]); returns [B, T, nh*hd]. Plain matmuls, not SDPA: a 135M-shape
-        decode step took 61 ms so against 66-73 ms with SDPA (batch 32 x 172, measured)."""
-        keys, vals = self.update(layer, k, v, bias.shape[-1])
+        """Write ``k``/``v`` [B, nkv, T, hd] at each row's length, attend ``q`` [B, nh, T, hd] over each
+        row's first S keys (``bias`` [B, 1, T, S]); returns [B, T, nh*hd]. Plain matmuls, not SDPA: a
+        135M-shape decode step took 61 ms so against 66-73 ms with SDPA (batch 32 x 172, measured)."""
+        rows, pos = self._targets(k.shape[0], k.shape[2])
+        self.k[layer][rows, :, pos] = k.transpose(1, 2).to(self.k[layer].dtype)
+        self.v[layer][rows, :, pos] = v.transpose(1, 2).to(self.v[layer].dtype)
+        sel = slice(k.shape[0]) if self._rows is None else self._rows  # a slice: a view, no copy
+        keys, vals = self.k[layer][sel, :, : bias.shape[-1]], self.v[layer][sel, :, : bias.shape[-1]]
         b, nh, t, hd = q.shape
         rep = nh // keys.shape[1]
         qg = q.reshape(b, keys.shape[1], rep * t, hd)  # row r*T + i: query i of head kv*rep + r

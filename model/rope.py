@@ -1,10 +1,7 @@
-"""Rotary position embeddings: a checkpoint's rope settings -> inverse frequencies and cos/sin scale.
-
-:func:`rope_parameters` reads transformers 4's ``rope_theta`` + ``rope_scaling`` and transformers
-5's ``rope_parameters`` into one dict, with transformers' precedence. :func:`inv_freq` follows
-``modeling_rope_utils`` operation for operation in FP32, so frequencies are bit-identical.
-Supported: default, linear, llama3, yarn. ``dynamic`` and ``longrope`` change with the running
-sequence length, which a KV cache written earlier cannot follow: refused, as is partial rotary.
+"""Rotary embeddings: a checkpoint's rope settings (transformers 4's ``rope_scaling`` or 5's
+``rope_parameters``) -> inverse frequencies and cos/sin scale, operation for operation as
+``modeling_rope_utils`` in FP32 (bit-identical). default, linear, llama3, yarn; ``dynamic`` and
+``longrope`` follow the running length, which a KV cache written earlier cannot: refused.
 """
 
 from __future__ import annotations
@@ -54,14 +51,6 @@ def _base(theta: float, dim: int) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
 
 
-def _default(p: dict, dim: int, max_pos: int):
-    return _base(p["rope_theta"], dim), 1.0
-
-
-def _linear(p: dict, dim: int, max_pos: int):
-    return _base(p["rope_theta"], dim) / p["factor"], 1.0
-
-
 def _llama3(p: dict, dim: int, max_pos: int):
     """Llama 3.1: low frequencies divided by ``factor``, high ones kept, a smooth ramp between."""
     inv = _base(p["rope_theta"], dim)
@@ -90,24 +79,18 @@ def _yarn_attention_factor(p: dict, factor: float) -> float:
     return _yarn_mscale(factor)
 
 
-def _yarn_correction_range(p: dict, dim: int, base: float) -> tuple[float, float]:
-    """Dimensions below ``low`` extrapolate, above ``high`` interpolate (YaRN's beta_fast/beta_slow)."""
-    omax = p["original_max_position_embeddings"]
+def _yarn(p: dict, dim: int, max_pos: int):
+    base, omax = p["rope_theta"], p["original_max_position_embeddings"]
+    # a null factor means "the context was stretched from original_max_position_embeddings to max"
+    factor = p.get("factor") or max_pos / omax
 
-    def dim_of(rotations):
+    def dim_of(rotations):  # dimensions below low extrapolate, above high interpolate (beta_fast/beta_slow)
         return (dim * math.log(omax / (rotations * 2 * math.pi))) / (2 * math.log(base))
 
     low, high = dim_of(p.get("beta_fast") or 32), dim_of(p.get("beta_slow") or 1)
     if p.get("truncate", True):
         low, high = math.floor(low), math.ceil(high)
-    return max(low, 0), min(high, dim - 1)
-
-
-def _yarn(p: dict, dim: int, max_pos: int):
-    base = p["rope_theta"]
-    # a null factor means "the context was stretched from original_max_position_embeddings to max"
-    factor = p.get("factor") or max_pos / p["original_max_position_embeddings"]
-    low, high = _yarn_correction_range(p, dim, base)
+    low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # transformers' guard against a zero-width ramp
     ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
@@ -117,7 +100,9 @@ def _yarn(p: dict, dim: int, max_pos: int):
     return interpolation * (1 - keep) + extrapolation * keep, _yarn_attention_factor(p, factor)
 
 
-INIT = {"default": _default, "linear": _linear, "llama3": _llama3, "yarn": _yarn}
+INIT = {"default": lambda p, dim, max_pos: (_base(p["rope_theta"], dim), 1.0),
+        "linear": lambda p, dim, max_pos: (_base(p["rope_theta"], dim) / p["factor"], 1.0),
+        "llama3": _llama3, "yarn": _yarn}
 REQUIRED = {"default": (), "linear": ("factor",), "yarn": (),
             "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
 

@@ -1,12 +1,8 @@
-"""A model directory's own tokenizer and its special token ids (never module constants).
-
-Lookup order, first hit wins: bos -- config.json ``bos_token_id``, tokenizer_config.json
-``bos_token``; eos -- generation_config.json, config.json (int or list), tokenizer_config.json;
-pad -- config.json, tokenizer_config.json, the first EOS (padding is masked, any id will do).
-
-Chat templates render as transformers' ``apply_chat_template`` does (chat_template.jinja over
-tokenizer_config.json's ``chat_template``), in jinja2's immutable sandbox: a checkpoint's
-template is untrusted code. The text is encoded without adding special tokens again.
+"""A model directory's own tokenizer and special token ids. First hit wins: bos -- config.json,
+tokenizer_config.json; eos -- generation_config.json, config.json, tokenizer_config.json; pad --
+config.json, tokenizer_config.json, the first EOS (padding is masked: any id will do). Chat templates
+render as transformers' ``apply_chat_template`` does, in jinja2's immutable sandbox: a checkpoint's
+template is untrusted code.
 """
 
 from __future__ import annotations

@@ -2,8 +2,7 @@
 
 Transports (``weightsync.transport``) are named as strings and imported only when chosen
 (:func:`weightsync.base.make_publisher`), so this package imports nothing: no torch, no circle.
-An engine declares what it receives (``Engine.receives``); :data:`DELIVERS` says which transports
-serve it, and the driver checks the pair before anything starts (jobs.check_seams).
+What each transport needs of the devices is decided here too (:func:`check_devices`).
 """
 
 PUBLISHERS = {
@@ -20,7 +19,32 @@ SUBSCRIBERS = {
     "cuda_ipc": "weightsync.cuda_ipc:CudaIpcSubscriber",
     "torch_dist": "weightsync.nccl:GroupLink",
 }
-# what an engine receives -> the transports that deliver it: "tensors" (a subscriber copies or maps
-# into the engine's own tensors) or "group" (a server joins a torch.distributed group and receives
-# the broadcasts itself; its subscriber is a GroupLink that only follows the publisher)
+# what an engine receives (Engine.receives; the driver checks the pair: jobs.check_seams) -> the transports
+# that deliver it: "tensors" (a subscriber copies or maps into the engine's own tensors) or "group" (a
+# server joins a torch.distributed group and receives the broadcasts itself; its subscriber is a GroupLink)
 DELIVERS = {"tensors": ("shm", "filesystem", "nccl", "cuda_ipc"), "group": ("torch_dist",)}
+
+
+def check_devices(cfg, n_gpus: int | None = None) -> tuple[str, list[str]]:
+    """:func:`core.placement.check`, then whether ``weightsync.transport`` can serve that placement
+    (a ConfigError naming the device fields): nccl and torch_dist move CUDA memory only, nccl needs
+    one device per rank, cuda_ipc one device for all. Run at launch and again in each role."""
+    from core.config import ConfigError
+    from core.placement import check
+
+    learner, actors = check(cfg, n_gpus)
+    transport, where = cfg.weightsync.transport, f"(learner.device -> {learner!r}, actor.device -> {actors})"
+    cpu = ["learner.device"] * (learner == "cpu") + [f"actor {i}" for i, d in enumerate(actors) if d == "cpu"]
+    if transport in ("nccl", "torch_dist") and cpu:
+        raise ConfigError(f"weightsync.transport={transport!r} moves CUDA tensors, but {', '.join(cpu)} "
+                          f"resolved to 'cpu' {where}: set learner.device/actor.device to CUDA devices"
+                          + (", or use shm" if transport == "nccl" else ""))
+    ranks = [learner, *actors]
+    shared = sorted({d for d in ranks if ranks.count(d) > 1})
+    if transport == "nccl" and shared:  # torch_dist servers pick their own GPU
+        raise ConfigError(f"weightsync.transport='nccl' needs one CUDA device per rank, but {shared} hold several "
+                          f"{where}: NCCL rejects two ranks on one GPU; use cuda_ipc on a shared device")
+    if transport == "cuda_ipc" and any(d != learner or d == "cpu" for d in actors):
+        raise ConfigError(f"weightsync.transport='cuda_ipc' shares device memory, so the learner and every "
+                          f"actor must be on one CUDA device: {where}")
+    return learner, actors

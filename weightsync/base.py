@@ -1,12 +1,9 @@
 """Weight sync interface: the learner publishes numbered weight versions, actors apply them.
 
-``Publisher`` / ``Subscriber`` hold what every transport shares (increasing versions, a layout
-fixed at start, updates under ``no_grad``, timing and counters); transports move the bytes in
-``_write`` / ``_apply``. An actor calls ``latest_version()`` between decode steps (cheap) and
-``apply(params)`` when it is newer, so an update lands between two decode steps.
-
-Every blocking wait has a deadline and takes ``stop`` (an Event-like with ``is_set``, or a
-callable): once it is set the wait raises :class:`Stopped` within one poll interval.
+``Publisher`` / ``Subscriber`` hold what every transport shares (increasing versions, a layout fixed
+at start, ``no_grad``, timing and counters); transports move the bytes in ``_write`` / ``_apply``.
+Every blocking wait has a deadline and takes ``stop`` (an Event-like or a callable): once it is set
+the wait raises :class:`Stopped` within one poll interval.
 """
 
 from __future__ import annotations
@@ -14,7 +11,7 @@ from __future__ import annotations
 import abc
 import time
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Mapping
 
 import torch
 
@@ -32,13 +29,11 @@ class PublishStats:
 
 @dataclass
 class SubscriberStats:
-    applies: int = 0
     last_version: int = -1  # newest version applied; -1 before the first apply
     apply_s: float = 0.0  # duration of the last apply
     apply_s_total: float = 0.0
     bytes: int = 0  # payload bytes of the last apply
-    # versions published between two applies of this reader that it never applied (versions
-    # before its first apply do not count: a late joiner is not behind)
+    # versions published between two applies that this reader never applied (a late joiner is not behind)
     versions_skipped: int = 0
     mapped: int = 0  # tensors the last apply mapped from the version file instead of copying (shm)
 
@@ -79,10 +74,8 @@ class Publisher(_Closable):
         if self._closed:
             raise RuntimeError(f"{self.transport} publisher is closed")
         if version < 0 or version <= self._last_version:
-            raise ValueError(
-                f"versions must increase: got {version} after {self._last_version} (ARCHITECTURE.md, Versions and staleness: "
-                "a version is published once, after the optimiser step that made it)"
-            )
+            raise ValueError(f"versions must increase: got {version} after {self._last_version} (ARCHITECTURE.md, "
+                             "Versions and staleness: a version is published once, after the step that made it)")
         layout.check_targets(self.header, named, role=f"{self.transport} publisher", same_dtype=True)
         t0 = time.perf_counter()
         with torch.no_grad():
@@ -97,7 +90,7 @@ class Publisher(_Closable):
     @classmethod
     @abc.abstractmethod
     def from_config(cls, cfg, run_dir: str, template: Mapping[str, torch.Tensor], *, stop=None) -> "Publisher":
-        """The learner's publisher of this transport, from the run's config."""
+        ...
 
     @abc.abstractmethod
     def _write(self, version: int, named: Mapping[str, torch.Tensor]) -> int | None:
@@ -122,7 +115,7 @@ class Subscriber(_Closable):
     @abc.abstractmethod
     def from_config(cls, cfg, run_dir: str, timeout_s: float = 60, *, stop=None, device=None,
                     actor_id: str = "") -> "Subscriber":
-        """An actor's subscriber of this transport, from the run's config."""
+        ...
 
     @abc.abstractmethod
     def latest_version(self) -> int:
@@ -141,7 +134,6 @@ class Subscriber(_Closable):
         if s.last_version >= 0:
             s.versions_skipped += version - s.last_version - 1
         s.last_version = version
-        s.applies += 1
         s.apply_s = time.perf_counter() - t0
         s.apply_s_total += s.apply_s
         s.bytes = nbytes
@@ -161,16 +153,10 @@ class Stopped(RuntimeError):
     """A wait given up because the caller's ``stop`` flag was set (a SIGTERM during start-up)."""
 
 
-def stop_check(stop) -> Callable[[], bool]:
-    if stop is None:
-        return lambda: False
-    return stop.is_set if hasattr(stop, "is_set") else stop
-
-
 def wait_until(ready, timeout_s: float, what: str, poll_s: float = 0.05, stop=None):
     """Poll ``ready()`` until it returns something truthy; TimeoutError naming ``what``, or
     Stopped once ``stop`` is set."""
-    stopped = stop_check(stop)
+    stopped = (lambda: False) if stop is None else getattr(stop, "is_set", stop)
     deadline = time.monotonic() + timeout_s
     while True:
         if stopped():

@@ -1,26 +1,22 @@
 """CUDA IPC transport (one shared GPU): weight slots in device memory, never through the host.
 
-The publisher keeps ``N`` flat device slots; which one is free is the shm transport's question,
-answered by its files: file ``i`` holds only a *record* of slot ``i`` (:class:`IpcSlot`: the CUDA
-IPC handle ``UntypedStorage._share_cuda_()`` returns, and the layout) and is reused only when no
-reader has it open. A reader keeps the record's file open until its device copy is done and
-synchronised, and a record is published only after its slot is written and synchronised, so no
-slot is rewritten mid-copy and no actor sees a half-written version.
-
-Copied, never mapped: CUDA IPC memory dies with its exporter, and a restarted learner must not
-leave an actor computing with freed memory. Nothing is pickled (msgspec records). ``share`` /
-``opener`` are the two CUDA calls; the unit tests pass stand-ins for them.
+Which of the publisher's device slots is free is the shm transport's question, answered by its
+files: file ``i`` holds only the *record* of slot ``i`` (:class:`IpcSlot`) and is reused only when
+no reader has it open. A reader keeps the file open until its device copy is synchronised, and a
+record is published only after its slot is written and synchronised. Copied, never mapped: CUDA IPC
+memory dies with its exporter (a restarted learner). ``share`` / ``opener``: stand-ins in the tests.
 """
 
 from __future__ import annotations
 
+import os
 import struct
-from typing import Callable, Mapping
+from typing import Mapping
 
 import msgspec
 import torch
 
-from core.messages import WeightUpdateHeader
+from core.messages import IpcSlot
 from weightsync import layout
 from weightsync.base import Publisher, Subscriber
 from weightsync.files import ShmPublisher, ShmSubscriber, _copy_all
@@ -29,19 +25,7 @@ RECORD = "ipc"  # the one tensor of a record file
 _LEN = struct.Struct("<Q")  # the record's length, before its bytes
 
 
-class IpcSlot(msgspec.Struct, frozen=True, array_like=True, tag="ws_ipc"):
-    """One device slot, as a reader opens it; the handle fields are ``_share_cuda_()``'s."""
 
-    slot: int
-    device: int
-    handle: bytes | None
-    size_bytes: int
-    offset_bytes: int
-    ref_counter_handle: bytes | None
-    ref_counter_offset: int
-    event_handle: bytes | None
-    event_sync_required: bool
-    layout: WeightUpdateHeader  # version -1
 
 
 _slot_decoder = msgspec.msgpack.Decoder(IpcSlot)
@@ -75,8 +59,7 @@ def encode_record(rec: IpcSlot, capacity: int) -> torch.Tensor:
     return out
 
 
-def decode_record(buf: torch.Tensor) -> IpcSlot:
-    data = buf.numpy().tobytes()
+def decode_record(data: bytes) -> IpcSlot:
     (n,) = _LEN.unpack_from(data)
     if not 0 < n <= len(data) - _LEN.size:
         raise ValueError(f"cuda_ipc record length {n} does not fit its {len(data)}-byte slot (not a record)")
@@ -93,17 +76,20 @@ def _sync(device: torch.device) -> None:
 
 
 class _Control(ShmPublisher):
-    """shm files, file ``i`` holding the record of device slot ``i`` (``fill(i)`` writes the slot
-    and returns it); one version visible, at most one file per slot."""
+    """shm files, file ``i`` holding the record of ``owner``'s device slot ``i``; one version
+    visible, at most one file per slot."""
 
     keep = 1
 
-    def __init__(self, run_dir: str, capacity: int, fill: Callable[[int], torch.Tensor], *, max_files: int):
-        super().__init__(run_dir, {RECORD: torch.zeros(capacity, dtype=torch.uint8)}, max_files=max_files)
-        self._fill_device = fill
+    def __init__(self, run_dir: str, owner: "CudaIpcPublisher"):
+        super().__init__(run_dir, {RECORD: owner.records[0]}, max_files=owner.slots)
+        self.owner = owner
 
     def _fill(self, f, named) -> None:
-        super()._fill(f, {RECORD: self._fill_device(f.index)})
+        o = self.owner
+        _copy_all(o.views[f.index], [named[n] for n in o.header.names])
+        _sync(o.device)
+        f.views[0].copy_(o.records[f.index])
 
     def _no_leases(self) -> None:
         # without leases nothing tells when a reader has finished copying out of a device slot
@@ -121,38 +107,23 @@ class CudaIpcPublisher(Publisher):
                  max_readers: int = 4, slots: int | None = None, share=share_cuda):
         super().__init__(layout.header_for(-1, template, bucket_bytes))
         self.device = next(iter(template.values())).device
-        n_slots = 2 + max_readers if slots is None else slots
+        self.slots = 2 + max_readers if slots is None else slots
         nbytes = layout.total_nbytes(self.header)
-        self._slots = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(n_slots)]
-        self._views = [[layout.views(self.header, flat)[n] for n in self.header.names] for flat in self._slots]
-        records = [IpcSlot(s, *share(flat), layout=self.header) for s, flat in enumerate(self._slots)]
+        flats = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(self.slots)]
+        self.views = [[layout.views(self.header, flat)[n] for n in self.header.names] for flat in flats]
+        records = [IpcSlot(s, *share(flat), layout=self.header) for s, flat in enumerate(flats)]
         capacity = _LEN.size + max(len(_encoder.encode(r)) for r in records)
-        self._records = [encode_record(r, capacity) for r in records]
-        self._named: Mapping[str, torch.Tensor] = {}
-        self._control = _Control(run_dir, capacity, self._fill_slot, max_files=n_slots)
-        self._template = {RECORD: self._records[0]}
+        self.records = [encode_record(r, capacity) for r in records]
+        self._control = _Control(run_dir, self)
 
     @classmethod
     def from_config(cls, cfg, run_dir: str, template: Mapping[str, torch.Tensor], *, stop=None) -> "CudaIpcPublisher":
         # one reader per actor plus a spare (a restarted actor, a debugging reader)
         return cls(run_dir, template, cfg.weightsync.bucket_mb << 20, max_readers=cfg.actor.num_actors + 1)
 
-    def _fill_slot(self, s: int) -> torch.Tensor:
-        _copy_all(self._views[s], [self._named[n] for n in self.header.names])
-        _sync(self.device)
-        return self._records[s]
-
     def _write(self, version: int, named: Mapping[str, torch.Tensor]) -> int | None:
-        self._named = named
-        try:
-            stats = self._control.publish(version, self._template)
-        finally:
-            self._named = {}
-        return None if stats is None else layout.payload_nbytes(self.header)
-
-    @property
-    def slots(self) -> int:
-        return len(self._slots)
+        # the control publisher's own publish() would check ``named`` against its record layout
+        return None if self._control._write(version, named) is None else layout.payload_nbytes(self.header)
 
     def _close(self) -> None:
         self._control.close()
@@ -179,16 +150,13 @@ class CudaIpcSubscriber(Subscriber):
     def latest_version(self) -> int:
         return self._control.latest_version()
 
-    @property
-    def publisher_closed(self) -> bool:
-        return self._control.publisher_closed
-
     def _apply(self, named: Mapping[str, torch.Tensor], after: int) -> tuple[int, int] | None:
         got = self._control.open_newest(after)
         if got is None:
             return None
         with got:  # the record's file stays open, so its device slot is not reused, until the copy is done
-            rec = decode_record(got.copy_out()[RECORD])
+            _, off, nbytes, *_ = got.plan.tensors[0]
+            rec = decode_record(os.pread(got.fd, nbytes, off))
             layout.check_targets(rec.layout, named, role="cuda_ipc subscriber")
             views = layout.views(rec.layout, self._open(rec)[: layout.total_nbytes(rec.layout)])
             _copy_all([named[n] for n in rec.layout.names], [views[n] for n in rec.layout.names])

@@ -1,17 +1,12 @@
-"""Weights as versioned files (transports ``shm`` and ``filesystem``).
-
-The kernel keeps what a shared-memory allocator would: ``rename`` makes a version appear whole;
-a reader that opened or mapped a file keeps it whatever the publisher does; and a write lease
-(``F_SETLEASE``) is granted only when no other process has the file open, so a retired file is
-reused only then. ``shm``: a private directory in /dev/shm recorded in ``run_dir/weights.shm``;
-``filesystem``: ``run_dir/weights`` (a new file per version: a lease cannot see a remote reader).
-A file is a checksummed prefix and msgpack header (never pickle), then the page-aligned buckets,
-so a CPU target of the published dtype is mapped (no byte copied) and others are read into.
+"""Weights as versioned files (transports ``shm`` and ``filesystem``; ARCHITECTURE.md, "Weights as
+versioned files"). The kernel keeps what a shared-memory allocator would: ``rename`` makes a version
+appear whole, a reader that opened or mapped a file keeps it, and a write lease (``F_SETLEASE``) is
+granted only when no other process has the file open, so a retired file is reused only then. A file
+is a checksummed prefix and msgpack header (never pickle), then the page-aligned buckets.
 """
 
 from __future__ import annotations
 
-import abc
 import contextlib
 import errno
 import fcntl
@@ -33,7 +28,7 @@ import msgspec
 import torch
 
 from core.files import atomic_write
-from core.messages import WeightUpdateHeader
+from core.messages import FileHeader, WeightUpdateHeader
 from weightsync import layout
 from weightsync.base import Publisher, Subscriber, _Closable, wait_until
 
@@ -49,12 +44,10 @@ RECORD = "weights.shm"  # in run_dir: the path of the shm transport's directory
 _SHM_NAME = re.compile(r"driftrl-weights-[0-9a-f]{32}")
 _OURS = re.compile(r"v\d+|\.?LATEST(-new|\.tmp\d+)?|\.(spare|new)-\d+")  # what a publisher may remove
 _VERSION = re.compile(r"v(\d+)")
+_VANISHED_S = 30  # a reader gives up on versions retired between reading LATEST and opening them
 
 
-class FileHeader(msgspec.Struct, frozen=True, array_like=True, tag="ws_file"):
-    layout: WeightUpdateHeader  # version -1
-    payload_at: int  # where the payload starts: a multiple of PAGE
-    file_bytes: int
+
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -67,9 +60,6 @@ class DamagedFile(ValueError):
 
 class UnsafeDirectory(PermissionError):
     """A weights directory (or its run_dir record) that another user owns or could read or write."""
-
-
-# ---- directories ----------------------------------------------------------------------------
 
 
 def weights_dir(run_dir: str) -> str:
@@ -91,14 +81,16 @@ def _check_private(st: os.stat_result, path: str, is_dir: bool = False) -> None:
                               f"(driftrl makes it {'0700' if is_dir else '0600'})")
 
 
-def _private_dir(path: str) -> bool:
-    """True if ``path`` is this user's private directory, False if it does not exist (yet)."""
+def _private_dir(path: str | None) -> str | None:
+    """``path`` if it is this user's private directory; None if it is None or does not exist (yet)."""
+    if path is None:
+        return None
     try:
         st = os.lstat(path)  # a symlink is refused, never followed
     except FileNotFoundError:
-        return False
+        return None
     _check_private(st, path, is_dir=True)
-    return True
+    return path
 
 
 def recorded_dir(run_dir: str) -> str | None:
@@ -120,101 +112,9 @@ def recorded_dir(run_dir: str) -> str | None:
     return path
 
 
-def _dir_state(path: str) -> str:
-    """``gone``, ``live`` (a publisher holds its lock), ``dead`` (ours, unheld) or ``foreign``."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        return "gone"
-    except OSError:  # a symlink, a file, or not ours to open
-        return "foreign"
-    try:
-        _check_private(os.fstat(fd), path, is_dir=True)
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except UnsafeDirectory:
-        return "foreign"
-    except BlockingIOError:
-        return "live"
-    finally:
-        os.close(fd)  # and with it our probe's lock
-    return "dead"
-
-
-def _remove_files(path: str, only_ours: bool = False) -> int:
-    """Unlink the files in ``path`` (a reader that maps one keeps its pages); how many went."""
-    try:
-        names = os.listdir(path)
-    except FileNotFoundError:
-        return 0
-    names = [n for n in names if not only_ours or _OURS.fullmatch(n)]
-    for name in names:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(path, name))
-    return len(names)
-
-
-def _unlink_record(run_dir: str, path: str) -> None:
-    with contextlib.suppress(OSError):
-        if recorded_dir(run_dir) == path:
-            os.unlink(os.path.join(run_dir, RECORD))
-
-
-def _recorded_or_none(run_dir: str) -> str | None:
-    try:
-        return recorded_dir(run_dir)
-    except UnsafeDirectory as e:
-        log.warning("ignoring the weights record: %s", e)  # the next publisher replaces it
-        return None
-
-
-def remove_dead_region(run_dir: str) -> int:
-    """Remove ``run_dir``'s shm weights directory and record unless a live publisher holds it (how
-    many files went): once the roles are gone, and by every new publisher, so /dev/shm keeps nothing."""
-    path = _recorded_or_none(run_dir)
-    if path is None:
-        return 0
-    state = _dir_state(path)
-    if state == "foreign":
-        log.warning("not touching %s: not this user's private directory", path)
-    if state in ("live", "foreign"):
-        return 0
-    removed = _remove_files(path) if state == "dead" else 0
-    with contextlib.suppress(OSError):
-        os.rmdir(path)
-    _unlink_record(run_dir, path)
-    return removed
-
-
-def _new_shm_dir(run_dir: str) -> str:
-    """A new private directory in /dev/shm, recorded for ``run_dir`` (a dead predecessor's removed)."""
-    old = _recorded_or_none(run_dir)
-    if old is not None and _dir_state(old) == "live":
-        raise RuntimeError(f"a weight publisher is already live for run_dir {run_dir} ({old})")
-    remove_dead_region(run_dir)
-    path = os.path.join(_shm_root(run_dir), f"driftrl-weights-{secrets.token_hex(16)}")
-    os.makedirs(run_dir, exist_ok=True)
-    # recorded before it exists: a publisher killed in between leaves a name the next one removes
-    atomic_write(os.path.join(run_dir, RECORD), f"{path}\n".encode(), durable=False, mode=0o600)
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        raise UnsafeDirectory(f"{path} already exists: someone else created this name; refusing to share it") from None
-    os.chmod(path, 0o700)  # whatever the umask
-    return path
-
-
-def _fs_dir(run_dir: str) -> str:
-    path = weights_dir(run_dir)
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    st = os.lstat(path)
-    if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid():
-        os.chmod(path, 0o700)  # also one made before this rule (or by the nccl transport)
-    return path
-
-
 def _lock_dir(path: str) -> int:
     """An fd holding ``path``'s flock for the publisher's life: a second live publisher is refused
-    and remove_dead_region spares a live one."""
+    (RuntimeError) and remove_dead_region spares a live one."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         _check_private(os.fstat(fd), path, is_dir=True)
@@ -230,19 +130,52 @@ def _lock_dir(path: str) -> int:
     return fd
 
 
-# ---- the files --------------------------------------------------------------------------------
+def _remove_files(path: str, only_ours: bool = False) -> int:
+    """Unlink the files in ``path`` (a reader that maps one keeps its pages); how many went."""
+    try:
+        names = os.listdir(path)
+    except FileNotFoundError:
+        return 0
+    names = [n for n in names if not only_ours or _OURS.fullmatch(n)]
+    for name in names:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(path, name))
+    return len(names)
 
 
-def _encode_header(header: WeightUpdateHeader) -> tuple[bytes, int]:
-    """(the msgpack FileHeader, where the payload starts) of every version."""
-    payload_at = (_PREFIX.size + len(_encoder.encode(FileHeader(header, 2**62, 2**62))) + PAGE - 1) // PAGE * PAGE
-    raw = _encoder.encode(FileHeader(header, payload_at, payload_at + layout.total_nbytes(header)))
-    return raw, payload_at
+def _remove_shm_dir(run_dir: str, path: str) -> int:
+    """Remove ``path`` with its files, and ``run_dir``'s record while it names ``path``."""
+    removed = _remove_files(path)
+    with contextlib.suppress(OSError):
+        os.rmdir(path)
+    with contextlib.suppress(OSError):
+        if recorded_dir(run_dir) == path:
+            os.unlink(os.path.join(run_dir, RECORD))
+    return removed
 
 
-def _prefix(version: int, payload_crc: int, raw: bytes) -> bytes:
-    fields = _PREFIX.pack(MAGIC, version, payload_crc, len(raw), 0)[8:-4]
-    return MAGIC + fields + struct.pack("<I", crc32c.crc32c(raw, crc32c.crc32c(fields)))
+def remove_dead_region(run_dir: str, refuse_live: bool = False) -> int:
+    """Remove ``run_dir``'s shm weights directory and record unless a live publisher holds it (how
+    many files went): once the roles are gone, and by every new publisher, so /dev/shm keeps nothing."""
+    try:
+        path = recorded_dir(run_dir)
+    except UnsafeDirectory as e:
+        log.warning("ignoring the weights record: %s", e)  # the next publisher replaces it
+        return 0
+    if path is None:
+        return 0
+    try:
+        os.close(_lock_dir(path))  # a probe: a dead publisher holds no lock (closing drops ours)
+    except FileNotFoundError:
+        pass  # only the record is left
+    except RuntimeError:  # live
+        if refuse_live:
+            raise
+        return 0
+    except OSError:  # a symlink, a file, not ours to open, or not private
+        log.warning("not touching %s: not this user's private directory", path)
+        return 0
+    return _remove_shm_dir(run_dir, path)
 
 
 def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
@@ -270,77 +203,39 @@ class _File:
     """A file the publisher made: fd, writable mapping, a view per tensor, its current name and
     ``index`` (its number among the publisher's files, kept when reused)."""
 
-    def __init__(self, name: str, index: int, fd: int, mm: mmap.mmap, views: list[torch.Tensor]):
-        self.name, self.index, self.fd, self.mm, self.views = name, index, fd, mm, views
-
-    @classmethod
-    def create(cls, directory: str, index: int, header: WeightUpdateHeader, payload_at: int) -> "_File":
-        name, size = f".new-{index}", payload_at + layout.total_nbytes(header)
-        path = os.path.join(directory, name)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    def __init__(self, directory: str, index: int, header: WeightUpdateHeader, payload_at: int):
+        self.name, self.index, size = f".new-{index}", index, payload_at + layout.total_nbytes(header)
+        path = os.path.join(directory, self.name)
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            _reserve(fd, size, directory)
+            try:  # the blocks now: a full /dev/shm (Docker's 64 MB) is a clear error, not a SIGBUS mid-copy
+                os.posix_fallocate(self.fd, 0, size)
+            except OSError as e:
+                raise OSError(e.errno, f"cannot reserve {size / 2**20:.0f} MiB for a weight version in {directory} "
+                              f"({e.strerror}); enlarge it (Docker: --shm-size) or use weightsync.transport=filesystem"
+                              ) from None
             # MAP_POPULATE: one pass over the page tables instead of a fault per page
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            self.mm = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         except BaseException:
-            os.close(fd)
+            os.close(self.fd)
             os.unlink(path)
             raise
-        views = layout.views(header, torch.frombuffer(mm, dtype=torch.uint8, count=size - payload_at, offset=payload_at))
-        return cls(name, index, fd, mm, [views[n] for n in header.names])
+        views = layout.views(header, torch.frombuffer(self.mm, dtype=torch.uint8, count=size - payload_at,
+                                                      offset=payload_at))
+        self.views = [views[n] for n in header.names]
 
     def close(self) -> None:
-        if self.fd >= 0:
-            self.views, self.mm = [], None  # the mapping goes with its last view
-            os.close(self.fd)
-            self.fd = -1
+        self.views, self.mm = [], None  # the mapping goes with its last view
+        os.close(self.fd)
 
 
-def _point_latest(directory: str, version: int) -> None:
-    """``LATEST`` -> ``v<version>``: a symlink made aside and renamed over it (atomic)."""
-    tmp = os.path.join(directory, ".LATEST-new")
-    try:
-        os.symlink(f"v{version}", tmp)
-    except FileExistsError:  # a crashed publisher's
-        os.unlink(tmp)
-        os.symlink(f"v{version}", tmp)
-    os.replace(tmp, os.path.join(directory, LATEST))
-
-
-def _reserve(fd: int, size: int, directory: str) -> None:
-    """Allocate the file's blocks now: a full /dev/shm (Docker's 64 MB default) is a clear error
-    here, not a SIGBUS in the middle of a copy."""
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError as e:
-        raise OSError(e.errno, f"cannot reserve {size / 2**20:.0f} MiB for a weight version in {directory} "
-                      f"({e.strerror}); enlarge it (Docker: --shm-size) or use weightsync.transport=filesystem") from None
-
-
-class _Store:
-    """A publisher's directory and files; :meth:`close` is also its finalizer."""
-
-    def __init__(self, path: str, lock_fd: int, remove_on_close: str | None):
-        self.path, self.lock_fd = path, lock_fd
-        self.remove_on_close = remove_on_close  # the run_dir whose record names ``path`` (shm)
-        self.visible: list[_File] = []  # oldest first
-        self.spares: list[_File] = []
-        self.made = 0
-
-    def close(self) -> None:
-        for f in self.visible + self.spares:
-            f.close()
-        if self.remove_on_close is not None:
-            _remove_files(self.path)
-            with contextlib.suppress(OSError):
-                os.rmdir(self.path)
-            _unlink_record(self.remove_on_close, self.path)
-        else:  # filesystem: the visible versions stay for late joiners
-            for f in self.spares:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(self.path, f.name))
-        self.visible, self.spares = [], []
-        os.close(self.lock_fd)
+def _close_store(path: str, lock_fd: int, run_dir: str | None, visible: list, spares: list) -> None:
+    """A publisher's close, also its finalizer; with ``run_dir`` (shm) it removes the directory and record."""
+    for f in visible + spares:
+        f.close()
+    if run_dir is not None:
+        _remove_shm_dir(run_dir, path)
+    os.close(lock_fd)
 
 
 class FilePublisher(Publisher):
@@ -351,89 +246,92 @@ class FilePublisher(Publisher):
     recycle = True  # reuse a retired file nobody has open (never across hosts: a lease sees this one)
     durable = False  # fsync files and renames (another host reads them)
     checksum = False  # crc32c of the payload in the header: one more pass over the bytes
+    owns_dir = True  # close() removes the directory (filesystem: the versions stay for late joiners)
 
     def __init__(self, run_dir: str, template: Mapping[str, torch.Tensor], bucket_bytes: int = 64 << 20, *,
                  max_files: int | None = None):
         super().__init__(layout.header_for(-1, template, bucket_bytes))
-        self.run_dir, self.max_files = run_dir, max_files
+        self.max_files = max_files
         self.names = list(self.header.names)
-        self._raw_header, self.payload_at = _encode_header(self.header)
-        self._store = self._open_store(run_dir)
+        # the header of every version; the payload starts at the first page after it
+        widest = len(_encoder.encode(FileHeader(self.header, 2**62, 2**62)))
+        self.payload_at = (_PREFIX.size + widest + PAGE - 1) // PAGE * PAGE
+        self._raw_header = _encoder.encode(FileHeader(self.header, self.payload_at,
+                                                      self.payload_at + layout.total_nbytes(self.header)))
+        self.visible: list[_File] = []  # oldest first
+        self.spares: list[_File] = []
+        self._made = 0
+        self.dir = self._make_dir(run_dir)
+        self._lock_fd = _lock_dir(self.dir)
+        _remove_files(self.dir, only_ours=True)  # a previous publisher's versions (filesystem)
         # also at exit or GC (a SIGKILLed publisher's directory goes by remove_dead_region)
-        self._finalizer = weakref.finalize(self, self._store.close)
+        self._finalizer = weakref.finalize(self, _close_store, self.dir, self._lock_fd,
+                                           run_dir if self.owns_dir else None, self.visible, self.spares)
 
     @classmethod
     def from_config(cls, cfg, run_dir: str, template: Mapping[str, torch.Tensor], *, stop=None) -> "FilePublisher":
         return cls(run_dir, template, cfg.weightsync.bucket_mb << 20)
 
-    @abc.abstractmethod
-    def _open_store(self, run_dir: str) -> _Store:
-        ...
-
-    @property
-    def dir(self) -> str:
-        return self._store.path
-
     def _write(self, version: int, named: Mapping[str, torch.Tensor]) -> int | None:
+        """Fill a file no reader can reach, seal it, rename it into place, point LATEST at it and
+        retire what is past ``keep``."""
         f = self._take()
         if f is None:
             log.warning("weight version %d not published: readers hold all %d files", version, self.max_files)
             return None
         self._fill(f, named)
-        self._seal(f, version)
-        self._show(f, version)
+        crc = -1
+        if self.checksum:
+            with memoryview(f.mm) as mv:
+                crc = crc32c.crc32c(mv[self.payload_at:])
+        raw = self._raw_header
+        fields = _PREFIX.pack(MAGIC, version, crc, len(raw), 0)[8:-4]
+        head = MAGIC + fields + struct.pack("<I", crc32c.crc32c(raw, crc32c.crc32c(fields))) + raw
+        f.mm[: len(head)] = head
+        if self.durable:
+            f.mm.flush()
+            os.fsync(f.fd)
+        os.rename(os.path.join(self.dir, f.name), os.path.join(self.dir, f"v{version}"))
+        f.name = f"v{version}"
+        self.visible.append(f)
+        self._point(version)
+        while len(self.visible) > self.keep:
+            self._retire(self.visible.pop(0))
         return layout.payload_nbytes(self.header)
 
     def _take(self) -> _File | None:
         """A file no reader can reach: a spare nobody has open, else a new one (None past max_files)."""
-        s = self._store
-        for f in (list(s.spares) if self.recycle else ()):
+        for f in (list(self.spares) if self.recycle else ()):
             free = _unshared(f.fd)
             if free is None:
                 self._no_leases()
                 break
             if free:
-                s.spares.remove(f)
+                self.spares.remove(f)
                 return f
-        if self.max_files is not None and len(s.visible) + len(s.spares) >= self.max_files:
+        if self.max_files is not None and len(self.visible) + len(self.spares) >= self.max_files:
             return None
-        s.made += 1
-        return _File.create(s.path, s.made - 1, self.header, self.payload_at)
+        self._made += 1
+        return _File(self.dir, self._made - 1, self.header, self.payload_at)
 
     def _no_leases(self) -> None:
         log.warning("%s: this file system grants no leases; every version gets a new file", self.dir)
         self.recycle = False
-        for f in self._store.spares:
+        for f in self.spares:
             self._discard(f)
-        self._store.spares = []
+        self.spares.clear()
 
     def _fill(self, f: _File, named: Mapping[str, torch.Tensor]) -> None:
         """Copy the update into ``f``, which no reader can reach (cuda_ipc writes its record here)."""
         _copy_all(f.views, [named[n] for n in self.names])
 
-    def _seal(self, f: _File, version: int) -> None:
-        crc = -1
-        if self.checksum:
-            with memoryview(f.mm) as mv:
-                crc = crc32c.crc32c(mv[self.payload_at:])
-        head = _prefix(version, crc, self._raw_header) + self._raw_header
-        f.mm[: len(head)] = head
-        if self.durable:
-            f.mm.flush()
-            os.fsync(f.fd)
-
-    def _show(self, f: _File, version: int) -> None:
-        """Rename ``f`` into place, point LATEST at it, retire what is past ``keep``."""
-        s = self._store
-        os.rename(os.path.join(s.path, f.name), os.path.join(s.path, f"v{version}"))
-        f.name = f"v{version}"
-        s.visible.append(f)
-        self._point(version)
-        while len(s.visible) > self.keep:
-            self._retire(s.visible.pop(0))
-
     def _point(self, version: int) -> None:
-        _point_latest(self.dir, version)
+        """``LATEST`` -> ``v<version>``: a symlink made aside and renamed over it (atomic)."""
+        tmp = os.path.join(self.dir, ".LATEST-new")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)  # a crashed publisher's
+        os.symlink(f"v{version}", tmp)
+        os.replace(tmp, os.path.join(self.dir, LATEST))
 
     def _retire(self, f: _File) -> None:
         if not self.recycle:
@@ -442,7 +340,7 @@ class FilePublisher(Publisher):
         spare = f".spare-{f.index}"
         os.rename(os.path.join(self.dir, f.name), os.path.join(self.dir, spare))
         f.name = spare
-        self._store.spares.append(f)
+        self.spares.append(f)
 
     def _discard(self, f: _File) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -458,9 +356,21 @@ class ShmPublisher(FilePublisher):
 
     transport = "shm"
 
-    def _open_store(self, run_dir: str) -> _Store:
-        path = _new_shm_dir(run_dir)
-        return _Store(path, _lock_dir(path), remove_on_close=run_dir)
+    @staticmethod
+    def _make_dir(run_dir: str) -> str:
+        """A new private directory in /dev/shm, recorded for ``run_dir`` (a dead predecessor's removed)."""
+        remove_dead_region(run_dir, refuse_live=True)
+        path = os.path.join(_shm_root(run_dir), f"driftrl-weights-{secrets.token_hex(16)}")
+        os.makedirs(run_dir, exist_ok=True)
+        # recorded before it exists: a publisher killed in between leaves a name the next one removes
+        atomic_write(os.path.join(run_dir, RECORD), f"{path}\n".encode(), durable=False, mode=0o600)
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            raise UnsafeDirectory(f"{path} already exists: someone else created this name; refusing to share it"
+                                  ) from None
+        os.chmod(path, 0o700)  # whatever the umask
+        return path
 
 
 class FsPublisher(FilePublisher):
@@ -468,81 +378,44 @@ class FsPublisher(FilePublisher):
     they outlive close()."""
 
     transport = "filesystem"
-    keep, recycle, durable, checksum = 3, False, True, True
+    keep, recycle, durable, checksum, owns_dir = 3, False, True, True, False
+
+    @staticmethod
+    def _make_dir(run_dir: str) -> str:
+        path = weights_dir(run_dir)
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        st = os.lstat(path)
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid():
+            os.chmod(path, 0o700)  # also one made before this rule (or by the nccl transport)
+        return path
 
     def _point(self, version: int) -> None:
         # a file, not a symlink: over NFS only an open revalidates a name another host replaced
         # (close-to-open); a readlink may see the old one for the attribute cache's 30-60 s
         atomic_write(os.path.join(self.dir, LATEST), f"v{version}\n".encode(), mode=0o600)  # fsynced
 
-    def _open_store(self, run_dir: str) -> _Store:
-        path = _fs_dir(run_dir)
-        lock = _lock_dir(path)
-        _remove_files(path, only_ours=True)  # a previous publisher's versions
-        return _Store(path, lock, remove_on_close=None)
-
-
-# ---- reading ------------------------------------------------------------------------------------
-
-
-def _read_header(fd: int, path: str, version: int, plans: dict) -> tuple["_Plan", int]:
-    """(the reading plan, the payload crc32c or -1) of an opened version file, checked (else
-    DamagedFile); a header is decoded once per publisher (``plans``, by its bytes)."""
-    size = os.fstat(fd).st_size
-    first = os.pread(fd, min(size, 1 << 16), 0)  # prefix and header at once, mostly
-    if len(first) < _PREFIX.size:
-        raise DamagedFile(f"{path}: truncated to {size} bytes, not even a header")
-    magic, got_version, payload_crc, n, crc = _PREFIX.unpack_from(first)
-    if magic != MAGIC:
-        raise DamagedFile(f"{path}: not a driftrl weights file (magic {magic!r})")
-    end = _PREFIX.size + n
-    raw = first[_PREFIX.size:end] if end <= len(first) else os.pread(fd, min(n, size), _PREFIX.size)
-    if len(raw) != n or crc32c.crc32c(raw, crc32c.crc32c(first[8:_PREFIX.size - 4])) != crc:
-        raise DamagedFile(f"{path}: damaged header (checksum mismatch)")
-    if got_version != version:
-        raise DamagedFile(f"{path}: holds version {got_version}, not {version}")
-    plan = plans.get(raw) or _new_plan(raw, path, _PREFIX.size + n, plans)
-    if size != plan.head.file_bytes:
-        raise DamagedFile(f"{path}: {size} bytes, its header says {plan.head.file_bytes} (truncated or damaged)")
-    return plan, payload_crc
-
-
-def _new_plan(raw: bytes, path: str, header_end: int, plans: dict) -> "_Plan":
-    try:
-        head = _decoder.decode(raw)
-    except msgspec.DecodeError as e:
-        raise DamagedFile(f"{path}: unreadable header: {e}") from None
-    end = head.payload_at + layout.total_nbytes(head.layout)
-    if head.payload_at % PAGE or head.payload_at < header_end or end != head.file_bytes:
-        raise DamagedFile(f"{path}: inconsistent header (payload at {head.payload_at}, {head.file_bytes} bytes)")
-    plans.clear()  # one publisher's at a time
-    plans[raw] = plan = _Plan(head)
-    return plan
-
-
-def _strides(shape: list[int]) -> tuple[int, ...]:
-    out, step = [], 1
-    for d in reversed(shape):
-        out.append(step)
-        step *= max(d, 1)
-    return tuple(reversed(out))
-
 
 class _Plan:
-    """A reader's per-layout facts: ``tensors`` in payload order as (name, file offset, bytes, shape,
-    contiguous strides, element offset in the payload)."""
+    """A reader's per-layout facts, checked: ``tensors`` in payload order as (name, file offset,
+    bytes, shape, element offset in the payload)."""
 
-    def __init__(self, head: FileHeader):
+    def __init__(self, raw: bytes, path: str, header_end: int):
+        try:
+            head = self.head = _decoder.decode(raw)
+        except msgspec.DecodeError as e:
+            raise DamagedFile(f"{path}: unreadable header: {e}") from None
+        if (head.payload_at % PAGE or head.payload_at < header_end
+                or head.payload_at + layout.total_nbytes(head.layout) != head.file_bytes):
+            raise DamagedFile(f"{path}: inconsistent header (payload at {head.payload_at}, {head.file_bytes} bytes)")
         h = self.layout = head.layout
-        self.head = head
         self.dtypes = {n: layout.torch_dtype(d) for n, d in zip(h.names, h.dtypes)}
         shapes = dict(zip(h.names, h.shapes))
         self.tensors = []
         for start, b in zip(layout.bucket_starts(h), h.buckets):
             for n, off in zip(b.names, b.offsets):
-                at, shape = start + off, shapes[n]  # at: a multiple of layout.ALIGN, so of every item size
-                self.tensors.append((n, head.payload_at + at, layout.tensor_nbytes(b.dtype, shape), shape,
-                                     _strides(shape), at // layout.ITEMSIZE[b.dtype]))
+                at = start + off  # a multiple of layout.ALIGN, so of every item size
+                self.tensors.append((n, head.payload_at + at, layout.tensor_nbytes(b.dtype, shapes[n]), shapes[n],
+                                     at // layout.ITEMSIZE[b.dtype]))
 
 
 class _Binding:
@@ -561,10 +434,6 @@ class _Binding:
                 and all(map(operator.is_, named.values(), self.values)))
 
 
-def _writable_bytes(t: torch.Tensor):
-    return t.detach().reshape(-1).view(torch.uint8).numpy()
-
-
 class Version(_Closable):
     """One opened, checked version file: while it is open the publisher cannot reuse the file."""
 
@@ -572,21 +441,38 @@ class Version(_Closable):
         self.path, self.fd, self.version, self.plan, self.payload_crc = path, fd, version, plan, payload_crc
 
     @classmethod
-    def open(cls, path: str, version: int, plans: dict | None = None) -> "Version | None":
-        """The checked version at ``path``; None if it is gone (retired: a newer one exists)."""
+    def open(cls, path: str, version: int, plans: dict) -> "Version | None":
+        """The version at ``path``, checked (else DamagedFile); None if it is gone (retired: a newer
+        one exists). A header is decoded once per publisher (``plans``, by its bytes)."""
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
             return None
         try:
-            return cls(path, fd, version, *_read_header(fd, path, version, {} if plans is None else plans))
+            size = os.fstat(fd).st_size
+            first = os.pread(fd, min(size, 1 << 16), 0)  # prefix and header at once, mostly
+            if len(first) < _PREFIX.size:
+                raise DamagedFile(f"{path}: truncated to {size} bytes, not even a header")
+            magic, got_version, payload_crc, n, crc = _PREFIX.unpack_from(first)
+            if magic != MAGIC:
+                raise DamagedFile(f"{path}: not a driftrl weights file (magic {magic!r})")
+            end = _PREFIX.size + n
+            raw = first[_PREFIX.size:end] if end <= len(first) else os.pread(fd, min(n, size), _PREFIX.size)
+            if len(raw) != n or crc32c.crc32c(raw, crc32c.crc32c(first[8:_PREFIX.size - 4])) != crc:
+                raise DamagedFile(f"{path}: damaged header (checksum mismatch)")
+            if got_version != version:
+                raise DamagedFile(f"{path}: holds version {got_version}, not {version}")
+            plan = plans.get(raw)
+            if plan is None:
+                plans.clear()  # one publisher's at a time
+                plan = plans[raw] = _Plan(raw, path, end)
+            if size != plan.head.file_bytes:
+                raise DamagedFile(f"{path}: {size} bytes, its header says {plan.head.file_bytes} "
+                                  "(truncated or damaged)")
+            return cls(path, fd, version, plan, payload_crc)
         except BaseException:
             os.close(fd)
             raise
-
-    @property
-    def layout(self) -> WeightUpdateHeader:
-        return self.plan.layout
 
     def verify(self, scratch) -> None:
         """Check the payload's crc32c (when the file has one) before any byte is used."""
@@ -605,41 +491,31 @@ class Version(_Closable):
     def apply(self, bound: _Binding, scratch) -> int:
         """Read the targets that are not mapped, point the others at a read-only mapping of the
         file (``set_``: no byte copied); how many were mapped."""
-        plan = bound.plan
+        plan, head = bound.plan, bound.plan.head
         for t, mapped, (n, off, nbytes, *_) in zip(bound.targets, bound.maps, plan.tensors):
             if not mapped and nbytes:
                 self._read(t, plan.dtypes[n], off, nbytes, scratch)
-        n_mapped = sum(bound.maps)
-        if n_mapped:
-            self._map(bound)
-        return n_mapped
-
-    def _read(self, t: torch.Tensor, dtype: torch.dtype, off: int, nbytes: int, scratch) -> None:
-        direct = t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous()
-        stage = None if direct else scratch(nbytes)[:nbytes]
-        if os.preadv(self.fd, [_writable_bytes(t) if direct else stage.numpy()], off) != nbytes:
-            raise DamagedFile(f"{self.path}: short read at byte {off}")
-        if stage is not None:
-            t.copy_(stage.view(dtype).view(t.shape))
-
-    def _map(self, bound: _Binding) -> None:
-        head = self.plan.head
+        if not any(bound.maps):
+            return 0
         mm = mmap.mmap(self.fd, head.file_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         # inference_mode(False): a parameter made an inference tensor could not be used outside it
         with warnings.catch_warnings(), torch.inference_mode(False), torch.no_grad():
             warnings.simplefilter("ignore")  # read-only memory: an in-place write faults, never corrupts
             storage = torch.frombuffer(mm, dtype=torch.uint8, count=head.file_bytes - head.payload_at,
                                        offset=head.payload_at).untyped_storage()
-            for t, mapped, (_, _, _, shape, strides, at) in zip(bound.targets, bound.maps, self.plan.tensors):
+            for t, mapped, (*_, shape, at) in zip(bound.targets, bound.maps, plan.tensors):
                 if mapped:
-                    t.set_(storage, at, shape, strides)
+                    t.set_(storage, at, shape)  # contiguous strides
+        return sum(bound.maps)
 
-    def copy_out(self) -> dict[str, torch.Tensor]:
-        """Every tensor as a new CPU tensor of its published dtype (read straight into it)."""
-        h = self.layout
-        out = {n: torch.empty(s, dtype=layout.torch_dtype(d)) for n, d, s in zip(h.names, h.dtypes, h.shapes)}
-        self.apply(_Binding(self.plan, out, False, "copy_out"), lambda n: torch.empty(n, dtype=torch.uint8))
-        return out
+    def _read(self, t: torch.Tensor, dtype: torch.dtype, off: int, nbytes: int, scratch) -> None:
+        direct = t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous()
+        stage = None if direct else scratch(nbytes)[:nbytes]
+        dst = t.detach().reshape(-1).view(torch.uint8) if direct else stage
+        if os.preadv(self.fd, [dst.numpy()], off) != nbytes:
+            raise DamagedFile(f"{self.path}: short read at byte {off}")
+        if stage is not None:
+            t.copy_(stage.view(dtype).view(t.shape))
 
     def _close(self) -> None:
         os.close(self.fd)  # a mapping made by apply() keeps the file on its own
@@ -648,14 +524,16 @@ class Version(_Closable):
 class FileSubscriber(Subscriber):
     """``zero_copy``: map same-dtype CPU targets (rebinding the given tensor objects: pass the
     model's own Parameters, not ``state_dict()`` aliases); ``poll_s``: how often at most
-    ``latest_version()`` reads ``LATEST``."""
+    ``latest_version()`` reads ``LATEST``. A subclass finds the directory (``_find``, None until it
+    exists; ``where`` says where it looks)."""
 
-    zero_copy, poll_s = True, 0.0
+    zero_copy, poll_s, where = True, 0.0, "?"
+    _next_find = 0.0
 
     def __init__(self, run_dir: str, timeout_s: float = 60, *, zero_copy: bool | None = None,
-                 poll_s: float | None = None, apply_timeout_s: float = 30, stop=None):
+                 poll_s: float | None = None, stop=None):
         super().__init__()
-        self.run_dir, self.apply_timeout_s = run_dir, apply_timeout_s
+        self.run_dir = run_dir
         self.zero_copy = self.zero_copy if zero_copy is None else zero_copy
         self.poll_s = self.poll_s if poll_s is None else poll_s
         self._latest, self._checked_at = -1, -float("inf")
@@ -663,33 +541,30 @@ class FileSubscriber(Subscriber):
         self._plans: dict[bytes, _Plan] = {}
         self._bound: _Binding | None = None
         self.dir = wait_until(self._find, timeout_s, f"the weight publisher of run_dir {run_dir!r} "
-                              f"({self._where()}); is the learner up?", stop=stop)
+                              f"({self.where}); is the learner up?", stop=stop)
 
     @classmethod
     def from_config(cls, cfg, run_dir: str, timeout_s: float = 60, *, stop=None, device=None,
                     actor_id: str = "") -> "FileSubscriber":
         return cls(run_dir, timeout_s, stop=stop)
 
-    @abc.abstractmethod
-    def _find(self) -> str | None:
-        """The directory to read, once it exists."""
-
-    @abc.abstractmethod
-    def _where(self) -> str:
-        """Where :meth:`_find` looks, for a timeout's message."""
-
     def _moved(self) -> bool:
-        """Called when ``LATEST`` is missing: whether ``self.dir`` moved to a successor's (shm)."""
-        return False
+        """Called when ``LATEST`` is missing: whether ``self.dir`` moved to a successor's (shm: a
+        restarted learner's new directory, once its publisher closed)."""
+        now = time.monotonic()
+        if now < self._next_find or os.path.isdir(self.dir):
+            return False
+        self._next_find = now + 0.5  # the publisher is gone: look for a successor, gently
+        path = self._find()
+        if path is None or path == self.dir:
+            return False
+        self.dir = path
+        return True
 
     @staticmethod
     def _pointer(path: str) -> str:
         """``LATEST``'s target: a symlink read, never followed (one syscall)."""
         return os.readlink(path)
-
-    @property
-    def publisher_closed(self) -> bool:
-        return not os.path.isdir(self.dir)
 
     def latest_version(self) -> int:
         now = time.monotonic()
@@ -714,7 +589,7 @@ class FileSubscriber(Subscriber):
 
     def open_newest(self, after: int) -> Version | None:
         """The newest version if newer than ``after``, opened and checked; None if there is none."""
-        deadline = time.monotonic() + self.apply_timeout_s
+        deadline = time.monotonic() + _VANISHED_S
         while True:
             version = self._read_latest()
             if version is None or version <= after:
@@ -741,7 +616,7 @@ class FileSubscriber(Subscriber):
             bound = self._bind(got.plan, named)
             got.verify(self._scratch)
             self.stats.mapped = got.apply(bound, self._scratch)
-        return got.version, layout.payload_nbytes(got.layout)
+        return got.version, layout.payload_nbytes(got.plan.layout)
 
     def _bind(self, plan: _Plan, named: Mapping[str, torch.Tensor]) -> _Binding:
         if self._bound is None or not self._bound.fits(plan, named):
@@ -753,34 +628,16 @@ class FileSubscriber(Subscriber):
 
 
 class ShmSubscriber(FileSubscriber):
-    """Follows a successor (a restarted learner's new directory) once its publisher closed."""
-
-    transport = "shm"
-    _next_find = 0.0
+    transport, where = "shm", f"a directory in /dev/shm recorded in {RECORD}"
 
     def _find(self) -> str | None:
-        path = recorded_dir(self.run_dir)
-        return path if path is not None and _private_dir(path) else None
-
-    def _where(self) -> str:
-        return f"a directory in /dev/shm recorded in {RECORD}"
-
-    def _moved(self) -> bool:
-        now = time.monotonic()
-        if now < self._next_find or os.path.isdir(self.dir):
-            return False
-        self._next_find = now + 0.5  # the publisher is gone: look for a successor, gently
-        path = self._find()
-        if path is None or path == self.dir:
-            return False
-        self.dir = path
-        return True
+        return _private_dir(recorded_dir(self.run_dir))
 
 
 class FsSubscriber(FileSubscriber):
     """Copies (a mapping of a file on a network file system could fault once it is unlinked)."""
 
-    transport = "filesystem"
+    transport, where = "filesystem", "no run_dir/weights yet"
     zero_copy, poll_s = False, 0.02
 
     @staticmethod
@@ -792,8 +649,4 @@ class FsSubscriber(FileSubscriber):
             os.close(fd)
 
     def _find(self) -> str | None:
-        path = weights_dir(self.run_dir)
-        return path if _private_dir(path) else None
-
-    def _where(self) -> str:
-        return f"no {weights_dir(self.run_dir)} yet"
+        return _private_dir(weights_dir(self.run_dir))

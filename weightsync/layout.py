@@ -2,22 +2,19 @@
 
 Buckets hold tensors of one dtype back to back, each at a multiple of :data:`ALIGN` bytes, at most
 ``bucket_bytes`` per bucket unless one tensor is larger (tensors are never split, so each stays a
-plain view). A whole update is the buckets one after another: :func:`total_nbytes` bytes. The
-planning half is pure Python; the tensor half imports torch lazily.
+plain view). A whole update is the buckets one after another: :func:`total_nbytes` bytes.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import msgspec
+import torch
 
 from core.messages import Bucket, WeightUpdateHeader
-
-if TYPE_CHECKING:
-    import torch
 
 # 256 B: every tensor view satisfies any dtype's alignment and CUDA's coalescing preference
 ALIGN = 256
@@ -30,8 +27,8 @@ class LayoutError(ValueError):
     """Tensors do not match the layout they are published into or applied from."""
 
 
-def _round_up(n: int, k: int = ALIGN) -> int:
-    return (n + k - 1) // k * k
+def _round_up(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 def tensor_nbytes(dtype: str, shape: Sequence[int]) -> int:
@@ -58,9 +55,7 @@ def plan(version: int, specs: Iterable[tuple[str, str, Sequence[int]]], bucket_b
     if not names:
         raise LayoutError("no tensors to lay out")
     if len(set(names)) != len(names):
-        dup = sorted({n for n in names if names.count(n) > 1})
-        raise LayoutError(f"duplicate tensor names: {dup[:5]}")
-
+        raise LayoutError(f"duplicate tensor names: {sorted({n for n in names if names.count(n) > 1})[:5]}")
     buckets: list[Bucket] = []
     for dtype, idxs in by_dtype.items():
         cur_names, cur_offsets, end = [], [], 0
@@ -105,65 +100,63 @@ def payload_nbytes(header: WeightUpdateHeader) -> int:
     return sum(tensor_nbytes(d, s) for d, s in zip(header.dtypes, header.shapes))
 
 
-def torch_dtype(name: str) -> "torch.dtype":
-    got = _TORCH_DTYPES.get(name)
-    if got is None:
-        import torch
-
-        if name not in ITEMSIZE:
-            raise LayoutError(f"unsupported dtype {name!r}")
-        got = _TORCH_DTYPES[name] = getattr(torch, name)
-    return got
+def torch_dtype(name: str) -> torch.dtype:
+    if name not in ITEMSIZE:
+        raise LayoutError(f"unsupported dtype {name!r}")
+    return getattr(torch, name)
 
 
-_TORCH_DTYPES: dict[str, "torch.dtype"] = {}
-
-
-def dtype_name(dtype: "torch.dtype") -> str:
+def dtype_name(dtype: torch.dtype) -> str:
     name = str(dtype).removeprefix("torch.")
     if name not in ITEMSIZE:
         raise LayoutError(f"unsupported dtype {dtype} (have {sorted(ITEMSIZE)})")
     return name
 
 
-def header_for(version: int, named: Mapping[str, "torch.Tensor"], bucket_bytes: int) -> WeightUpdateHeader:
+def header_for(version: int, named: Mapping[str, torch.Tensor], bucket_bytes: int) -> WeightUpdateHeader:
     return plan(version, ((n, dtype_name(t.dtype), tuple(t.shape)) for n, t in named.items()), bucket_bytes)
 
 
-def views(header: WeightUpdateHeader, flat: "torch.Tensor", bucket: int | None = None) -> dict[str, "torch.Tensor"]:
-    """Typed, shaped views into ``flat`` (1-D uint8): the whole update, or only ``bucket``."""
-    import torch
+def packed_nbytes(header: WeightUpdateHeader, bucket: int) -> int:
+    """Bytes of ``bucket``'s tensors back to back, without padding."""
+    b, shapes = header.buckets[bucket], dict(zip(header.names, header.shapes))
+    return sum(tensor_nbytes(b.dtype, shapes[name]) for name in b.names)
 
+
+def views(header: WeightUpdateHeader, flat: torch.Tensor, bucket: int | None = None, *,
+          packed: bool = False) -> dict[str, torch.Tensor]:
+    """Typed, shaped views into ``flat`` (1-D uint8): the whole update, or only ``bucket``; ``packed``:
+    that bucket's tensors back to back with no padding (what a server's flattened-bucket buffer holds)."""
     if flat.dtype != torch.uint8 or flat.dim() != 1:
         raise LayoutError(f"flat buffer must be 1-D uint8, got {flat.dtype} {tuple(flat.shape)}")
-    need = header.buckets[bucket].nbytes if bucket is not None else total_nbytes(header)
+    if packed:
+        need = packed_nbytes(header, bucket)
+    else:
+        need = header.buckets[bucket].nbytes if bucket is not None else total_nbytes(header)
     if flat.numel() < need:
         raise LayoutError(f"flat buffer has {flat.numel()} bytes, layout needs {need}")
     index = {n: i for i, n in enumerate(header.names)}
     chosen = [(0, header.buckets[bucket])] if bucket is not None else zip(bucket_starts(header), header.buckets)
     out = {}
     for start, b in chosen:
-        dt = torch_dtype(b.dtype)
+        dt, lo = torch_dtype(b.dtype), start
         for name, off in zip(b.names, b.offsets):
             shape = header.shapes[index[name]]
-            lo = start + off
-            out[name] = flat[lo : lo + tensor_nbytes(b.dtype, shape)].view(dt).view(shape)
+            lo = lo if packed else start + off
+            size = tensor_nbytes(b.dtype, shape)
+            out[name] = flat[lo : lo + size].view(dt).view(shape)
+            lo += size
     return out
 
 
-def check_targets(header: WeightUpdateHeader, named: Mapping[str, "torch.Tensor"], *, role: str,
+def check_targets(header: WeightUpdateHeader, named: Mapping[str, torch.Tensor], *, role: str,
                   same_dtype: bool = False) -> None:
     """:class:`LayoutError` unless ``named`` has exactly the header's names and shapes. Readers may
     hold other dtypes (copies convert), never other shapes (``copy_`` would silently broadcast)."""
     if len(named) != len(header.names) or any(n not in named for n in header.names):
-        want = set(header.names)
-        missing = sorted(want - set(named))
-        extra = sorted(set(named) - want)
-        raise LayoutError(
-            f"{role}: tensor names differ from the published layout; "
-            f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
-            f"unexpected {extra[:5]}{'...' if len(extra) > 5 else ''}"
-        )
+        missing, extra = sorted(set(header.names) - set(named)), sorted(set(named) - set(header.names))
+        raise LayoutError(f"{role}: tensor names differ from the published layout; missing {missing[:5]}"
+                          f"{'...' * (len(missing) > 5)}, unexpected {extra[:5]}{'...' * (len(extra) > 5)}")
     for name, shape in zip(header.names, header.shapes):
         got = list(named[name].shape)
         if got != shape:

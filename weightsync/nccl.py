@@ -1,25 +1,10 @@
-"""NCCL transport (across GPUs and hosts): a header over ZeroMQ, then bucketed broadcasts.
-
-Rendezvous, once: the publisher (rank 0, the learner) binds a ROUTER and writes
-``run_dir/weights/nccl.json``; each subscriber says ``Hello`` with :class:`RankDevice` (its host
-and device); once ``world_size - 1`` have, the publisher refuses two ranks on one CUDA device of
-one host (NCCL would fail later with "Duplicate GPU detected") and answers each with
-:class:`CollectiveInit`. Every rank builds the communicator on *its own* device, never the
-current one (two actors of one host would both land on ``cuda:0``).
-
-Per version: the header to every subscriber, then one raw-byte broadcast per bucket (bitwise, so
-bfloat16 needs no NCCL dtype), bounded by ``collective_timeout_s`` (then aborted). A subscriber's
-``apply()`` receives *every* queued version in order (NCCL needs every rank in every collective),
-so an actor that stops calling it stalls the learner. Nothing is pickled; cupy is imported lazily.
-``backend="gloo"`` runs the same protocol on CPU tensors (the CPU tests).
-
-``backend="torch_dist"`` (transport ``torch_dist``): the subscribers are inference servers that
-receive with ``torch.distributed`` (a cupy communicator and a torch group cannot share a clique),
-through an engine's :class:`GroupLink`. Rank 0 builds the group as a server's
-``init_custom_process_group`` does (``TCPStore`` master, ``PrefixStore(GROUP_NAME)``,
-``_new_process_group_helper``); ``CollectiveInit.unique_id`` is ``b"host:port"`` of that store;
-each bucket is broadcast packed back to back with no padding (:func:`packed_views`). A repeat
-``Hello`` (a restarted server) rebuilds the group before the next version, and every peer joins again.
+"""NCCL transport (across GPUs and hosts): a header over ZeroMQ, then one raw-byte broadcast per
+bucket (bitwise: bfloat16 needs no NCCL dtype), bounded by ``collective_timeout_s`` (then aborted).
+Every rank's communicator is on *its own* device, never the current one, and a subscriber's
+``apply()`` receives every queued version (NCCL needs every rank in every collective): an actor
+that stops calling it stalls the learner. ``backend="gloo"``: the same on CPU tensors (tests);
+``"torch_dist"``: inference servers that receive with ``torch.distributed`` (a cupy communicator
+cannot share their clique), each joined through a :class:`GroupLink`; a restarted one rebuilds the group.
 """
 
 from __future__ import annotations
@@ -30,8 +15,6 @@ import json
 import logging
 import os
 import socket as _socket
-import time
-from collections import deque
 from typing import Mapping, Union
 
 import msgspec
@@ -39,11 +22,10 @@ import torch
 import zmq
 
 from core import net
-from core.messages import SCHEMA_VERSION, Hello, Shutdown, WeightUpdateHeader, decoder, encode
-from weightsync import layout
 from core.files import atomic_write, read_json
-from weightsync.base import (Publisher, Stopped, Subscriber, SubscriberStats, _Closable, stop_check,
-                             wait_until)
+from core.messages import SCHEMA_VERSION, CollectiveInit, Hello, RankDevice, Shutdown, WeightUpdateHeader, decoder, encode
+from weightsync import layout
+from weightsync.base import Publisher, Stopped, Subscriber, SubscriberStats, _Closable, wait_until
 from weightsync.files import weights_dir
 
 log = logging.getLogger(__name__)
@@ -53,32 +35,19 @@ GROUP_NAME = "driftrl_weights"  # the torch_dist group (and PrefixStore) name bo
 BACKENDS = ("nccl", "gloo", "torch_dist")
 
 
-class RankDevice(msgspec.Struct, frozen=True, array_like=True, tag="ws_device"):
-    # subscriber -> publisher, after its Hello: where its rank computes
-    host: str
-    device: str  # "cpu" | "cuda:N"
 
 
-class CollectiveInit(msgspec.Struct, frozen=True, array_like=True, tag="ws_init"):
-    # publisher -> one subscriber, once: its place in the communicator
-    rank: int
-    world_size: int
-    backend: str  # BACKENDS
-    unique_id: bytes  # NCCL unique id (128 B), else b"host:port" of the Gloo / torch.distributed store
-    layout: WeightUpdateHeader  # version -1
 
 
-TO_SUBSCRIBER = Union[CollectiveInit, WeightUpdateHeader, Shutdown]
-_to_subscriber = decoder(TO_SUBSCRIBER)
+
+
+_to_subscriber = decoder(Union[CollectiveInit, WeightUpdateHeader, Shutdown])
 _hello = decoder(Hello)
 _rank_device = decoder(RankDevice)
 
 
 def endpoint_path(run_dir: str) -> str:
     return os.path.join(weights_dir(run_dir), "nccl.json")
-
-
-# ---- collectives ----------------------------------------------------------------------------
 
 
 class _NcclComm:
@@ -160,16 +129,21 @@ class _GlooComm:
 
 
 class _TorchGroup:
-    """Rank 0 of the torch_dist group. ``_new_process_group_helper`` is private but the very call
-    a server's receiver makes (so both derive the same store keys): ``init_process_group`` would
-    make the process's *default* group and ``new_group`` rendezvouses through the default store,
-    which the servers never see."""
+    """Rank 0 of the torch_dist group, made by the very call a server's receiver makes, so that both
+    derive the same store keys (``TCPStore`` master, ``PrefixStore(GROUP_NAME)``, the private
+    ``_new_process_group_helper``): ``init_process_group`` would make the process's *default* group
+    and ``new_group`` rendezvouses through the default store, which the servers never see."""
 
     def __init__(self, store, world: int, backend: str, timeout_s: float):
         import torch.distributed as dist
         from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
-        _refuse_split_source(dist)
+        # with an eagerly bound default group, torch would split the new NCCL communicator from the
+        # learner's own (ncclCommSplit), which the servers' ranks are not part of
+        if dist.is_initialized() and dist.distributed_c10d._get_default_group().bound_device_id is not None:
+            raise ValueError("weightsync.transport=torch_dist: the learner's default process group is bound to a "
+                             "device (init_process_group(device_id=...)), so torch would split the servers' group "
+                             "from it; initialise the learner's group without device_id")
         self._dist, self.backend = dist, backend
         self.store = store  # the TCPStore master: it must outlive the group
         self.pg, _ = _new_process_group_helper(
@@ -191,16 +165,13 @@ class _TorchGroup:
             wait_until(lambda: all(w.is_completed() for w in self._works), timeout_s,
                        f"the {self.backend} broadcast of {what} to the group", 1e-4, stopped)
         except (Stopped, TimeoutError):
-            self._abort()
+            if self.backend == "nccl":  # a Gloo broadcast cannot be interrupted; its own timeout bounds it
+                from torch.distributed.distributed_c10d import _abort_process_group
+
+                _abort_process_group(self.pg)
             raise
         for w in self._works:
             w.wait()  # raises a failed broadcast's error; NCCL: orders the caller's stream after it
-
-    def _abort(self) -> None:
-        if self.backend == "nccl":  # a Gloo broadcast cannot be interrupted; its own timeout bounds it
-            from torch.distributed.distributed_c10d import _abort_process_group
-
-            _abort_process_group(self.pg)
 
     def close(self) -> None:
         from torch.distributed.distributed_c10d import _world
@@ -209,17 +180,10 @@ class _TorchGroup:
             self._dist.destroy_process_group(self.pg)
 
 
-def _refuse_split_source(dist) -> None:
-    """With an eagerly bound default group, torch would split the new NCCL communicator from the
-    learner's own (``ncclCommSplit``), which the servers' ranks are not part of."""
-    if dist.is_initialized() and dist.distributed_c10d._get_default_group().bound_device_id is not None:
-        raise ValueError("weightsync.transport=torch_dist: the learner's default process group is bound to a device "
-                         "(init_process_group(device_id=...)), so torch would split the servers' group from it; "
-                         "initialise the learner's group without device_id")
-
-
 class NcclPublisher(Publisher):
-    """Rank 0. The constructor waits (at most ``join_timeout_s``) for ``world_size - 1`` subscribers."""
+    """Rank 0. The constructor waits (at most ``join_timeout_s``) for ``world_size - 1`` subscribers
+    (``torch_dist``: servers, each joining once it is up), then refuses two ranks on one CUDA device
+    of one host (NCCL would fail later with "Duplicate GPU detected") and sends each its rank."""
 
     transport = "nccl"
 
@@ -228,133 +192,106 @@ class NcclPublisher(Publisher):
                  join_timeout_s: float = 300, collective_timeout_s: float = 300, stop=None,
                  torch_backend: str = "nccl"):
         super().__init__(layout.header_for(-1, template, bucket_bytes))
-        self._stop, self._stopped = stop, stop_check(stop)
         device = next(iter(template.values())).device
         check_backend(backend, torch_backend, device)
-        self.backend, self.torch_backend = backend, torch_backend
-        self.host = _socket.gethostname()
-        self.rank_devices: dict[int, str] = {0: str(device)}  # rank -> device, from each RankDevice
-        self.world_size = world_size
+        self.backend, self.torch_backend, self.world_size, self._stop = backend, torch_backend, world_size, stop
         self.collective_timeout_s = collective_timeout_s
+        self.rank_devices: dict[int, str] = {0: str(device)}  # rank -> device, from each RankDevice
         self.bad_frames = 0
         self.rebuilds = 0  # groups rebuilt for a repeat Hello (torch_dist)
         self._payload = layout.payload_nbytes(self.header)
         self._bufs, self._views = _buffers(self.header, device, packed=backend == "torch_dist")
-
         self._ctx = zmq.Context()
         self._sock = net.socket(self._ctx, zmq.ROUTER, linger_ms=1000)
         port = net.bind(self._sock, host, 0, curve)
-        advertised = _socket.gethostname() if host in ("0.0.0.0", "::", "*") else host
+        self._host = _socket.gethostname() if host in ("0.0.0.0", "::", "*") else host  # as advertised
         self._endpoint = endpoint_path(run_dir)
         os.makedirs(os.path.dirname(self._endpoint), exist_ok=True)
-        atomic_write(self._endpoint, json.dumps({"host": advertised, "port": port}).encode())
-        self._advertised = advertised
+        atomic_write(self._endpoint, json.dumps({"host": self._host, "port": port}).encode())
+        self._peers: list[bytes] = []
+        self._ids: list[str] = []  # each rank's Hello.id: how a restarted peer is recognised
         try:
-            self._peers = self._gather_peers(join_timeout_s)
-            self._check_devices()
-            self._comm = self._init_comm(backend, advertised, device)
+            self._gather_peers(join_timeout_s)
+            self._comm = self._new_comm(device)
         except BaseException:
             self._close_sockets()
             raise
 
     @classmethod
     def from_config(cls, cfg, run_dir: str, template: Mapping[str, torch.Tensor], *, stop=None) -> "NcclPublisher":
-        """Rank 0 for the run's actors (``torch_dist``: servers, each joining once it is up)."""
         backend = "torch_dist" if cfg.weightsync.transport == "torch_dist" else "nccl"
         return cls(run_dir, template, cfg.weightsync.bucket_mb << 20, world_size=1 + cfg.actor.num_actors,
                    host=cfg.net.host, curve=net.curve_from_config(cfg.net), backend=backend,
                    join_timeout_s=cfg.weightsync.join_timeout_s, stop=stop)
 
-    def _gather_peers(self, timeout_s: float) -> list[bytes]:
-        peers: list[bytes] = []
-        self._claims: list[RankDevice | None] = []
-        self._ids: list[str] = []  # each rank's Hello.id: how a restarted peer is recognised
-        deadline = time.monotonic() + timeout_s
-        while len(peers) < self.world_size - 1:
-            left = deadline - time.monotonic()
-            if self._stopped():
-                raise Stopped(f"nccl publisher: stopped with {len(peers)} of {self.world_size - 1} subscribers joined")
-            if left <= 0:
-                raise TimeoutError(f"nccl publisher: {len(peers)} of {self.world_size - 1} subscribers joined "
-                                   f"in {timeout_s:.0f}s")
-            if not self._sock.poll(int(min(left, STOP_POLL_S) * 1000) + 1):
-                continue
-            frames = self._sock.recv_multipart()
-            group = self.backend == "torch_dist"
-            join = _decode_join(frames, group)
-            if join is None:
-                self.bad_frames += 1  # not one of ours, or another schema: count it, keep waiting
-                continue
-            if frames[0] not in peers:
-                peers.append(frames[0])
-                self._ids.append(join.id if group else "")
-                self._claims.append(None if group else join)
-        return peers
+    def _gather_peers(self, timeout_s: float) -> None:
+        claims = [(_socket.gethostname(), self.rank_devices[0])]
+        group = self.backend == "torch_dist"
 
-    def _check_devices(self) -> None:
-        """Ranks by device; refuse (telling every subscriber why) two ranks on one CUDA device.
-        torch_dist servers claim none (each picks its own GPU)."""
-        if self.backend == "torch_dist":
+        def joined() -> bool:
+            while len(self._peers) < self.world_size - 1 and self._sock.poll(0):
+                frames = self._sock.recv_multipart()
+                join = _decode_join(frames, group)
+                if join is None:
+                    self.bad_frames += 1  # not one of ours, or another schema: count it, keep waiting
+                elif frames[0] not in self._peers:
+                    self._peers.append(frames[0])
+                    self._ids.append(join[0].id)
+                    if join[1] is not None:
+                        claims.append((join[1].host, join[1].device))
+            return len(self._peers) >= self.world_size - 1
+
+        try:
+            wait_until(joined, timeout_s, "the subscribers", STOP_POLL_S, self._stop)
+        except (Stopped, TimeoutError) as e:
+            raise type(e)(f"nccl publisher: {e} ({len(self._peers)} of {self.world_size - 1} subscribers joined)"
+                          ) from None
+        if group:  # servers claim no device: each picks its own GPU
             return
-        claims = [(self.host, self.rank_devices[0]), *((c.host, c.device) for c in self._claims)]
         self.rank_devices = {rank: device for rank, (_, device) in enumerate(claims)}
         shared = shared_devices(claims)
-        if shared:
+        if shared:  # every subscriber is told why
             why = (f"nccl: ranks {shared} share a CUDA device (rank -> device: {self.rank_devices}); NCCL needs "
                    "one device per rank: give each actor its own actor.device, or use cuda_ipc on one GPU")
             for peer in self._peers:
                 self._sock.send_multipart([peer, encode(Shutdown(why))])
             raise ValueError(why)
 
-    def _init_comm(self, backend: str, host: str, device: torch.device):
-        if backend == "torch_dist":
-            return self._group()
-        store = None
-        if backend == "nccl":
+    def _new_comm(self, device: torch.device | None = None):
+        """Send every peer its CollectiveInit and make rank 0's communicator (torch_dist: a fresh
+        store, its port chosen by the OS, and group; the servers connect once they have the inits)."""
+        if self.backend == "nccl":
             uid = _NcclComm.new_id()
         else:
-            store, uid = _GlooComm.new_store(host, self.world_size, self.collective_timeout_s)
-        self._send_inits(backend, uid)
-        if backend == "nccl":
-            return _NcclComm(self.world_size, uid, 0, device)
-        return _GlooComm(self.world_size, uid, 0, self.collective_timeout_s, store=store)
-
-    def _send_inits(self, backend: str, uid: bytes) -> None:
+            store, uid = _GlooComm.new_store(self._host, self.world_size, self.collective_timeout_s)
         for rank, peer in enumerate(self._peers, start=1):
-            init = CollectiveInit(rank, self.world_size, backend, uid, self.header)
-            self._sock.send_multipart([peer, encode(init)])
-
-    def _group(self) -> _TorchGroup:
-        """A fresh store (port chosen by the OS: no race for a free one) and group. The
-        CollectiveInits go out first: the servers connect only once they have them."""
-        store, addr = _GlooComm.new_store(self._advertised, self.world_size, self.collective_timeout_s)
-        self._send_inits("torch_dist", addr)
+            self._sock.send_multipart([peer, encode(CollectiveInit(rank, self.world_size, self.backend, uid,
+                                                                   self.header))])
+        if self.backend == "nccl":
+            return _NcclComm(self.world_size, uid, 0, device)
+        if self.backend == "gloo":
+            return _GlooComm(self.world_size, uid, 0, self.collective_timeout_s, store=store)
         return _TorchGroup(store, self.world_size, self.torch_backend, self.collective_timeout_s)
 
     def _rejoin(self) -> None:
-        """A peer that said Hello again (its server restarted: its old rank is gone) gets a new
-        group, and so does every other peer: a group needs all its ranks."""
-        if not self._repeat_hellos():
-            return
-        self._comm.close()
-        self._comm = self._group()
-        self.rebuilds += 1
-
-    def _repeat_hellos(self) -> bool:
-        """Take every queued frame (non-blocking); True if a known peer said Hello again. A peer
-        is known by its socket or by its Hello.id (a restarted actor has a new socket)."""
+        """torch_dist: a known peer that said Hello again (its server restarted: its rank is gone)
+        gets a new group, and so does every other peer (a group needs all its ranks). A peer is
+        known by its socket or by its Hello.id (a restarted actor has a new socket)."""
         again = False
         while self._sock.poll(0):
             frames = self._sock.recv_multipart()
-            hello = _decode_join(frames, True)
-            if hello is not None and frames[0] in self._peers:
+            join = _decode_join(frames, True)
+            if join is not None and frames[0] in self._peers:
                 again = True
-            elif hello is not None and hello.id in self._ids:
-                self._peers[self._ids.index(hello.id)] = frames[0]
+            elif join is not None and join[0].id in self._ids:
+                self._peers[self._ids.index(join[0].id)] = frames[0]
                 again = True
             else:
                 self.bad_frames += 1  # a stranger, or a newcomer while every rank is taken
-        return again
+        if again:
+            self._comm.close()
+            self._comm = self._new_comm()
+            self.rebuilds += 1
 
     def _write(self, version: int, named: Mapping[str, torch.Tensor]) -> int:
         if self.backend == "torch_dist":
@@ -372,7 +309,7 @@ class NcclPublisher(Publisher):
         return self._payload
 
     def _close_sockets(self) -> None:
-        for peer in getattr(self, "_peers", []):
+        for peer in self._peers:
             with contextlib.suppress(zmq.ZMQError):
                 self._sock.send_multipart([peer, encode(Shutdown("publisher closed"))], zmq.NOBLOCK)
         self._sock.close()
@@ -395,19 +332,13 @@ class NcclSubscriber(Subscriber):
                  device: torch.device | str | None = None, actor_id: str = "", collective_timeout_s: float = 300,
                  stop=None):
         super().__init__()
-        self._stop = stop
-        self.collective_timeout_s = collective_timeout_s
-        self.publisher_closed = False
-        deadline = time.monotonic() + timeout_s
-        self._ctx, self._sock = _connect(run_dir, timeout_s, curve, stop)
+        self._stop, self.collective_timeout_s = stop, collective_timeout_s
+        self.device = torch.device(device if device is not None else "cpu")
+        self._link = GroupLink(run_dir, timeout_s, curve=curve, actor_id=actor_id, stop=stop)
         try:
-            self.device = torch.device(device if device is not None else "cpu")
-            hello = Hello("weightsync", actor_id or f"{_socket.gethostname()}:{os.getpid()}")
-            self._sock.send_multipart([encode(hello), encode(RankDevice(_socket.gethostname(), str(self.device)))])
-            init = self._await_init(max(deadline - time.monotonic(), 1.0))
+            init = self._link.join(RankDevice(_socket.gethostname(), str(self.device)))
             self.rank, self.header = init.rank, init.layout
-            self._hash = layout.layout_hash(self.header)
-            self._payload = layout.payload_nbytes(self.header)
+            self._hash, self._payload = layout.layout_hash(self.header), layout.payload_nbytes(self.header)
             self.buffer_device = rank_buffer_device(init.backend, device)
             self._bufs, self._views = _buffers(self.header, self.buffer_device, packed=False)
             if init.backend == "nccl":
@@ -415,10 +346,8 @@ class NcclSubscriber(Subscriber):
             else:
                 self._comm = _GlooComm(init.world_size, init.unique_id, init.rank, collective_timeout_s)
         except BaseException:
-            self._sock.close()
-            self._ctx.term()
+            self._link.close()
             raise
-        self._pending: deque[WeightUpdateHeader] = deque()
 
     @classmethod
     def from_config(cls, cfg, run_dir: str, timeout_s: float = 60, *, stop=None, device=None,
@@ -426,44 +355,24 @@ class NcclSubscriber(Subscriber):
         return cls(run_dir, timeout_s, curve=net.curve_from_config(cfg.net), device=device, actor_id=actor_id,
                    stop=stop)
 
-    def _await_init(self, timeout_s: float) -> CollectiveInit:
-        wait_until(lambda: self._sock.poll(0), timeout_s, "the nccl publisher to assign a rank (it waits until "
-                   "all world_size - 1 actors have joined)", STOP_POLL_S, self._stop)
-        msg = _to_subscriber.decode(self._sock.recv())
-        if isinstance(msg, Shutdown):
-            raise RuntimeError(f"nccl subscriber: the publisher refused to start: {msg.reason}")
-        if not isinstance(msg, CollectiveInit):
-            raise RuntimeError(f"nccl subscriber: expected CollectiveInit, got {type(msg).__name__}")
-        return msg
-
-    def _drain(self) -> None:
-        while True:
-            try:
-                frame = self._sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            msg = _to_subscriber.decode(frame)  # a malformed frame raises here, not in a copy
-            if isinstance(msg, Shutdown):
-                self.publisher_closed = True
-            elif isinstance(msg, WeightUpdateHeader):
-                if layout.layout_hash(msg) != self._hash:
-                    raise layout.LayoutError(f"nccl subscriber: version {msg.version} changed the layout")
-                self._pending.append(msg)
-
     def latest_version(self) -> int:
-        self._drain()
-        return self._pending[-1].version if self._pending else self.stats.last_version
+        return max(self._link.latest_version(), self.stats.last_version)
 
     def _apply(self, named: Mapping[str, torch.Tensor], after: int) -> tuple[int, int] | None:
-        self._drain()
-        if not self._pending:
+        self._link.latest_version()  # queues every header that arrived
+        pending = self._link.pending
+        if not pending:
             return None
+        for header in pending:  # checked before any byte is received into a buffer
+            if layout.layout_hash(header) != self._hash:
+                raise layout.LayoutError(f"nccl subscriber: version {header.version} changed the layout")
         layout.check_targets(self.header, named, role="nccl subscriber")
         self._comm.begin()
-        while self._pending:
-            version = self._pending.popleft().version
+        for _ in pending:
             for buf in self._bufs:
                 self._comm.bcast(buf)
+        version = pending[-1].version
+        pending.clear()
         self._comm.end(self.collective_timeout_s, f"version {version}", self._stop)
         for views in self._views:
             for name, view in views:
@@ -474,15 +383,14 @@ class NcclSubscriber(Subscriber):
 
     def _close(self) -> None:
         self._comm.close()
-        self._sock.close()
-        self._ctx.term()
+        self._link.close()
 
 
 class GroupLink(_Closable):
-    """Actor side of ``torch_dist``, for an engine whose server receives the broadcasts itself: it
-    moves no bytes. :meth:`join` says Hello and returns the group to join (``CollectiveInit``);
-    headers queue in ``pending`` and the engine has its server receive each, in order. When a
-    peer's server restarts the publisher rebuilds the group and sends every peer a new
+    """A peer's side of the rendezvous and its header queue, moving no bytes: inside an
+    :class:`NcclSubscriber`, or (``torch_dist``) an engine's whose server receives the broadcasts
+    itself. :meth:`join` says Hello and returns the group to join; headers queue in ``pending``.
+    When a peer's server restarts the publisher rebuilds the group and sends every peer a new
     ``CollectiveInit``: ``rejoin`` holds it until the engine's server left the old group."""
 
     transport = "torch_dist"
@@ -501,23 +409,23 @@ class GroupLink(_Closable):
     @classmethod
     def from_config(cls, cfg, run_dir: str, timeout_s: float = 60, *, stop=None, device=None,
                     actor_id: str = "") -> "GroupLink":
-        # a server says hello only once it is up, and gets its rank once every peer has: wait as
-        # long as the publisher does
+        # a server says hello once it is up and gets its rank once every peer has: wait as long as the publisher
         return cls(run_dir, max(timeout_s, cfg.weightsync.join_timeout_s), curve=net.curve_from_config(cfg.net),
                    actor_id=actor_id, stop=stop)
 
-    def join(self) -> CollectiveInit:
-        """Say hello (again, after a restart) and wait for a rank. Versions queued for an earlier
+    def join(self, claim: RankDevice | None = None) -> CollectiveInit:
+        """Say hello (again, after a restart; an NcclSubscriber with its device ``claim``) and wait
+        for a rank; RuntimeError if the publisher refused or closed. Versions queued for an earlier
         group can no longer be received: dropped."""
         self.pending.clear()
-        self._sock.send(encode(Hello("weightsync", self.actor_id)))
-        msg = wait_until(self._next_init, self.timeout_s, "the learner to assign a rank", STOP_POLL_S, self._stop)
-        self.init, self.rejoin = _check_group(msg), None
+        self._sock.send_multipart([encode(Hello("weightsync", self.actor_id)), *([encode(claim)] if claim else [])])
+        msg = wait_until(lambda: m if isinstance(m := self._recv(), (CollectiveInit, Shutdown)) else None,
+                         self.timeout_s, "the learner to assign a rank (it waits until every peer has joined)",
+                         STOP_POLL_S, self._stop)
+        if isinstance(msg, Shutdown):
+            raise RuntimeError(f"the weight publisher refused to start: {msg.reason}")
+        self.init, self.rejoin = (msg if claim else _check_group(msg)), None
         return msg
-
-    def _next_init(self) -> CollectiveInit | None:
-        msg = self._recv()
-        return msg if isinstance(msg, CollectiveInit) else None
 
     def _recv(self):
         """One message (queueing a header), or None when none is there."""
@@ -560,6 +468,7 @@ def _check_group(msg: CollectiveInit) -> CollectiveInit:
         raise ValueError(f"CollectiveInit: rank {msg.rank} outside [1, {msg.world_size})")
     return msg
 
+
 def _connect(run_dir: str, timeout_s: float, curve, stop):
     """(context, DEALER) connected to the publisher, once its endpoint file exists."""
     path = endpoint_path(run_dir)
@@ -576,18 +485,18 @@ def _connect(run_dir: str, timeout_s: float, curve, stop):
     return ctx, sock
 
 
-def _decode_join(frames: list[bytes], group: bool = False) -> RankDevice | Hello | None:
-    """A subscriber's [identity, Hello, RankDevice] frames as its device claim, or a GroupLink's
-    [identity, Hello] (no device) as its Hello; None if not that (a stranger, another schema)."""
+def _decode_join(frames: list[bytes], group: bool = False) -> tuple[Hello, RankDevice | None] | None:
+    """A subscriber's [identity, Hello, RankDevice] frames (a GroupLink's: [identity, Hello]) as
+    (its Hello, its device claim or None); None if not that (a stranger, another schema)."""
     if len(frames) != (2 if group else 3):
         return None
     try:
         hello = _hello.decode(frames[1])
-        got = hello if group else _rank_device.decode(frames[2])
-        torch.device("cpu" if group else got.device)
+        claim = None if group else _rank_device.decode(frames[2])
+        torch.device(claim.device if claim else "cpu")
     except (msgspec.DecodeError, RuntimeError, ValueError):  # RuntimeError: not a device string
         return None
-    return got if hello.schema_version == SCHEMA_VERSION else None
+    return (hello, claim) if hello.schema_version == SCHEMA_VERSION else None
 
 
 def check_backend(backend: str, torch_backend: str, device: torch.device) -> None:
@@ -605,34 +514,14 @@ def check_backend(backend: str, torch_backend: str, device: torch.device) -> Non
                          "set learner.device (and actor.device) to CUDA devices, or use weightsync.transport=shm")
 
 
-def packed_views(header: WeightUpdateHeader, flat: torch.Tensor, bucket: int) -> list[tuple[str, torch.Tensor]]:
-    """Bucket ``bucket``'s tensors as views into ``flat``, packed back to back in the bucket's
-    order with no padding: what a server's flattened-bucket receive buffer holds."""
-    b, shapes = header.buckets[bucket], dict(zip(header.names, header.shapes))
-    if flat.dtype != torch.uint8 or flat.numel() != packed_nbytes(header, bucket):
-        raise layout.LayoutError(f"bucket {bucket}: packed buffer must be {packed_nbytes(header, bucket)} uint8 "
-                                 f"bytes, got {flat.numel()} {flat.dtype}")
-    out, lo = [], 0
-    for name in b.names:
-        size = layout.tensor_nbytes(b.dtype, shapes[name])
-        out.append((name, flat[lo : lo + size].view(layout.torch_dtype(b.dtype)).view(shapes[name])))
-        lo += size
-    return out
-
-
-def packed_nbytes(header: WeightUpdateHeader, bucket: int) -> int:
-    b, shapes = header.buckets[bucket], dict(zip(header.names, header.shapes))
-    return sum(layout.tensor_nbytes(b.dtype, shapes[name]) for name in b.names)
-
-
 def _buffers(header: WeightUpdateHeader, device: torch.device, *, packed: bool):
-    """One uint8 buffer per bucket and its (name, view) pairs: aligned (layout.views) or packed."""
-    if packed:
-        bufs = [torch.empty(packed_nbytes(header, i), dtype=torch.uint8, device=device)
-                for i in range(len(header.buckets))]
-        return bufs, [packed_views(header, buf, i) for i, buf in enumerate(bufs)]
-    bufs = [torch.empty(b.nbytes, dtype=torch.uint8, device=device) for b in header.buckets]
-    return bufs, [list(layout.views(header, buf, i).items()) for i, buf in enumerate(bufs)]
+    """One uint8 buffer per bucket and its (name, view) pairs, aligned or packed (torch_dist)."""
+    bufs, views = [], []
+    for i, b in enumerate(header.buckets):
+        bufs.append(torch.empty(layout.packed_nbytes(header, i) if packed else b.nbytes, dtype=torch.uint8,
+                                device=device))
+        views.append(list(layout.views(header, bufs[-1], i, packed=packed).items()))
+    return bufs, views
 
 
 def shared_devices(claims: list[tuple[str, str]]) -> list[list[int]]:

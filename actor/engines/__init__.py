@@ -1,9 +1,8 @@
 """The ``Engine`` seam: generate completions with behaviour log-probs and per-token versions.
 
-An engine holds a weight source (:meth:`Engine.weight_source`; None: fixed weights) and
-:meth:`Engine.refresh_weights` adopts the newest version: in process before every forward (an
-update lands between two tokens), a server engine between batches through the server's API.
-One file per engine, one line in :data:`ENGINES`, its knobs in a subsection of ``[actor]``.
+``refresh_weights()`` adopts the newest version from ``weight_source(...)``, the configured
+transport's subscriber (None: fixed weights): in process before every forward (an update lands
+between two tokens), a server engine between batches through its API.
 """
 
 from __future__ import annotations
@@ -25,31 +24,15 @@ class Sample:
     finish_reason: str  # "stop" | "length"
 
 
-def budgets(max_new_tokens: int | Sequence[int] | None, n: int, default: int) -> list[int]:
-    """Each of ``n`` prompts' token limit from ``max_new_tokens``: None (``default``), one int for
-    all, or one per prompt (tier limits, the length curriculum); every limit an integer >= 1."""
-    one = max_new_tokens is None or isinstance(max_new_tokens, Integral)
-    limits = [default if max_new_tokens is None else max_new_tokens] * n if one else list(max_new_tokens)
-    if len(limits) != n:
-        raise ValueError(f"max_new_tokens has {len(limits)} limits for {n} prompts: give one per prompt")
-    for i, b in enumerate(limits):
-        if isinstance(b, bool) or not isinstance(b, Integral) or b < 1:
-            raise ValueError(f"max_new_tokens{'' if one else f'[{i}]'} = {b!r}: a limit is an integer >= 1")
-    return [int(b) for b in limits]
-
-
 class EngineStopped(RuntimeError):
     """The engine's ``stop`` event was set (SIGTERM mid-batch); unfinished samples were never sent."""
 
 
 class Engine(abc.ABC):
     name = ""
-    # how it takes the learner's weights: a key of weightsync.DELIVERS, "tensors" (its own) or
-    # "group" (a server joining a torch.distributed group); checked by jobs.check_seams
-    receives = "tensors"
+    receives = "tensors"  # weightsync.DELIVERS; or "group": a server joining a torch.distributed group
     stop = None  # a threading.Event the worker sets on SIGTERM; a long generate checks it per step
-    # called once per decode step, if the engine has steps: the worker's heartbeat (a long sequence is no hang)
-    on_step = None
+    on_step = None  # the worker's heartbeat, once per decode step if the engine has steps (no hang)
 
     def __init__(self, weights=None):
         self.weights = weights
@@ -62,27 +45,40 @@ class Engine(abc.ABC):
 
     @classmethod
     def weight_source(cls, cfg, run_dir: str, actor_id: str, *, stop=None, device=None):
-        """The subscriber of ``weightsync.transport`` the worker hands this engine."""
+        """The subscriber of ``weightsync.transport`` (a GroupLink for a "group" engine)."""
         from weightsync.base import make_subscriber
 
         return make_subscriber(cfg, run_dir, stop=stop, device=device, actor_id=actor_id)
 
-    @abc.abstractmethod
     def stream(self, prompts: list[list[int]], *, max_new_tokens: int | Sequence[int] | None = None,
                greedy: bool = False) -> Iterator[tuple[int, Sample]]:
-        """``(index, Sample)`` for every prompt, once each, as its sequence finishes (completion
-        order); one that reaches its limit (:func:`budgets`) without EOS finishes "length"."""
+        """``(index, Sample)`` for every prompt, once each, as its sequence finishes (completion order).
+        ``max_new_tokens``: None (the engine's own), one limit for all, or one per prompt (tier limits,
+        the length curriculum); a sequence that reaches its limit without EOS finishes "length"."""
+        if not all(prompts):
+            raise ValueError(f"prompt {list(map(bool, prompts)).index(False)} is empty: nothing to condition on")
+        n, limit = len(prompts), self.max_new_tokens if max_new_tokens is None else max_new_tokens
+        one = isinstance(limit, Integral)
+        limits = [limit] * n if one else list(limit)
+        if len(limits) != n:
+            raise ValueError(f"max_new_tokens has {len(limits)} limits for {n} prompts: give one per prompt")
+        for i, b in enumerate(limits):
+            if isinstance(b, bool) or not isinstance(b, Integral) or b < 1:
+                raise ValueError(f"max_new_tokens{'' if one else f'[{i}]'} = {b!r}: a limit is an integer >= 1")
+        return self._stream(prompts, [int(b) for b in limits], greedy) if prompts else iter(())
+
+    @abc.abstractmethod
+    def _stream(self, prompts: list[list[int]], limits: list[int], greedy: bool) -> Iterator[tuple[int, Sample]]:
+        """:meth:`stream` of at least one prompt, each with its limit."""
 
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int | Sequence[int] | None = None,
                  greedy: bool = False) -> list[Sample]:
-        out: list[Sample | None] = [None] * len(prompts)
-        for i, sample in self.stream(prompts, max_new_tokens=max_new_tokens, greedy=greedy):
-            out[i] = sample
-        return out
+        done = dict(self.stream(prompts, max_new_tokens=max_new_tokens, greedy=greedy))
+        return [done[i] for i in range(len(prompts))]
 
-    @abc.abstractmethod
     def sampling(self) -> SamplingSpec:
         """The distribution the behaviour log-probs describe (checked against the learner's)."""
+        return self.spec
 
     @abc.abstractmethod
     def _apply_weights(self) -> int | None:

@@ -1,19 +1,9 @@
-"""The SGLang engine: generation in an SGLang 0.5.23 server, weights pushed into it over NCCL.
-
-SGLang pins its own torch, so it lives in its own venv (``actor.sglang.python``, README) and the
-engine runs ``<python> -m sglang.launch_server`` as a child process. Every request and response
-shape here is read from 0.5.23's ``entrypoints/http_server.py``, ``managers/io_struct.py`` and
-``api/v1/api_types.py``; ``.ci/sglang-contract`` checks them against SGLang's own structs on CPU.
-
-Behaviour log-probs: with top-k/top-p on, ``output_token_sampling_logprobs`` (the renormalised
-support the token was sampled from), not ``output_token_logprobs`` (before truncation).
-Versions: per-token from the response's ``weight_versions`` spans; without them, the version
-the engine last applied. Weights: the server joins the learner's ``torch_dist`` group
-(weightsync/nccl.py, through a :class:`GroupLink`) and receives each version's buckets by
-``/update_weights_from_distributed``, between pause and continue; the version changes once,
-on the last bucket. A failed update poisons the engine: it restarts its server, re-joins and
-re-pulls a whole version before serving again. ``update_weights_from_tensor`` is not used: its
-payload is pickled.
+"""The SGLang engine: generation in an SGLang 0.5.23 server run from its own venv (it pins its own
+torch; ``actor.sglang.python``), weights pushed into it over NCCL; ``.ci/sglang-contract`` checks the
+bodies against SGLang's structs. With top-k/top-p on, the behaviour log-probs are those of the
+renormalised support the token was drawn from (``output_token_sampling_logprobs``). A failed weight
+update poisons the engine until it has restarted its server and re-pulled a whole version.
+``update_weights_from_tensor`` is not used: it pickles.
 """
 
 from __future__ import annotations
@@ -29,9 +19,9 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
-from actor.engines import Engine, EngineStopped, Sample, budgets
+from actor.engines import Engine, EngineStopped, Sample
 from core import net, precision
 from model.sampling import SamplingSpec
 from model.tokenizer import Tokenizer
@@ -43,16 +33,12 @@ HEALTH_PATH = "/health_generate"  # /health answers 200 without generating unles
 PAUSE_MODE = "retract"  # running requests go back to the queue and are recomputed on continue
 POLL_S = 0.2  # how often a wait looks at the server process and the stop event
 STOP_GRACE_S = 15.0  # SIGTERM -> SIGKILL
-FINISH = {"stop": "stop", "length": "length"}  # SGLang's finish_reason["type"] -> driftrl's
 # the server is on loopback: an http_proxy in the environment must not route requests to it
 _HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 class SGLangError(RuntimeError):
     """The server refused a request, answered something unexpected, or is gone."""
-
-
-# ---- requests (pure) -----------------------------------------------------------------------
 
 
 def gpu_index(device: str) -> int | None:
@@ -83,8 +69,6 @@ def truncates(spec: SamplingSpec) -> bool:
 
 def sampling_params(spec: SamplingSpec, max_new_tokens: int, eos_ids, greedy: bool) -> dict:
     """SGLang ``sampling_params`` (temperature 0 is its greedy, no ``top_k`` its whole vocabulary)."""
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     body = {"max_new_tokens": int(max_new_tokens), "temperature": 0.0 if greedy else float(spec.temperature),
             "top_p": float(spec.top_p), "stop_token_ids": sorted({int(t) for t in eos_ids})}
     if spec.top_k > 0:
@@ -94,8 +78,6 @@ def sampling_params(spec: SamplingSpec, max_new_tokens: int, eos_ids, greedy: bo
 
 def generate_body(prompt: list[int], params: dict, *, sampling_mask: bool) -> dict:
     """One ``/generate`` body: ``input_ids`` (driftrl tokenises), output-token log-probs only."""
-    if not prompt:
-        raise ValueError("prompt is empty: a sequence needs at least one token to condition on")
     body = {"input_ids": [int(t) for t in prompt], "sampling_params": params, "return_logprob": True,
             "stream": False}
     if sampling_mask:
@@ -103,20 +85,20 @@ def generate_body(prompt: list[int], params: dict, *, sampling_mask: bool) -> di
     return body
 
 
-def init_group_body(host: str, port: int, rank_offset: int, world_size: int, group: str = GROUP_NAME) -> dict:
+def init_group_body(host: str, port: int, rank_offset: int, world_size: int) -> dict:
     if not 1 <= rank_offset < world_size:
         raise ValueError(f"rank_offset must be in [1, world_size): rank 0 is the learner; got "
                          f"rank_offset={rank_offset}, world_size={world_size}")
     return {"master_address": host, "master_port": int(port), "rank_offset": int(rank_offset),
-            "world_size": int(world_size), "group_name": group, "backend": "nccl"}
+            "world_size": int(world_size), "group_name": GROUP_NAME, "backend": "nccl"}
 
 
-def bucket_bodies(header, group: str = GROUP_NAME) -> list[dict]:
+def bucket_bodies(header) -> list[dict]:
     """One ``/update_weights_from_distributed`` body per bucket, in the order the learner broadcasts."""
     shapes = dict(zip(header.names, header.shapes))
     last = len(header.buckets) - 1
     return [{"names": list(b.names), "dtypes": [b.dtype] * len(b.names), "shapes": [list(shapes[n]) for n in b.names],
-             "group_name": group, "load_format": "flattened_bucket", "flush_cache": i == last,
+             "group_name": GROUP_NAME, "load_format": "flattened_bucket", "flush_cache": i == last,
              "weight_version": str(header.version) if i == last else None}
             for i, b in enumerate(header.buckets)]
 
@@ -132,34 +114,28 @@ ABORT_ALL_BODY = {"abort_all": True}
 def finish_reason(reason) -> str:
     """driftrl's "stop" / "length" from SGLang's ``finish_reason`` (``BaseFinishReason.to_json``)."""
     kind = reason.get("type") if isinstance(reason, dict) else None
-    if kind in FINISH:
-        return FINISH[kind]
+    if kind in ("stop", "length"):
+        return kind
     if kind == "abort":
         raise SGLangError(f"request aborted by the server: {reason.get('message')!r}")
     raise SGLangError(f"unexpected finish_reason {reason!r} (want a dict with type stop/length)")
 
 
-def _version(text, fallback: int) -> int:
-    try:
-        return int(text)
-    except (TypeError, ValueError):
-        return fallback  # "default": the server started without --weight-version
-
-
 def token_versions(meta: dict, n: int, fallback: int) -> list[int]:
-    """Per-token versions from ``meta_info["weight_versions"]`` spans ``[start, end)``; tokens no
-    span covers (or no spans at all) get ``fallback``."""
+    """Per-token versions from ``meta_info["weight_versions"]`` spans [start, end), else ``fallback``."""
     out = [fallback] * n
     for span in meta.get("weight_versions") or []:
-        v = _version(span.get("version"), fallback)
+        try:
+            v = int(span.get("version"))
+        except (TypeError, ValueError):
+            v = fallback  # "default": the server started without --weight-version
         for i in range(max(0, int(span["start"])), min(n, int(span["end"]))):
             out[i] = v
     return out
 
 
 def parse_sample(out: dict, fallback_version: int, *, sampling_mask: bool) -> Sample:
-    """A ``Sample`` from one ``/generate`` response: tokens and log-probs from the same
-    ``output_token_logprobs`` entries, checked against ``output_ids``."""
+    """A ``Sample`` from one ``/generate`` response, its tokens checked against ``output_ids``."""
     meta = out.get("meta_info")
     if not isinstance(meta, dict) or "output_token_logprobs" not in meta:
         raise SGLangError(f"response has no meta_info.output_token_logprobs (keys: {sorted(out)})")
@@ -177,57 +153,48 @@ def parse_sample(out: dict, fallback_version: int, *, sampling_mask: bool) -> Sa
                   finish_reason(meta.get("finish_reason")))
 
 
-def check_ok(path: str, reply) -> None:
-    """Weight-update routes answer ``{"success": bool, "message": str}``; False is a failure."""
+def post_ok(server, path: str, body: dict, timeout_s: float) -> None:
+    """POST to a weight-update route: it answers ``{"success": bool, "message": str}``; False raises."""
+    reply = server.post(path, body, timeout_s)
     if isinstance(reply, dict) and reply.get("success") is False:
         raise SGLangError(f"{path} failed: {reply.get('message')}")
 
 
-# ---- the server process --------------------------------------------------------------------
-
-
 def _die_with_us() -> None:
     """In the child before exec: SIGTERM when the actor dies, even by SIGKILL (Linux)."""
-    try:
+    with contextlib.suppress(OSError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 class SGLangServer:
     """One ``sglang.launch_server`` child in its own process group, and JSON over HTTP to it."""
 
     def __init__(self, argv: list[str], port: int, *, request_timeout_s: float = 600.0):
-        self.argv, self.port = argv, port
-        self.url = f"http://127.0.0.1:{port}"
-        self.request_timeout_s = request_timeout_s
+        self.argv, self.url, self.request_timeout_s = argv, f"http://127.0.0.1:{port}", request_timeout_s
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout_s: float, stop=None) -> None:
         log.info("starting SGLang: %s", " ".join(self.argv))
         self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL,  # stdout/stderr: the actor's log
                                      start_new_session=True, preexec_fn=_die_with_us)
+        deadline = time.monotonic() + timeout_s
         try:
-            self.wait_healthy(timeout_s, stop)
+            while not self._healthy():
+                if not self.alive():
+                    raise SGLangError(f"the SGLang server exited with status {self.proc.returncode} before it was "
+                                      "healthy (see the actor log)")
+                if stop is not None and stop.is_set():
+                    raise EngineStopped("stopped while the SGLang server was starting")
+                if time.monotonic() > deadline:
+                    raise SGLangError(f"the SGLang server was not healthy within {timeout_s:.0f}s "
+                                      "(actor.sglang.start_timeout_s)")
+                time.sleep(POLL_S)
         except BaseException:
             self.stop()  # never leave a half-started server behind
             raise
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
-
-    def wait_healthy(self, timeout_s: float, stop=None) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not self._healthy():
-            if not self.alive():
-                code = None if self.proc is None else self.proc.returncode
-                raise SGLangError(f"the SGLang server exited with status {code} before it was healthy (see the actor log)")
-            if stop is not None and stop.is_set():
-                raise EngineStopped("stopped while the SGLang server was starting")
-            if time.monotonic() > deadline:
-                raise SGLangError(f"the SGLang server was not healthy within {timeout_s:.0f}s "
-                                  "(actor.sglang.start_timeout_s)")
-            time.sleep(POLL_S)
 
     def _healthy(self) -> bool:
         try:
@@ -272,16 +239,15 @@ def push_update(server: SGLangServer, header, timeout_s: float) -> None:
     """pause -> begin -> one receive per bucket -> end -> continue. NCCL needs every rank in every
     broadcast, so a queued version is received even when a newer one follows."""
     server.post("/pause_generation", PAUSE_BODY, timeout_s)
-    check_ok("/begin_weight_update", server.post("/begin_weight_update", BEGIN_BODY, timeout_s))
+    post_ok(server, "/begin_weight_update", BEGIN_BODY, timeout_s)
     for body in bucket_bodies(header):
-        check_ok("/update_weights_from_distributed", server.post("/update_weights_from_distributed", body, timeout_s))
-    check_ok("/end_weight_update", server.post("/end_weight_update", END_BODY, timeout_s))
+        post_ok(server, "/update_weights_from_distributed", body, timeout_s)
+    post_ok(server, "/end_weight_update", END_BODY, timeout_s)
     server.post("/continue_generation", CONTINUE_BODY, timeout_s)
 
 
 class SGLangEngine(Engine):
-    """``weights``: a :class:`GroupLink` to the learner's publisher, or None for the model
-    directory's fixed weights (version 0)."""
+    """``weights``: a :class:`GroupLink` to the learner's publisher, or None (fixed weights, version 0)."""
 
     name = "sglang"
     receives = "group"
@@ -290,8 +256,6 @@ class SGLangEngine(Engine):
                  max_batch: int = 256, weights=None, start_timeout_s: float = 600.0,
                  update_timeout_s: float = 300.0, restart=None):
         super().__init__(weights)
-        if max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1 (requests in flight at once), got {max_batch}")
         self.server, self.spec = server, spec
         self.eos_ids = sorted({int(t) for t in eos_ids})
         self.max_new_tokens, self.max_batch = max_new_tokens, max_batch
@@ -301,23 +265,21 @@ class SGLangEngine(Engine):
 
     @classmethod
     def from_config(cls, actor_cfg, model_dir: str, weights=None, seed: int = 0) -> "SGLangEngine":
-        gpu = gpu_index(str(actor_cfg.device))
+        gpu, sg = gpu_index(str(actor_cfg.device)), actor_cfg.sglang
         if weights is not None and not isinstance(weights, GroupLink):
             raise ValueError(f"actor.engine=sglang takes its weights through a GroupLink (weightsync.transport="
                              f"torch_dist), got a {type(weights).__name__}")
 
         def fresh() -> SGLangServer:
             port = net.free_port()
-            argv = launch_argv(actor_cfg.sglang.python, model_dir, port,
-                               dtype=precision.dtype_name(actor_cfg.dtype, "cuda"),
-                               mem_fraction=actor_cfg.sglang.mem_fraction, max_running=actor_cfg.max_batch,
-                               seed=seed, version=0 if weights is None else -1, gpu=gpu)
-            return SGLangServer(argv, port, request_timeout_s=actor_cfg.sglang.request_timeout_s)
+            argv = launch_argv(sg.python, model_dir, port, dtype=precision.dtype_name(actor_cfg.dtype, "cuda"),
+                               mem_fraction=sg.mem_fraction, max_running=actor_cfg.max_batch, seed=seed,
+                               version=0 if weights is None else -1, gpu=gpu)
+            return SGLangServer(argv, port, request_timeout_s=sg.request_timeout_s)
 
         engine = cls(fresh(), SamplingSpec.of(actor_cfg), eos_ids=Tokenizer.from_dir(model_dir).eos_ids,
                      max_new_tokens=actor_cfg.max_new_tokens, max_batch=actor_cfg.max_batch, weights=weights,
-                     start_timeout_s=actor_cfg.sglang.start_timeout_s,
-                     update_timeout_s=actor_cfg.sglang.update_timeout_s, restart=fresh)
+                     start_timeout_s=sg.start_timeout_s, update_timeout_s=sg.update_timeout_s, restart=fresh)
         try:
             engine.boot()
         except BaseException:
@@ -326,67 +288,44 @@ class SGLangEngine(Engine):
         return engine
 
     def boot(self) -> None:
-        """Start the server and, with a link, have it join the learner's group."""
         self.server.start(self.start_timeout_s, self.stop)
         if self.weights is not None:
-            check_ok("/init_weights_update_group",
-                     self.server.post("/init_weights_update_group", join_body(self.weights.join()),
-                                      self.update_timeout_s))
-
-    def sampling(self) -> SamplingSpec:
-        return self.spec
-
-    # ---- weights
+            post_ok(self.server, "/init_weights_update_group", join_body(self.weights.join()), self.update_timeout_s)
 
     def _apply_weights(self) -> int | None:
         if self.poisoned is not None:
             return self._heal()
         latest = self.weights.latest_version()
-        if self.weights.rejoin is not None and not self._rejoin():
-            return None
-        if latest <= self.version:
-            return None
-        return self._push_pending()
-
-    def _rejoin(self) -> bool:
-        """The learner rebuilt the group: leave the old one, join the new (False, poisoned, if refused)."""
-        body, self.weights.rejoin = join_body(self.weights.rejoin), None
-        try:
-            check_ok("/destroy_weights_update_group",
-                     self.server.post("/destroy_weights_update_group", DESTROY_BODY, self.update_timeout_s))
-            check_ok("/init_weights_update_group",
-                     self.server.post("/init_weights_update_group", body, self.update_timeout_s))
-        except (SGLangError, OSError) as e:
-            self.poison(f"re-joining the rebuilt weight group: {e}")
-            return False
-        return True
+        if self.weights.rejoin is not None:  # the learner rebuilt the group: leave the old one, join the new
+            body, self.weights.rejoin = join_body(self.weights.rejoin), None
+            try:
+                post_ok(self.server, "/destroy_weights_update_group", DESTROY_BODY, self.update_timeout_s)
+                post_ok(self.server, "/init_weights_update_group", body, self.update_timeout_s)
+            except (SGLangError, OSError) as e:
+                return self.poison(f"re-joining the rebuilt weight group: {e}")
+        return self._push_pending() if latest > self.version else None
 
     def _push_pending(self) -> int | None:
         """Receive every queued version in order; the newest is in effect after the last."""
-        t0 = time.perf_counter()
-        applied = None
+        t0, applied = time.perf_counter(), None
         while self.weights.pending:
             header = self.weights.pending.pop(0)
             try:
                 push_update(self.server, header, self.update_timeout_s)
             except (SGLangError, OSError) as e:
-                self.poison(f"version {header.version}: {e}")
-                return None
+                return self.poison(f"version {header.version}: {e}")
             applied = header.version
         s = self.weights.stats
         s.apply_s = time.perf_counter() - t0
         s.apply_s_total += s.apply_s
         return applied
 
-    def poison(self, why: str) -> None:
-        """A failed or timed-out update: the server may hold half-written weights."""
+    def poison(self, why: str) -> None:  # a failed or timed-out update: the weights may be half-written
         log.error("SGLang weight update failed (%s): the engine is poisoned and will restart", why)
         self.poisoned = why
 
     def _heal(self) -> int | None:
-        """Restart on the model directory, re-join, and pull a version before serving:
-        every version carries the whole weights. Until one lands the engine stays poisoned and
-        ``stream`` refuses to run."""
+        """Restart on the model directory, re-join, and pull a whole version (poisoned until one lands)."""
         if self.restart is None:
             raise SGLangError(f"the SGLang engine is poisoned ({self.poisoned}) and cannot restart")
         self.server.stop()
@@ -403,43 +342,30 @@ class SGLangEngine(Engine):
         self.poisoned = None
         return self._push_pending()
 
-    # ---- generation
-
-    def stream(self, prompts: list[list[int]], *, max_new_tokens: int | Sequence[int] | None = None,
-               greedy: bool = False) -> Iterator[tuple[int, Sample]]:
+    def _stream(self, prompts: list[list[int]], limits: list[int], greedy: bool) -> Iterator[tuple[int, Sample]]:
         """Every prompt in flight at once (at most ``max_batch``), each with its own limit."""
         if self.poisoned is not None:
             raise SGLangError(f"the SGLang engine is poisoned ({self.poisoned}); refresh_weights() restarts it")
-        limits = budgets(max_new_tokens, len(prompts), self.max_new_tokens)
-        if not prompts:
-            return
         mask = truncates(self.spec) and not greedy
         params = {n: sampling_params(self.spec, n, self.eos_ids, greedy) for n in set(limits)}
         bodies = [generate_body(p, params[n], sampling_mask=mask) for p, n in zip(prompts, limits)]
         pool = cf.ThreadPoolExecutor(min(self.max_batch, len(bodies)), thread_name_prefix="sglang")
         try:
             futures = {pool.submit(self.server.post, "/generate", b): i for i, b in enumerate(bodies)}
-            yield from self._collect(futures, mask)
+            version, waiting = self.version, set(futures)
+            while waiting:
+                if self.stop is not None and self.stop.is_set():
+                    pool.shutdown(wait=False, cancel_futures=True)  # what has not started never will
+                    try:
+                        self.server.post("/abort_request", ABORT_ALL_BODY, 10)
+                    except SGLangError as e:
+                        log.warning("could not abort the server's requests: %s", e)
+                    raise EngineStopped("stopped mid-generation")
+                done, waiting = cf.wait(waiting, timeout=POLL_S, return_when=cf.FIRST_COMPLETED)
+                for f in done:
+                    yield futures[f], parse_sample(f.result(), version, sampling_mask=mask)
         finally:
             pool.shutdown(wait=False, cancel_futures=True)  # a consumer that stops early waits for nothing
-
-    def _collect(self, futures: dict, mask: bool) -> Iterator[tuple[int, Sample]]:
-        version, waiting = self.version, set(futures)
-        while waiting:
-            if self.stop is not None and self.stop.is_set():
-                self._abandon(waiting)
-                raise EngineStopped("stopped mid-generation")
-            done, waiting = cf.wait(waiting, timeout=POLL_S, return_when=cf.FIRST_COMPLETED)
-            for f in done:
-                yield futures[f], parse_sample(f.result(), version, sampling_mask=mask)
-
-    def _abandon(self, waiting) -> None:
-        for f in waiting:
-            f.cancel()
-        try:
-            self.server.post("/abort_request", ABORT_ALL_BODY, 10)
-        except SGLangError as e:
-            log.warning("could not abort the server's requests: %s", e)
 
     def close(self) -> None:
         self.server.stop()

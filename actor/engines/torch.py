@@ -1,22 +1,20 @@
 """The embedded PyTorch engine: continuous batching over a preallocated KV cache (ARCHITECTURE.md).
 
-Each turn runs one forward: a prefill of newly admitted prompts over just their slots, else one
-decode step for every running sequence; running rows stay packed at the front of the cache, so a
-decode step reads it as a view. Weights may change between two forwards: each token records the
-version that produced it, and running sequences keep their KV cache across an update (as
-PipelineRL does). Speed against transformers' ``generate``: ``bench/engine.py``.
+Each turn runs one forward: a prefill of newly admitted prompts, else one decode step for every
+running sequence (packed at the front of the cache, so a decode step reads it as a view). Weights may
+change between two forwards; running sequences keep their KV cache across an update (as PipelineRL).
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
-from actor.engines import Engine, EngineStopped, Sample, budgets
+from actor.engines import Engine, EngineStopped, Sample
 from core import placement, precision
 from model.attention import DTYPES
 from model.hf import load_pretrained
@@ -35,30 +33,12 @@ class _Seq:
     index: int
     prompt: list[int]
     budget: int
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    finish: str | None = None
-
-    def sample(self) -> Sample:
-        return Sample(self.tokens, self.logprobs, self.versions, self.finish)
+    out: Sample = field(default_factory=lambda: Sample([], [], [], ""))  # finish_reason "" while running
 
 
 def _grown(need: int, have: int, factor: float, cap: int | None = None) -> int:
     """``have`` if enough, else the larger of ``need`` and ``have * factor`` (at most ``cap``)."""
-    if need <= have:
-        return have
-    grown = math.ceil(have * factor)
-    return max(need, grown if cap is None else min(grown, cap))
-
-
-def _chunk_sums(probs, c: int):
-    """FP64 sums of each row's consecutive ``c``-entry chunks ``[B, ceil(V / c)]`` (last: the rest)."""
-    full = probs.shape[-1] // c * c
-    parts = [probs[:, :full].unfold(-1, c, c).sum(-1, dtype=torch.float64)] if full else []
-    if full < probs.shape[-1]:
-        parts.append(probs[:, full:].sum(-1, keepdim=True, dtype=torch.float64))
-    return torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
+    return have if need <= have else max(need, min(math.ceil(have * factor), math.inf if cap is None else cap))
 
 
 def _inverse_cdf(probs, uniform):
@@ -67,7 +47,11 @@ def _inverse_cdf(probs, uniform):
     49152 against 25 for one FP64 cumsum and 41-53 for ``torch.multinomial`` (measured). Clamped
     to the chunk's last positive entry, so a truncated-away token is never drawn, whatever the rounding."""
     c, vocab = DRAW_CHUNK, probs.shape[-1]
-    cdf = _chunk_sums(probs, c).cumsum(-1)
+    full = vocab // c * c  # FP64 sums of each row's c-entry chunks [B, ceil(V / c)], the last: the rest
+    parts = [probs[:, :full].unfold(-1, c, c).sum(-1, dtype=torch.float64)] if full else []
+    if full < vocab:
+        parts.append(probs[:, full:].sum(-1, keepdim=True, dtype=torch.float64))
+    cdf = (torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]).cumsum(-1)
     total = cdf[:, -1:]
     u = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
     chunk = torch.searchsorted(cdf, u, right=True)  # [B, 1]: its cumulative sum is the first above u
@@ -77,17 +61,6 @@ def _inverse_cdf(probs, uniform):
     k = torch.searchsorted(inner, u - before, right=True)
     last_positive = (inner < inner[:, -1:]).sum(-1, keepdim=True)
     return (chunk * c + torch.minimum(k, last_positive)).squeeze(-1)
-
-
-def _pack(cache: KVCache, running: list[_Seq | None]) -> None:
-    """Fill every hole with the last running sequence, so the running rows are slots [0, m)."""
-    while None in running:
-        if running[-1] is None:
-            running.pop()
-            continue
-        hole = running.index(None)
-        cache.move(len(running) - 1, hole)
-        running[hole] = running.pop()
 
 
 class TorchEngine(Engine):
@@ -100,17 +73,12 @@ class TorchEngine(Engine):
                  max_batch: int = 256, dtype: str = "bfloat16", fp32_attn_softmax: bool = True, seed: int = 0,
                  weights=None, device="cpu"):
         super().__init__(weights)
-        if max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1 (sequences decoded at once), got {max_batch}")
         self.device = torch.device(device)
         self.dtype = DTYPES[precision.dtype_name(dtype, self.device)]
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.model.fp32_attn_softmax = fp32_attn_softmax
-        self.spec = spec
-        self.max_new_tokens = max_new_tokens
-        self.max_batch = max_batch
+        self.spec, self.max_new_tokens, self.max_batch, self.pad_id = spec, max_new_tokens, max_batch, pad_id
         self.eos_ids = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=self.device)
-        self.pad_id = pad_id
         self.gen = torch.Generator(device=self.device).manual_seed(seed)
         self._params = self.params()
         self._cache: KVCache | None = None
@@ -124,9 +92,6 @@ class TorchEngine(Engine):
                    max_new_tokens=actor_cfg.max_new_tokens, max_batch=actor_cfg.max_batch, dtype=actor_cfg.dtype,
                    fp32_attn_softmax=actor_cfg.fp32_attn_softmax, seed=seed, weights=weights, device=device)
 
-    def sampling(self) -> SamplingSpec:
-        return self.spec
-
     def params(self) -> dict[str, torch.Tensor]:
         """The model's own Parameters and buffers by state_dict name: a transport copies into them or
         rebinds their ``.data`` (shm), which detached state_dict() tensors would not pass on."""
@@ -138,14 +103,7 @@ class TorchEngine(Engine):
         return self.weights.apply(self._params)
 
     @torch.inference_mode()
-    def stream(self, prompts: list[list[int]], *, max_new_tokens: int | Sequence[int] | None = None,
-               greedy: bool = False) -> Iterator[tuple[int, Sample]]:
-        limits = budgets(max_new_tokens, len(prompts), self.max_new_tokens)
-        if not prompts:
-            return
-        for i, p in enumerate(prompts):
-            if not p:
-                raise ValueError(f"prompt {i} is empty: a sequence needs at least one token to condition on")
+    def _stream(self, prompts: list[list[int]], limits: list[int], greedy: bool) -> Iterator[tuple[int, Sample]]:
         longest = max(len(p) + b for p, b in zip(prompts, limits))
         cache = self._cache_for(min(self.max_batch, len(prompts)), longest)
         waiting = deque(_Seq(i, list(p), b) for i, (p, b) in enumerate(zip(prompts, limits)))
@@ -163,9 +121,9 @@ class TorchEngine(Engine):
             else:
                 self._decode(cache, running, greedy)
             for slot, seq in enumerate(running):
-                if seq.finish:
+                if seq.out.finish_reason:
                     running[slot] = None
-                    yield seq.index, seq.sample()
+                    yield seq.index, seq.out
 
     def _cache_for(self, slots: int, max_len: int) -> KVCache:
         """The engine's one cache, grown (and reallocated: nothing runs between calls) if needed."""
@@ -178,7 +136,8 @@ class TorchEngine(Engine):
         return self._cache
 
     def _admit(self, cache: KVCache, running: list[_Seq | None], waiting: deque) -> list[int]:
-        """Give free slots to waiting prompts, holes first; pack the rest. Returns the new slots."""
+        """Give free slots to waiting prompts, holes first, then fill every hole left with the last
+        running sequence, so the running rows are slots [0, m). Returns the new slots."""
         fresh = []
         for slot in range(min(self.max_batch, cache.slots)):
             if not waiting:
@@ -188,16 +147,20 @@ class TorchEngine(Engine):
             if running[slot] is None:
                 running[slot] = waiting.popleft()
                 fresh.append(slot)
-        _pack(cache, running)
+        while None in running:
+            if running[-1] is None:
+                running.pop()
+                continue
+            hole = running.index(None)
+            cache.move(len(running) - 1, hole)
+            running[hole] = running.pop()
         return fresh
 
     def _prefill(self, cache: KVCache, running: list[_Seq], fresh: list[int], greedy: bool) -> None:
         seqs = [running[i] for i in fresh]
-        lens = torch.tensor([len(s.prompt) for s in seqs])
-        ids = torch.full((len(seqs), int(lens.max())), self.pad_id, dtype=torch.long)
-        for row, s in enumerate(seqs):
-            ids[row, : len(s.prompt)] = torch.tensor(s.prompt, dtype=torch.long)
-        ids, lens = ids.to(self.device), lens.to(self.device)  # built on the host, one copy each
+        lens = torch.tensor([len(s.prompt) for s in seqs], device=self.device)
+        ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(s.prompt, dtype=torch.long) for s in seqs],
+                                              batch_first=True, padding_value=self.pad_id).to(self.device)
         cols = torch.arange(ids.shape[1], device=self.device)
         rows = torch.tensor(fresh, device=self.device)
         cache.reset(rows)
@@ -208,29 +171,25 @@ class TorchEngine(Engine):
 
     def _decode(self, cache: KVCache, running: list[_Seq], greedy: bool) -> None:
         pos = cache.lengths[: len(running), None].clone()  # the pending token's position
-        ids = torch.tensor([[s.tokens[-1]] for s in running], dtype=torch.long, device=self.device)
+        ids = torch.tensor([[s.out.tokens[-1]] for s in running], dtype=torch.long, device=self.device)
         mask = torch.arange(int(pos.max()) + 1, device=self.device)[None] <= pos
         version = self.refresh_weights()
         hidden = self.model(ids, pos, mask, cache)
         self._record(running, hidden[:, -1], version, greedy)
 
     def _record(self, seqs: list[_Seq], hidden, version: int, greedy: bool) -> None:
-        nxt, lp = self._next_token(hidden, greedy)
-        stops = torch.isin(nxt, self.eos_ids).tolist()
-        for seq, tok, logp, stop in zip(seqs, nxt.tolist(), lp.tolist(), stops):
-            seq.tokens.append(tok)
-            seq.logprobs.append(logp)
-            seq.versions.append(version)
-            if stop or len(seq.tokens) >= seq.budget:
-                seq.finish = "stop" if stop else "length"
-
-    def _next_token(self, hidden, greedy: bool):
         s = self.spec
         logp = sampling_logprobs(self.model.logits(hidden), s.temperature, s.top_k, s.top_p)
         nxt = logp.argmax(-1) if greedy else self._draw(logp)
-        return nxt, logp.gather(-1, nxt[:, None]).squeeze(-1)
+        lp = logp.gather(-1, nxt[:, None]).squeeze(-1)
+        stops = torch.isin(nxt, self.eos_ids).tolist()
+        for seq, tok, tok_lp, stop in zip(seqs, nxt.tolist(), lp.tolist(), stops):
+            seq.out.tokens.append(tok)
+            seq.out.logprobs.append(tok_lp)
+            seq.out.versions.append(version)
+            if stop or len(seq.out.tokens) >= seq.budget:
+                seq.out.finish_reason = "stop" if stop else "length"
 
     def _draw(self, logp):
-        probs = logp.exp()
-        uniform = torch.rand(probs.shape[0], 1, generator=self.gen, dtype=torch.float64, device=self.device)
-        return _inverse_cdf(probs, uniform)
+        uniform = torch.rand(logp.shape[0], 1, generator=self.gen, dtype=torch.float64, device=self.device)
+        return _inverse_cdf(logp.exp(), uniform)

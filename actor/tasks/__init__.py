@@ -1,14 +1,8 @@
 """The ``Task`` seam: where prompts come from and how a completion is scored.
 
 A task tokenises through the model's own tokenizer (``model.tokenizer``), so special ids are the
-checkpoint's. One file per task, one line in :data:`TASKS` (``task.name`` selects it)::
-
-    class MyTask(Task):                      # actor/tasks/mine.py
-        name = "mine"
-        def sample(self, rng, split="train") -> Prompt: ...
-        def reward(self, prompt, completion_ids) -> float: ...
-
-    TASKS["mine"] = "actor.tasks.mine:MyTask"
+checkpoint's. A new task is a :class:`Task` subclass (``sample``, ``reward``) in its own file and
+one line in :data:`TASKS` (``task.name`` selects it).
 """
 
 from __future__ import annotations
@@ -89,10 +83,13 @@ class Task(abc.ABC):
         return tuple(self.tok.prompt(text, self.tok.wants_chat(self.cfg.chat_template), system))
 
 
+def stable_hash(text: str, size: int = 4) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=size).digest(), "little")
+
+
 def held_out(key: str, frac: float, digest_size: int = 4) -> bool:
     """Whether ``key`` is in the eval split: a stable hash of it falls within ``frac``."""
-    h = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=digest_size).digest(), "little")
-    return (h % 10_000) < frac * 10_000
+    return stable_hash(key, digest_size) % 10_000 < frac * 10_000
 
 
 def tier_of(difficulty: float) -> str:

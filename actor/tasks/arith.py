@@ -1,9 +1,8 @@
 """Built-in verifiable task: multi-digit addition with an exact-match reward.
 
-Prompt ``"<s>47+38="``, expected completion ``"85</s>"``; reward 1.0 iff the text before the first
-EOS is exactly the sum. Operand pairs are split into train and held-out by a hash, so held-out
-pairs are never seen in pre-training or RL. The tiny base model's tokenizer is character-level (a
-``tokenizers`` WordLevel model), so the model spends its capacity on arithmetic, not on merges.
+Prompt ``"<s>47+38="``, expected completion ``"85</s>"``. Operand pairs are split into train and
+held-out by a hash, so held-out pairs are never seen in pre-training or RL. The tiny base model's
+tokenizer is character-level, so the model spends its capacity on arithmetic, not on merges.
 """
 
 from __future__ import annotations
@@ -32,19 +31,10 @@ def build_tokenizer(chars: Sequence[str] = CHARS):
 
 def tokenizer_files(model_max_length: int = 128, chars: Sequence[str] = CHARS) -> dict[str, bytes]:
     """The tokenizer's files (its special ids go into config.json: :func:`special_ids`)."""
-    cfg = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": "<s>",
-        "eos_token": "</s>",
-        "pad_token": "<pad>",
-        "unk_token": "<unk>",
-        "padding_side": "left",
-        "model_max_length": model_max_length,
-    }
-    return {
-        "tokenizer.json": build_tokenizer(chars).to_str().encode(),
-        "tokenizer_config.json": json.dumps(cfg, indent=2).encode(),
-    }
+    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+           "pad_token": "<pad>", "unk_token": "<unk>", "padding_side": "left", "model_max_length": model_max_length}
+    return {"tokenizer.json": build_tokenizer(chars).to_str().encode(),
+            "tokenizer_config.json": json.dumps(cfg, indent=2).encode()}
 
 
 def special_ids() -> dict[str, int]:

@@ -1,34 +1,27 @@
 """Procedural tasks of ``reasoning-gym``, scored by each dataset's own scorer in the reward pool.
 
-``task.datasets`` names reasoning-gym datasets, mixed uniformly per prompt (repeat a name to weight
-it). Each split is its own procedural stream (a seed per name and split), and an item is eval
-only if a hash of its question falls within ``task.eval_frac``, so no eval question is trained on.
-Difficulty is where the item's values sit inside the ranges its metadata records, averaged; the
-tier its third ("default" without such metadata). The answer scored is the text in the last
-``<answer>`` tag, else the whole completion. The payload names the item (dataset, seed, size,
-index) and the worker regenerates it -- items are deterministic -- so the scorer sees the exact
-entry (a JSON round trip would turn tuple grids into lists); a question hash guards this.
+``task.datasets`` are mixed uniformly per prompt (repeat a name to weight it). Each split is its own
+procedural stream, and an item is eval only if a hash of its question falls within ``task.eval_frac``.
+The tier is the third of where the item's values sit in its metadata's difficulty ranges. The answer
+scored is the last ``<answer>`` tag's text, else the whole completion. The payload names the item and
+the worker regenerates it (a JSON round trip would turn tuple grids into lists); a question hash
+guards that it regenerated the same.
 """
 
 from __future__ import annotations
 
 import difflib
 import functools
-import hashlib
 import random
 
 from actor.rewards import PooledTask
-from actor.tasks import Prompt, held_out, tier_of
+from actor.tasks import Prompt, held_out, stable_hash, tier_of
 
 MAX_DRAWS = 10_000  # draws to find an item of the wanted split before giving up
 
 
-def _hash(text: str, size: int = 8) -> int:
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=size).digest(), "little")
-
-
 def split_seed(name: str, split: str) -> int:
-    return _hash(f"driftrl-gym/{name}/{split}", 4)
+    return stable_hash(f"driftrl-gym/{name}/{split}")
 
 
 def check_names(names: list[str]) -> list[str]:
@@ -41,7 +34,8 @@ def check_names(names: list[str]) -> list[str]:
             raise ValueError("task.datasets: 'composite' needs its own config; list the datasets to mix instead")
         if name not in DATASETS:
             close = difflib.get_close_matches(name, list(DATASETS), n=5, cutoff=0.5)
-            hint = f"close matches: {', '.join(close)}" if close else f"{len(DATASETS)} names in reasoning_gym.factory.DATASETS"
+            hint = (f"close matches: {', '.join(close)}" if close
+                    else f"{len(DATASETS)} names in reasoning_gym.factory.DATASETS")
             raise ValueError(f"task.datasets: unknown reasoning-gym dataset {name!r}; {hint}")
     return list(names)
 
@@ -90,23 +84,19 @@ class GymTask(PooledTask):
             index = rng.randrange(self.cfg.size)
             item = entry(name, seed, self.cfg.size, index)
             if held_out(item["question"], self.cfg.eval_frac, 8) == (split == "eval"):
-                return self._prompt(name, split, index, item)
+                difficulty, tier = difficulty_of(item.get("metadata") or {})
+                tier, answer = self.tier(difficulty, tier), item.get("answer")
+                return Prompt(f"{name}-{split}-{index}", self.prompt_tokens(item["question"], tier), tier,
+                              difficulty, "" if answer is None else str(answer))
         raise ValueError(f"reasoning-gym dataset {name!r}: no {split} item in {MAX_DRAWS} draws "
                          f"(task.size={self.cfg.size}, task.eval_frac={self.cfg.eval_frac})")
-
-    def _prompt(self, name: str, split: str, index: int, item: dict) -> Prompt:
-        difficulty, tier = difficulty_of(item.get("metadata") or {})
-        tier = self.tier(difficulty, tier)
-        answer = item.get("answer")
-        return Prompt(f"{name}-{split}-{index}", self.prompt_tokens(item["question"], tier), tier, difficulty,
-                      "" if answer is None else str(answer))
 
     def payload(self, prompt: Prompt, text: str) -> dict:
         name, split, index = prompt.id.rsplit("-", 2)
         seed = split_seed(name, split)
         question = entry(name, seed, self.cfg.size, int(index))["question"]
         return {"dataset": name, "seed": seed, "size": self.cfg.size, "index": int(index),
-                "question_hash": _hash(question), "text": text}
+                "question_hash": stable_hash(question, 8), "text": text}
 
 
 # the scorer, run in a reward-pool worker
@@ -116,17 +106,13 @@ def warmup() -> None:
     import reasoning_gym.utils  # noqa: F401
 
 
-def extract(text: str) -> str:
+def score(payload: dict) -> float:
     from reasoning_gym.utils import extract_answer
 
-    tagged = extract_answer(text)
-    return text.strip() if tagged is None else tagged
-
-
-def score(payload: dict) -> float:
     args = (payload["dataset"], payload["seed"], payload["size"], payload["index"])
     item = entry(*args)
-    if _hash(item["question"]) != payload["question_hash"]:
+    if stable_hash(item["question"], 8) != payload["question_hash"]:
         raise ValueError(f"reasoning-gym item {args} regenerated differently from the prompt: "
                          "the dataset is not deterministic in its seed")
-    return float(dataset(*args[:3]).score_answer(extract(payload["text"]), item))
+    tagged = extract_answer(payload["text"])  # the last <answer> tag's text, else the whole completion
+    return float(dataset(*args[:3]).score_answer(payload["text"].strip() if tagged is None else tagged, item))

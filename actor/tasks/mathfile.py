@@ -1,13 +1,10 @@
 """Math problems from a JSONL or parquet file, scored by ``math-verify`` in the reward pool.
 
 Rows: ``prompt``, ``answer``, optional ``id`` (else a hash of the prompt), ``difficulty`` or
-``level`` (a number or MATH's "Level 3"); every row is checked on load, a bad one named by file,
-line and field. ``task.eval_path`` is the eval split, else a hash of each id holds out
-``task.eval_frac``. The tier is the row's third of the loaded difficulty range. Parquet needs
-pyarrow (the ``tasks`` extra). Scoring: the reference is parsed as LaTeX inside ``$...$`` (bare
-text as a fallback), the completion by math-verify's default extraction; math-verify's own
-``signal.alarm`` bounds each phase at a third of the per-answer budget, so a slow expression
-usually scores 0 inside it and the pool's kill stays the backstop.
+``level`` (a number or MATH's "Level 3"), each checked on load. ``task.eval_path`` is the eval split,
+else a hash of each id holds out ``task.eval_frac``; the tier is the row's third of the difficulty
+range. math-verify's own ``signal.alarm`` bounds each phase at a third of the per-answer budget, so
+a slow expression usually scores 0 inside it and the pool's kill stays the backstop.
 """
 
 from __future__ import annotations
@@ -33,16 +30,12 @@ class Row(msgspec.Struct):
     difficulty: int | float | None = None
 
 
-def _bad(where: str, message: str) -> ValueError:
-    return ValueError(f"{where}: {message}")
-
-
 def _level(value, where: str) -> float | None:
     if value is None or isinstance(value, (int, float)):
         return None if value is None else float(value)
     m = re.fullmatch(r"\s*(?:level\s*)?(-?\d+(?:\.\d+)?)\s*", value, flags=re.IGNORECASE)
     if m is None:
-        raise _bad(where, f"field `level` = {value!r} is not a number or 'Level N'")
+        raise ValueError(f"{where}: field `level` = {value!r} is not a number or 'Level N'")
     return float(m.group(1))
 
 
@@ -50,12 +43,12 @@ def _problem(raw, where: str) -> dict:
     try:
         row = msgspec.convert(raw, Row)
     except msgspec.ValidationError as e:
-        raise _bad(where, str(e).replace("`$.", "field `")) from None
+        raise ValueError(f"{where}: {str(e).replace('`$.', 'field `')}") from None
     if not row.prompt.strip():
-        raise _bad(where, "field `prompt` is empty")
+        raise ValueError(f"{where}: field `prompt` is empty")
     answer = str(row.answer).strip()
     if not answer:
-        raise _bad(where, "field `answer` is empty")
+        raise ValueError(f"{where}: field `answer` is empty")
     level = _level(row.level, where)
     pid = str(row.id) if row.id is not None else hashlib.blake2b(row.prompt.encode(), digest_size=8).hexdigest()
     return {"id": pid, "prompt": row.prompt, "answer": answer,
@@ -69,7 +62,7 @@ def _jsonl_rows(path: str):
                 try:
                     yield json.loads(line), f"{path} line {n}"
                 except json.JSONDecodeError as e:
-                    raise _bad(f"{path} line {n}", f"not JSON ({e})") from None
+                    raise ValueError(f"{path} line {n}: not JSON ({e})") from None
 
 
 def _parquet_rows(path: str):
@@ -142,10 +135,6 @@ class MathTask(PooledTask):
 
 
 # the scorer, run in a reward-pool worker
-def _alarm_s(budget_s: float) -> int:
-    return max(1, int(budget_s / 3))
-
-
 @functools.lru_cache(maxsize=4096)
 def _gold(answer: str, alarm_s: int):
     from math_verify import parse
@@ -157,7 +146,7 @@ def score(payload: dict) -> float:
     """1.0 iff math-verify finds the completion ``payload["text"]`` equal to ``payload["answer"]``."""
     from math_verify import parse, verify
 
-    alarm_s = _alarm_s(float(payload.get("budget_s", 10.0)))
+    alarm_s = max(1, int(float(payload.get("budget_s", 10.0)) / 3))  # a third of the answer's budget
     gold = _gold(str(payload["answer"]), alarm_s)
     if not gold:
         raise ValueError(f"math-verify cannot parse the reference answer {payload['answer']!r}")

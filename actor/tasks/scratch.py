@@ -48,10 +48,6 @@ def final_answer(text: str) -> str:
     return text.rsplit(ANSWER_SEP, 1)[-1]
 
 
-def is_worked(text: str) -> bool:
-    return ANSWER_SEP in text
-
-
 def operands(prompt: Prompt) -> tuple[int, int]:
     a, k = prompt.id.split("/")
     return int(a), int(k)
@@ -65,18 +61,14 @@ class ScratchTask(Task):
             raise ValueError(f"task.min_digits={cfg_task.min_digits} exceeds task.digits={cfg_task.digits}")
         super().__init__(cfg_task, tokenizer)
 
-    def difficulty(self, d: int) -> float:
-        """Where ``d`` quotient digits sit in ``min_digits..digits``: 0 = easiest, 1 = hardest."""
-        lo, hi = self.cfg.min_digits, self.cfg.digits
-        return 0.0 if hi == lo else (d - lo) / (hi - lo)
-
     def sample(self, rng: random.Random, split: str = "train") -> Prompt:
-        d = rng.randint(self.cfg.min_digits, self.cfg.digits)
+        lo, hi = self.cfg.min_digits, self.cfg.digits
+        d = rng.randint(lo, hi)
+        level = 0.0 if hi == lo else (d - lo) / (hi - lo)  # d quotient digits: 0 = easiest, 1 = hardest
         while True:
             q, k = rng.randint(10 ** (d - 1), 10**d - 1), rng.choice(DIVISORS)
             key = f"{q * k}/{k}"
             if held_out(key, self.cfg.eval_frac) == (split == "eval"):
-                level = self.difficulty(d)
                 tier = self.tier(level, tier_of(level))
                 return Prompt(key, self.prompt_tokens(f"{key}=", tier), tier, level, answer=str(q))
 

@@ -1,11 +1,7 @@
 """The ``Launcher`` seam: start every role, watch them, restart what crashed or hung, stop them all.
-
-:meth:`Launcher.run` is shared: prepare the run directory, start buffer, learner and actors, feed
-the live view from the roles' metrics files, restart a crashed or hung role after a backoff that
-never holds up the watch of the others, and stop the roles in order once the learner has finished
-its budget (learner first, so it checkpoints; the buffer last, so in-flight acks land). A launcher
-implements only how one role process is started, polled and signalled (one file, one line in
-:data:`LAUNCHERS`). The model must already be resolved (jobs.py): this package needs only ``core``.
+:meth:`Launcher.run` is shared (a restart's backoff never holds up the watch of the others; the stop
+order is learner first, so it checkpoints, the buffer last, so in-flight acks land); a launcher
+implements only how one role process is started, polled and signalled.
 """
 
 from __future__ import annotations
@@ -16,6 +12,7 @@ import contextlib
 import datetime as _dt
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -36,6 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 HUNG_KILL_WAIT_S = 30.0  # a SIGKILLed role is gone at once; a Ray host may take a moment to tell
 WATCH_TICK_S = 0.2  # one turn of the watch loop
 FEED_MAX_S = 1.0  # the metrics files are read at least this often (a bench silences the view)
+BUFFER_PORTS = ("buffer_actor_port", "buffer_learner_port")
 
 
 @dataclass
@@ -44,10 +42,6 @@ class Role:
     argv: list[str]
     handle: object = None  # the launcher's own handle of the running role (a Popen, ...)
     log_path: str = ""
-
-    @property
-    def pid(self) -> int | None:
-        return getattr(self.handle, "pid", None)
 
 
 @dataclass
@@ -66,22 +60,13 @@ class RoleFailed(RuntimeError):
         self.exit_code = exit_code
 
 
-def new_run_dir(base: str = "runs") -> str:
-    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    path = os.path.abspath(os.path.join(base, stamp))
-    n = 1
+def new_run_dir(base: str = "runs", prefix: str = "") -> str:
+    """``base/<prefix><UTC timestamp>``, ``-N`` appended while that exists."""
+    stamp = prefix + _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    path, n = os.path.abspath(os.path.join(base, stamp)), 1
     while os.path.exists(path):
-        path = os.path.abspath(os.path.join(base, f"{stamp}-{n}"))
-        n += 1
+        path, n = os.path.abspath(os.path.join(base, f"{stamp}-{n}")), n + 1
     return path
-
-
-def _point_latest(run_dir: str) -> None:
-    link = os.path.join(os.path.dirname(run_dir), "latest")
-    tmp = f"{link}.{os.getpid()}"
-    with contextlib.suppress(OSError):  # runs/latest is a convenience; no symlinks still runs
-        os.symlink(os.path.basename(run_dir), tmp)
-        os.replace(tmp, link)
 
 
 def prepare(cfg: C.Config, run_dir: str | None = None) -> tuple[C.Config, str]:
@@ -93,28 +78,25 @@ def prepare(cfg: C.Config, run_dir: str | None = None) -> tuple[C.Config, str]:
     os.chmod(run_dir, 0o700)  # it holds CURVE keys and weights; also a run dir made before this rule
     os.makedirs(os.path.join(run_dir, METRICS_DIR), mode=0o700, exist_ok=True)
     net.create_run_secret(run_dir)
-    host = cfg.net.host
-    ports = {k: getattr(cfg.net, k) or net.free_port(host if net.is_loopback(host) else "0.0.0.0")
-             for k in ("buffer_actor_port", "buffer_learner_port")}
+    ports = {k: getattr(cfg.net, k) or net.free_port(cfg.net.host) for k in BUFFER_PORTS}
     cfg = msgspec.structs.replace(cfg, run=msgspec.structs.replace(cfg.run, run_dir=run_dir),
                                   net=msgspec.structs.replace(cfg.net, **ports))
     atomic_write(os.path.join(run_dir, "config.json"), C.to_json(cfg), mode=0o600)  # may hold CURVE secrets
-    _point_latest(run_dir)
+    link = os.path.join(os.path.dirname(run_dir), "latest")
+    with contextlib.suppress(OSError):  # runs/latest is a convenience; no symlinks still runs
+        os.symlink(os.path.basename(run_dir), f"{link}.{os.getpid()}")
+        os.replace(f"{link}.{os.getpid()}", link)
     return cfg, run_dir
 
 
 def roles(cfg: C.Config, run_dir: str, t0: float | None = None) -> list[Role]:
     """The role processes; ``t0`` (the launch time) goes to the learner, whose ``run.max_time_s``
     counts from it, so that a restarted learner does not begin a fresh budget."""
-    py = sys.executable
-    out = [
-        Role("buffer", [py, "-m", "buffer.server", "--config", os.path.join(run_dir, "config.json"),
-                        "--run-dir", run_dir]),
-        Role("learner", [py, "-m", "learner.loop", "--run-dir", run_dir, *(["--t0", repr(t0)] if t0 else [])]),
-    ]
-    out += [Role(f"actor{i}", [py, "-m", "actor.worker", "--run-dir", run_dir, "--index", str(i)])
-            for i in range(cfg.actor.num_actors)]
-    return out
+    py, config_json = sys.executable, os.path.join(run_dir, "config.json")
+    return [Role("buffer", [py, "-m", "buffer.server", "--config", config_json, "--run-dir", run_dir]),
+            Role("learner", [py, "-m", "learner.loop", "--run-dir", run_dir, *(["--t0", repr(t0)] if t0 else [])]),
+            *(Role(f"actor{i}", [py, "-m", "actor.worker", "--run-dir", run_dir, "--index", str(i)])
+              for i in range(cfg.actor.num_actors))]
 
 
 def _tail(path: str, n: int = 15) -> str:
@@ -167,8 +149,7 @@ class Launcher(abc.ABC):
         """Release what the launcher itself holds (a cluster connection, ...)."""
 
     def prepare(self, run_dir: str | None) -> tuple[C.Config, str]:
-        """The run directory and the resolved ``config.json`` (a launcher that places roles on
-        other hosts resolves their addresses first)."""
+        """The run directory and ``config.json`` (Ray resolves the roles' addresses first)."""
         return prepare(self.cfg, run_dir)
 
     def start(self, role: Role, run_dir: str) -> None:
@@ -176,39 +157,50 @@ class Launcher(abc.ABC):
         self.spawn(role, run_dir)
         self._beats[role.name] = heartbeat.started(heartbeat.mtime(run_dir, role.name), time.monotonic())
 
+    def _wait(self, role: Role, timeout_s: float) -> bool:
+        """Whether the role has exited within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while self.returncode(role) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.returncode(role) is not None
+
     def stop_all(self, procs: list[Role], grace_s: float = 20.0) -> None:
         """SIGTERM in the given order, wait, then SIGKILL whatever is left."""
         for role in procs:
             if role.handle is None or self.returncode(role) is not None:
                 continue
             self.signal(role, signal.SIGTERM)
-            deadline = time.time() + grace_s
-            while self.returncode(role) is None and time.time() < deadline:
-                time.sleep(0.05)
-            if self.returncode(role) is None:
+            if not self._wait(role, grace_s):
                 log.warning("%s did not stop in %.0fs: SIGKILL", role.name, grace_s)
                 self.signal(role, signal.SIGKILL)
-                while self.returncode(role) is None:
-                    time.sleep(0.05)
+                self._wait(role, math.inf)
 
     def _write_pids(self, run_dir: str, procs: list[Role]) -> None:
         """Every live pid of the run, for operators and for the tests that check nothing is left."""
-        pids = {"launcher": os.getpid(), **{r.name: r.pid for r in procs if r.pid}}
+        pids = {"launcher": os.getpid(), **{r.name: r.handle.pid for r in procs if r.handle}}
         atomic_write(os.path.join(run_dir, "pids.json"), json.dumps(pids).encode(), durable=False)
 
-    def _restart(self, role: Role, run_dir: str, restarts: collections.Counter, metrics, cause: str = "") -> None:
-        """Schedule a crashed role's restart after its backoff, at most ``run.max_restarts`` times;
-        a role that could not write (exit 75) or found its store damaged (65) is not: it would
-        fail again."""
+    def _check_role(self, role: Role, learner: Role, run_dir: str, restarts: collections.Counter, metrics) -> bool:
+        """Schedule the restart of a role that crashed or hung (SIGKILLed first) after its backoff, at most
+        ``run.max_restarts`` times; not of one that could not write (exit 75) or found its store damaged
+        (65): it would fail again. True once the learner finished."""
         code, limit = self.returncode(role), self.cfg.run.max_restarts
-        if code == EXIT_WRITE_FAILED:
+        if code is None:
+            now = time.monotonic()
+            w = heartbeat.observe(self._beats[role.name], heartbeat.mtime(run_dir, role.name), now)
+            self._beats[role.name] = w
+            quiet = heartbeat.hung_for(w, now, self.cfg.run.heartbeat_timeout_s)
+            if quiet is None:
+                return False
+            self.signal(role, signal.SIGKILL)
+            self._wait(role, HUNG_KILL_WAIT_S)
+        elif code == 0 and role is learner:
+            return True
+        elif code in (EXIT_WRITE_FAILED, EXIT_CORRUPT_LOG):
+            fix = "once it can write" if code == EXIT_WRITE_FAILED else "after the repair it names"
             raise RoleFailed(f"{role.name} stopped: {_last_line(role.log_path, 'ERROR')}; resume with "
-                             f"`python run.py resume {run_dir}` once it can write", EXIT_WRITE_FAILED)
-        if code == EXIT_CORRUPT_LOG:
-            raise RoleFailed(f"{role.name} stopped: {_last_line(role.log_path, 'ERROR')}; repair with "
-                             f"`python -m buffer.durable --drop-damaged {run_dir}/buffer`, then "
-                             f"`python run.py resume {run_dir}`", EXIT_CORRUPT_LOG)
-        cause = cause or _cause(code)
+                             f"`python run.py resume {run_dir}` {fix}", code)
+        cause = _cause(code) if code is not None else f"hung: no heartbeat for {quiet:.0f} s"
         if restarts[role.name] >= limit:
             raise RoleFailed(f"{role.name} {cause} after {restarts[role.name]} restarts:\n{_tail(role.log_path)}")
         restarts[role.name] += 1
@@ -217,27 +209,6 @@ class Launcher(abc.ABC):
                     _last_line(role.log_path), restarts[role.name], limit, delay)
         metrics.emit(-1, {f"run/restarts/{role.name}": float(restarts[role.name])})
         self._due[role.name] = time.monotonic() + delay
-
-    def _check_role(self, role: Role, learner: Role, run_dir: str, restarts, metrics) -> bool:
-        """Restart the role if it crashed or hung (SIGKILLed first); True when it is the learner
-        and it has finished its budget."""
-        code = self.returncode(role)
-        cause = ""
-        if code is None:
-            now = time.monotonic()
-            w = heartbeat.observe(self._beats[role.name], heartbeat.mtime(run_dir, role.name), now)
-            self._beats[role.name] = w
-            quiet = heartbeat.hung_for(w, now, self.cfg.run.heartbeat_timeout_s)
-            if quiet is None:
-                return False
-            cause = f"hung: no heartbeat for {quiet:.0f} s"
-            self.signal(role, signal.SIGKILL)
-            deadline = now + HUNG_KILL_WAIT_S
-            while self.returncode(role) is None and time.monotonic() < deadline:
-                time.sleep(0.05)
-        elif code == 0 and role is learner:
-            return True
-        self._restart(role, run_dir, restarts, metrics, cause)
         return False
 
     def _watch(self, procs: list[Role], run_dir: str, monitor, follower, metrics) -> None:
@@ -267,14 +238,12 @@ class Launcher(abc.ABC):
         from core.monitor import Monitor
 
         t0 = time.time()
-        cfg, run_dir = self.prepare(run_dir)
-        self.cfg = cfg
-        follower = follower_for(cfg, run_dir)
+        self.cfg, run_dir = self.prepare(run_dir)
+        follower = follower_for(self.cfg, run_dir)
         metrics = MetricsWriter(run_dir, "launcher", "launcher")  # its own records: run/restarts/<role>
-        monitor = monitor or Monitor(cfg)
-        procs = roles(cfg, run_dir, time.time())
-        by_name = {r.name: r for r in procs}
-        actors = [r for r in procs if r.name.startswith("actor")]
+        monitor = monitor or Monitor(self.cfg)
+        procs = roles(self.cfg, run_dir, time.time())
+        buffer, learner, *actors = procs
         result = RunResult(run_dir)
         try:
             for role in procs:
@@ -284,13 +253,13 @@ class Launcher(abc.ABC):
                 on_ready(run_dir, procs)
             with monitor:
                 self._watch(procs, run_dir, monitor, follower, metrics)
-                self.stop_all(actors + [by_name["buffer"]])
+                self.stop_all([*actors, buffer])
                 monitor.update(read_all(follower))
                 monitor.refresh(force=True)
         except KeyboardInterrupt:
             result.interrupted = True
         finally:
-            self.stop_all([by_name["learner"], *actors, by_name["buffer"]])
+            self.stop_all([learner, *actors, buffer])
             try:
                 metrics.close()
                 monitor.update(read_all(follower))
@@ -330,7 +299,3 @@ LAUNCHERS = {"local": "core.launchers.local:LocalLauncher", "ray": "core.launche
 
 def make_launcher(cfg: C.Config) -> Launcher:
     return resolve(LAUNCHERS, cfg.run.launcher, "launcher")(cfg)
-
-
-def launch(cfg: C.Config, run_dir: str | None = None, monitor=None, on_ready=None) -> RunResult:
-    return make_launcher(cfg).run(run_dir, monitor, on_ready)

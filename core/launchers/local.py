@@ -31,13 +31,18 @@ def role_env() -> dict[str, str]:
     return env
 
 
+def start_process(argv: list[str], log_path: str, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+    """``argv`` in its own session with :func:`role_env` (+ ``extra_env``), output appended to ``log_path``."""
+    with open(log_path, "ab") as logf:
+        return subprocess.Popen(argv, cwd=ROOT, env={**role_env(), **(extra_env or {})}, stdout=logf,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+
+
 class LocalLauncher(Launcher):
     name = "local"
 
     def spawn(self, role: Role, run_dir: str) -> None:
-        with open(role.log_path, "ab") as logf:
-            role.handle = subprocess.Popen(role.argv, cwd=ROOT, env=role_env(), stdout=logf, stderr=subprocess.STDOUT,
-                                           stdin=subprocess.DEVNULL, start_new_session=True)
+        role.handle = start_process(role.argv, role.log_path)
 
     def returncode(self, role: Role) -> int | None:
         return role.handle.poll()

@@ -1,11 +1,9 @@
 """Ray launcher: every role a subprocess of a small Ray actor (:class:`RoleHost`), placed by one
-placement group (a bundle per role, ``ray.*``); driftrl's ZeroMQ data plane still carries every
-trajectory. ``DRIFTRL_LAUNCHER_PID`` is the host actor's pid, so a role dies with its host, and a
-host Ray reports dead counts as the role SIGKILLed (the next start makes a fresh host in the same
-bundle). Addresses are discovered: hosts are placed before ``config.json`` is written; off the
-buffer's node the sockets bind its IP (CURVE required). Roles off the learner's node cannot map
-its shared memory (``shm``, ``cuda_ipc``). ``run.run_dir`` and the checkout must be at the same
-path on every node (a shared file system).
+placement group (a bundle per role, ``ray.*``); ZeroMQ still carries every trajectory. A role dies
+with its host, and a host Ray reports dead counts as the role SIGKILLed (a restart makes a fresh
+host in the same bundle). Hosts are placed before ``config.json`` is written: off the buffer's node
+the sockets bind its IP (CURVE required); off the learner's node, no shared memory (``shm``,
+``cuda_ipc``). ``run.run_dir`` and the checkout must be at the same path on every node.
 """
 
 from __future__ import annotations
@@ -16,7 +14,6 @@ import logging
 import math
 import os
 import signal as _signal
-import subprocess
 import threading
 from dataclasses import dataclass
 
@@ -31,53 +28,43 @@ except ImportError as e:
 
 from core import config as C
 from core import net
-from core.launchers import ROOT, Launcher, Role, prepare, roles
-from core.launchers.local import role_env
+from core.launchers import BUFFER_PORTS, Launcher, Role, prepare, roles
+from core.launchers.local import start_process
 
 log = logging.getLogger("driftrl.launch")
 RPC_TIMEOUT_S = 30.0  # one answer of a host actor; a busy 2-core node answers in milliseconds
 OBJECT_STORE_BYTES = 100 << 20  # nothing large travels through Ray: trajectories go over ZeroMQ
 CLOSE_WAIT_S = 10.0
 NODE_LOCAL_TRANSPORTS = ("shm", "cuda_ipc")  # shared memory / CUDA IPC handles: one host only
-BUFFER_PORTS = ("buffer_actor_port", "buffer_learner_port")
 
 
 class RoleHost:
-    """Runs one role's process on the node Ray placed it on."""
-
-    def __init__(self):
-        self.proc: subprocess.Popen | None = None
+    """Runs one role's process on the node Ray placed it on (``start`` before any other call)."""
 
     def where(self) -> dict:
         return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
                 "pid": os.getpid()}
 
     def free_ports(self, host: str, n: int) -> list[int]:
-        return [net.free_port(host if net.is_loopback(host) else "0.0.0.0") for _ in range(n)]
+        return [net.free_port(host) for _ in range(n)]
 
     def start(self, argv: list[str], log_path: str, extra_env: dict[str, str]) -> int:
-        env = {**role_env(), **extra_env}  # in this host: os.getpid() is the host's, the role's parent
-        with open(log_path, "ab") as logf:
-            self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=logf, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        self.proc = start_process(argv, log_path, extra_env)  # its DRIFTRL_LAUNCHER_PID: this host's pid
         return self.proc.pid
 
     def poll(self) -> int | None:
-        return self.proc.poll() if self.proc is not None else None
+        return self.proc.poll()
 
     def signal(self, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError):
-            if self.proc is not None:
-                self.proc.send_signal(sig)
+            self.proc.send_signal(sig)
 
 
 RemoteHost = ray.remote(RoleHost) if ray is not None else None
 
 
 @dataclass
-class RayRole:
-    """``Role.handle`` under Ray."""
-
+class RayRole:  # Role.handle under Ray
     pid: int
     host: object
     node_id: str
@@ -87,20 +74,14 @@ class RayRole:
 def bundles(cfg: C.Config) -> list[dict[str, float]]:
     """One placement-group bundle per role, in ``roles()`` order: buffer, learner, actors."""
     r = cfg.ray
-
-    def bundle(cpus: float, gpus: float, custom: dict[str, float]) -> dict[str, float]:
-        return {"CPU": cpus, **({"GPU": gpus} if gpus else {}), **custom}
-
-    return ([bundle(r.buffer_cpus, 0.0, r.buffer_resources),
-             bundle(r.learner_cpus, r.learner_gpus, r.learner_resources)]
-            + [bundle(r.actor_cpus, r.actor_gpus, r.actor_resources)] * cfg.actor.num_actors)
+    asks = [(r.buffer_cpus, 0.0, r.buffer_resources), (r.learner_cpus, r.learner_gpus, r.learner_resources)]
+    asks += [(r.actor_cpus, r.actor_gpus, r.actor_resources)] * cfg.actor.num_actors
+    return [{"CPU": cpus, **({"GPU": gpus} if gpus else {}), **custom} for cpus, gpus, custom in asks]
 
 
 def local_resources(bs: list[dict[str, float]]) -> dict:
     """What a local instance must offer so every bundle fits on it (Ray's CPUs are logical)."""
-    total = collections.Counter()
-    for b in bs:
-        total.update(b)
+    total = sum((collections.Counter(b) for b in bs), collections.Counter())  # every amount is > 0
     gpus = total.pop("GPU", 0.0)
     return {"num_cpus": math.ceil(total.pop("CPU")), "num_gpus": math.ceil(gpus) if gpus else None,
             "resources": dict(total)}
@@ -116,8 +97,7 @@ def check_placement(cfg: C.Config, places: dict[str, dict]) -> None:
 
 
 def bind_host(cfg: C.Config, places: dict[str, dict]) -> str:
-    """``net.host`` while every role is on the buffer's node or it is routable; else the buffer
-    node's IP."""
+    """``net.host`` while every role is on the buffer's node or it is routable; else the buffer node's IP."""
     one_node = all(p["node_id"] == places["buffer"]["node_id"] for p in places.values())
     return cfg.net.host if one_node or not net.is_loopback(cfg.net.host) else places["buffer"]["ip"]
 
@@ -131,20 +111,6 @@ def resolve_net(cfg: C.Config, places: dict[str, dict], ports: list[int]) -> C.C
     return out
 
 
-def _remove_group(pg) -> None:
-    """Remove the placement group, waiting at most CLOSE_WAIT_S: with the cluster's GCS gone the
-    call never returns (a group left behind goes with the job: it is not detached)."""
-    def remove():
-        with contextlib.suppress(Exception):  # the cluster may already be gone
-            ray.util.remove_placement_group(pg)
-
-    t = threading.Thread(target=remove, name="ray-remove-pg", daemon=True)
-    t.start()
-    t.join(CLOSE_WAIT_S)
-    if t.is_alive():
-        log.warning("Ray did not remove the placement group in %.0fs (is the cluster gone?)", CLOSE_WAIT_S)
-
-
 class RayLauncher(Launcher):
     name = "ray"
 
@@ -156,7 +122,6 @@ class RayLauncher(Launcher):
         self._pg = None
         self._hosts: dict[str, object] = {}  # role name -> its live host actor
         self._bundle: dict[str, int] = {}  # role name -> its bundle index
-        self.places: dict[str, dict] = {}  # role name -> its host's node id, IP and pid
 
     def _init_ray(self, bs: list[dict[str, float]]) -> None:
         if ray.is_initialized():
@@ -177,18 +142,6 @@ class RayLauncher(Launcher):
                         _signal.signal(s, h)
         self._started_ray = True
 
-    def _place(self, procs: list[Role]) -> None:
-        bs = bundles(self.cfg)
-        self._init_ray(bs)
-        self._pg = ray.util.placement_group(bs, strategy=self.cfg.ray.placement_strategy)
-        try:
-            ray.get(self._pg.ready(), timeout=self.cfg.ray.start_timeout_s)
-        except GetTimeoutError:
-            raise RuntimeError(f"Ray could not place the roles' bundles {bs} within "
-                               f"{self.cfg.ray.start_timeout_s:.0f}s (`$.ray.start_timeout_s`); the cluster has "
-                               f"{ray.available_resources()}: lower `$.ray.*_cpus`/`*_gpus` or add nodes") from None
-        self._bundle = {r.name: i for i, r in enumerate(procs)}
-
     def _host(self, name: str):
         """The role's host actor, a fresh one in its bundle when it has none."""
         if name not in self._hosts:
@@ -208,14 +161,22 @@ class RayLauncher(Launcher):
         return self._call(name, "where", timeout_s=self.cfg.ray.start_timeout_s)
 
     def prepare(self, run_dir: str | None) -> tuple[C.Config, str]:
-        """Place every role's host, then resolve the addresses from where they landed."""
+        """Place every role's host (a bundle each, in roles() order), then resolve the addresses from
+        where they landed."""
+        bs, timeout_s = bundles(self.cfg), self.cfg.ray.start_timeout_s
         try:
-            procs = roles(self.cfg, run_dir or "")
-            self._place(procs)
-            places = {r.name: self._where(r.name) for r in procs}
+            self._init_ray(bs)
+            self._pg = ray.util.placement_group(bs, strategy=self.cfg.ray.placement_strategy)
+            try:
+                ray.get(self._pg.ready(), timeout=timeout_s)
+            except GetTimeoutError:
+                raise RuntimeError(f"Ray could not place the roles' bundles {bs} within {timeout_s:.0f}s "
+                                   f"(`$.ray.start_timeout_s`); the cluster has {ray.available_resources()}: "
+                                   "lower `$.ray.*_cpus`/`*_gpus` or add nodes") from None
+            self._bundle = {r.name: i for i, r in enumerate(roles(self.cfg, run_dir or ""))}
+            places = {name: self._where(name) for name in self._bundle}
             check_placement(self.cfg, places)
             ports = self._call("buffer", "free_ports", bind_host(self.cfg, places), len(BUFFER_PORTS))
-            self.places = places
             return prepare(resolve_net(self.cfg, places, ports), run_dir)
         except BaseException:
             self.close()
@@ -223,10 +184,9 @@ class RayLauncher(Launcher):
 
     def spawn(self, role: Role, run_dir: str) -> None:
         extra = {k: v for k, v in os.environ.items() if k.startswith("DRIFTRL_") and k != "DRIFTRL_LAUNCHER_PID"}
-        if role.name not in self.places:  # a fresh host: its bundle may now be on another node
-            self.places[role.name] = self._where(role.name)
+        node_id = self._where(role.name)["node_id"]  # a fresh host's bundle may be on another node by now
         pid = self._call(role.name, "start", role.argv, role.log_path, extra)
-        role.handle = RayRole(pid, self._hosts[role.name], self.places[role.name]["node_id"])
+        role.handle = RayRole(pid, self._hosts[role.name], node_id)
 
     def returncode(self, role: Role) -> int | None:
         h = role.handle
@@ -237,7 +197,6 @@ class RayLauncher(Launcher):
                 h.code = -_signal.SIGKILL
                 if self._hosts.get(role.name) is h.host:
                     del self._hosts[role.name]
-                    self.places.pop(role.name, None)
             except GetTimeoutError:
                 log.warning("%s: its Ray host did not answer in %.0fs", role.name, RPC_TIMEOUT_S)
         return h.code
@@ -247,9 +206,19 @@ class RayLauncher(Launcher):
             ray.get(role.handle.host.signal.remote(sig), timeout=RPC_TIMEOUT_S)
 
     def close(self) -> None:
+        # removing the placement group never returns once the cluster's GCS is gone: wait CLOSE_WAIT_S
+        # at most (a group left behind goes with the job: it is not detached)
         if self._pg is not None:
-            _remove_group(self._pg)
+            def remove(pg=self._pg):
+                with contextlib.suppress(Exception):  # the cluster may already be gone
+                    ray.util.remove_placement_group(pg)
+
             self._pg = None
+            t = threading.Thread(target=remove, name="ray-remove-pg", daemon=True)
+            t.start()
+            t.join(CLOSE_WAIT_S)
+            if t.is_alive():
+                log.warning("Ray did not remove the placement group in %.0fs (is the cluster gone?)", CLOSE_WAIT_S)
         self._hosts.clear()
         if self._started_ray:
             ray.shutdown()

@@ -1,8 +1,6 @@
-"""The ``Backend`` seam: everything the learner loop needs from a training framework.
-
-The optimiser step is separate from forward/backward (torchtitan style), so gradient
-accumulation and skipping a non-finite step are the loop's decisions. One file per backend, one
-line in :data:`BACKENDS` (``learner.backend`` selects it).
+"""The ``Backend`` seam: everything the learner loop needs from a training framework. The optimiser
+step is separate from forward/backward, so the guard-rails and skipping a non-finite step are the
+loop's decisions.
 """
 
 from __future__ import annotations
@@ -17,12 +15,10 @@ class NonFiniteError(RuntimeError):
 
 
 class Backend(abc.ABC):
+    """Built as ``Backend(cfg, model_dir)``: the HF-format model at ``model_dir`` (and a frozen KL reference)."""
+
     name = ""
     skipped_nonfinite = 0  # steps discarded for a non-finite loss or gradient
-
-    @abc.abstractmethod
-    def __init__(self, cfg, model_dir: str):
-        """Load the HF-format model at ``model_dir`` (and a frozen reference when KL is on)."""
 
     @abc.abstractmethod
     def logprobs(self, batch, *, reference: bool = False, with_entropy: bool = False, sampling=None):

@@ -1,12 +1,8 @@
-"""The Megatron-core backend: the torch backend's learner, with megatron-core's GPTModel as the body.
-
-Loss, micro-batching, AdamW, metrics and checkpoints are :class:`TorchBackend`'s, through its
-hooks; HF weights convert in and out (:func:`from_hf` / :func:`to_hf`), rotary frequencies are
-transformers' (a YaRN ``attention_factor`` megatron cannot reproduce is refused). The body stops
-at the final norm; the head goes through :func:`token_logprobs`, not ``output_layer``. Off
-FP32 megatron computes as on a GPU (body-dtype residual stream and rotary cos/sin): max |dlogp|
-~0.03 against the FP32 torch backend, as the torch backend's own BF16 body; in FP32 they agree
-to float noise. CPU only (``megatron_cpu.py``).
+"""The Megatron-core backend: :class:`TorchBackend` (loss, micro-batching, AdamW, metrics, checkpoints,
+through its hooks) with megatron-core's GPTModel as the body, HF weights converted in and out,
+transformers' rotary frequencies, the head through ``token_logprobs``. Off FP32 it computes as on a
+GPU (body-dtype residual stream and cos/sin): max |dlogp| ~0.03 against the FP32 torch backend, as
+the torch backend's own BF16 body; in FP32 they agree to float noise. CPU only (``megatron_cpu.py``).
 """
 
 from __future__ import annotations
@@ -19,10 +15,10 @@ import torch.nn.functional as F
 
 from core import precision
 from core.config import ConfigError
-from learner.backends.torch import TorchBackend, _as_oserror
+from learner.backends.torch import TorchBackend
 from model.attention import DTYPES, body_autocast
 from model.decoder import ArchConfig, Decoder
-from model.hf import load_pretrained, save_pretrained, tokenizer_files
+from model.hf import load_pretrained
 from model.rope import inv_freq
 
 with warnings.catch_warnings():
@@ -116,8 +112,7 @@ class IslandDotProductAttention(DotProductAttention):
 
 def build_gpt(arch: ArchConfig, lc) -> GPTModel:
     """An uninitialised FP32 GPTModel of ``arch`` on the CPU."""
-    megatron_cpu.init_parallel_state()
-    megatron_cpu.install_host_helpers(DEVICE)
+    megatron_cpu.init_host(DEVICE)
     spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = IslandDotProductAttention
     model = GPTModel(core_config(arch, lc), spec, vocab_size=arch.vocab_size,
@@ -183,9 +178,7 @@ def _fuse(arch: ArchConfig, parts: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _split(arch: ArchConfig, t: torch.Tensor, n: int) -> list[torch.Tensor]:
-    if n == 1:
-        return [t]
-    if t.dim() == 0:
+    if n == 1 or t.dim() == 0:  # a copy, or AdamW's step count (equal for the parts)
         return [t] * n
     if n == 2:
         return list(t.chunk(2))
@@ -251,17 +244,10 @@ class MegatronBackend(TorchBackend):
     def named_tensors(self) -> dict[str, torch.Tensor]:
         return to_hf(self.arch, {k: v.detach() for k, v in self.model.named_parameters()})
 
-    def save_model(self, path: str) -> None:
-        decoder = Decoder.from_state(self.arch, self.named_tensors())  # model/hf.py writes the HF directory
-        with _as_oserror(path):
-            save_pretrained(decoder, path, tokenizer_files(self.model_dir))
-
     def _load_weights(self, state: dict) -> None:
         self.model.load_state_dict(from_hf(self.arch, state), strict=True)
 
-    # AdamW's state is stored per HF tensor, in HF order, as TorchBackend's: a checkpoint of either
-    # backend resumes in the other (the moments are elementwise: they convert as the weights do)
-
+    # AdamW's state is stored per HF tensor, as TorchBackend's: a checkpoint of either resumes in the other
     def _optim_state(self) -> dict:
         return relabel(self.opt.state_dict(), self._names(), list(Decoder.shapes(self.arch)),
                        lambda named: to_hf(self.arch, named))

@@ -1,13 +1,8 @@
-"""The few megatron-core helpers that assume CUDA, replaced so a GPTModel trains in one CPU process.
-
-Each shim replaces one helper that reaches for the GPU unasked, using the model's device instead:
-- process groups: a world of one gloo process (in-memory store, loopback), all parallel sizes 1.
-- ``GlobalMemoryBuffer.get_tensor`` (attention scratch): :class:`HostMemoryBuffer`.
-- the CUDA RNG tracker forks the CUDA generator around dropout; the learner trains without
-  dropout, so megatron's own no-op (inference) tracker is installed.
-- ``RotaryEmbedding.get_emb`` moves ``inv_freq`` to CUDA: :class:`HostRotaryEmbedding`.
-- the tensor-parallel linears re-enter autocast in backward for CUDA only (a bf16 gradient then
-  meets an fp32 weight); with one rank they are ``F.linear`` (:func:`host_linears`).
+"""The few megatron-core helpers that reach for CUDA unasked, replaced so a GPTModel trains in one CPU
+process: process groups (a world of one gloo process), the attention scratch buffer, the CUDA RNG
+tracker (the learner trains without dropout: megatron's no-op inference tracker), the rotary table,
+and the tensor-parallel linears, which re-enter autocast in backward for CUDA only (a bf16 gradient
+then meets an fp32 weight): with one rank they are ``F.linear``.
 """
 
 from __future__ import annotations
@@ -25,9 +20,9 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.utils import GlobalMemoryBuffer
 
 
-def init_parallel_state() -> None:
-    """World size 1, all parallel sizes 1; idempotent (the contract check and the learner loop may
-    build backends in one process). ValueError if torch.distributed already runs a larger world."""
+def init_host(device: torch.device) -> None:
+    """World size 1, all parallel sizes 1, the scratch buffer on ``device``, the dropout-free RNG tracker;
+    idempotent (the contract check and the learner may build backends in one process)."""
     if not dist.is_initialized():
         # gloo's device listens on the address the hostname resolves to: keep it on loopback,
         # unless the user chose an interface
@@ -43,10 +38,6 @@ def init_parallel_state() -> None:
                          f"torch.distributed is already initialised with world_size={dist.get_world_size()}")
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1, create_gloo_process_groups=False)
-
-
-def install_host_helpers(device: torch.device) -> None:
-    """The scratch buffer on ``device`` and the dropout-free RNG tracker."""
     if not isinstance(parallel_state._GLOBAL_MEMORY_BUFFER, HostMemoryBuffer):
         parallel_state._GLOBAL_MEMORY_BUFFER = HostMemoryBuffer(device)
     mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
@@ -84,6 +75,4 @@ def host_linears(model: torch.nn.Module) -> None:
     """Route every tensor-parallel linear of a CPU ``model`` through ``F.linear``."""
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-            weight = getattr(module, "weight", None)
-            if weight is not None and weight.device.type == "cpu":
-                module._forward_impl = _plain_linear  # the instance's, not the class's
+            module._forward_impl = _plain_linear  # the instance's, not the class's

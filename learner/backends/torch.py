@@ -1,9 +1,6 @@
-"""The plain-PyTorch backend: one process, FP32 master weights, AdamW.
-
-The ratio's numerator is always recomputed here with the current weights: the body under
-``body_autocast(learner.body_dtype)``, head and log-softmax through ``learner/logprobs.py``.
-Model, reference and AdamW state live on ``learner.device``; each micro-batch moves there, while
-the step's metrics, the tail's numerator and the batch as given stay on the host.
+"""The plain-PyTorch backend: one process, FP32 master weights, AdamW, on ``learner.device`` (each
+micro-batch moves there; metrics and the tail's numerator stay on the host). The numerator is
+recomputed with the current weights: body under ``body_autocast``, head via ``learner/logprobs.py``.
 """
 
 from __future__ import annotations
@@ -29,14 +26,15 @@ from learner.logprobs import token_logprobs
 from learner.losses import LossInputs, make_loss
 from learner.ratio_metrics import ratio_metrics
 from model.attention import DTYPES, body_autocast
+from model.decoder import Decoder
 from model.hf import load_pretrained, save_pretrained, tokenizer_files
 from model.sampling import SamplingSpec
 
 
 @contextlib.contextmanager
 def _as_oserror(path: str):
-    """safetensors reports a failed write (a full disk) as SafetensorError("... os error 28"):
-    raise the OSError it is, which learner/checkpoint.py reports as a write failure."""
+    """safetensors reports a full disk as SafetensorError("... os error 28"): raise it as the OSError
+    it is, which learner/checkpoint.py reports as a write failure."""
     try:
         yield
     except SafetensorError as e:
@@ -46,14 +44,6 @@ def _as_oserror(path: str):
 
 
 _BATCH_TENSORS = ("ids", "key_mask", "mask", "behaviour_logp", "rewards", "staleness", "versions")
-
-
-def _combine(parts: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
-    """One step's metrics from its micro-batches': the loss adds up (each part is already scaled
-    to its share); every other metric is a token-weighted mean."""
-    total = sum(tokens for tokens, _ in parts) or 1
-    return {key: sum(m[key] for _, m in parts) if key == "learner/loss"
-            else sum(tokens * m[key] for tokens, m in parts) / total for key in parts[0][1]}
 
 
 class TorchBackend(Backend):
@@ -73,8 +63,8 @@ class TorchBackend(Backend):
         self.sampling = SamplingSpec.of(cfg.actor)
 
     def logprobs(self, batch: Batch, *, reference: bool = False, with_entropy: bool = False, sampling=None):
-        """``sampling`` defaults to the actor's: the numerator must be taken under the same
-        transformation as the behaviour distribution. Returned on ``batch``'s device."""
+        """``sampling`` defaults to the actor's (the numerator must match the behaviour distribution's
+        transformation). Returned on ``batch``'s device."""
         model = self.ref if reference else self.model
         lc, s = self.cfg.learner, sampling or self.sampling
         home, batch = batch.ids.device, self._on_device(batch)
@@ -93,7 +83,7 @@ class TorchBackend(Backend):
         return replace(batch, **{f: t.to(self.device) for f in _BATCH_TENSORS
                                  if (t := getattr(batch, f)) is not None})
 
-    # ---- hooks: what another framework's model (learner/backends/megatron.py) does differently ----
+    # hooks: what another framework's model (learner/backends/megatron.py) does differently
 
     def _place(self):
         return placement.learner_device(self.cfg)
@@ -101,6 +91,7 @@ class TorchBackend(Backend):
     def _build_model(self, model_dir: str, model):
         model = (model if model is not None else load_pretrained(model_dir)).float().to(self.device).train()
         model.fp32_attn_softmax = self.cfg.learner.fp32_attn_softmax
+        self.arch = model.cfg  # the checkpoint's config: save_model's config.json
         return model
 
     def _frozen_copy(self):
@@ -108,8 +99,7 @@ class TorchBackend(Backend):
         return copy.deepcopy(self.model).eval().requires_grad_(False)
 
     def _hidden(self, model, ids, key_mask):
-        """Final-normed hidden states ``[N, T, H]`` of ``ids`` ``[N, T]`` at positions ``0..T-1``
-        (every row starts at 0: rows are right-padded), the body under the precision policy."""
+        """Final-normed hidden states ``[N, T, H]`` of right-padded ``ids`` ``[N, T]``."""
         pos = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
         with body_autocast(self.cfg.learner.body_dtype, ids.device.type):
             return model(ids, pos, key_mask)
@@ -124,13 +114,11 @@ class TorchBackend(Backend):
         self.opt.load_state_dict(sd)
 
     def _load_weights(self, state: dict) -> None:
-        """Load HF-named tensors into the policy."""
         self.model.load_state_dict(state, strict=True)
 
     def forward_backward(self, batch: Batch) -> dict[str, float]:
-        """Gradients accumulated over micro-batches (``learner.micro_batch_tokens``), advantages
-        taken over whole groups first; with sample normalisation each micro-batch's mean is
-        scaled by its share of the rows (token normalisation's divisor is constant)."""
+        """Gradients accumulated over micro-batches (``learner.micro_batch_tokens``), advantages over
+        whole groups first; under ``norm=sample`` each micro-batch is scaled by its share of the rows."""
         lc = self.cfg.learner
         rows, order = by_length(batch)
         adv = group_advantages(batch.rewards).reshape(-1)[order]
@@ -146,7 +134,9 @@ class TorchBackend(Backend):
             parts.append((micro.num_tokens, metrics))
         # back in the batch's row order: the step's numerator for learner/tail.py
         self.last_logp = logp_all = logp_sorted[order.argsort()]
-        metrics = _combine(parts)
+        total = sum(tokens for tokens, _ in parts) or 1  # the (pre-scaled) loss adds up, the rest: token-weighted
+        metrics = {key: sum(m[key] for _, m in parts) if key == "learner/loss"
+                   else sum(tokens * m[key] for tokens, m in parts) / total for key in parts[0][1]}
         metrics.update(ratio_metrics(logp_all, batch.behaviour_logp, batch.mask, batch.staleness, lc.eps_high))
         ent = torch.cat(entropies)
         metrics["learner/entropy"] = float(ent.mean().item()) if ent.numel() else math.nan
@@ -184,10 +174,9 @@ class TorchBackend(Backend):
         return {k: v.detach() for k, v in self.model.state_dict().items()}
 
     def save_model(self, path: str) -> None:
+        model = Decoder.from_state(self.arch, self.named_tensors())  # megatron's weights under HF names
         with _as_oserror(path):
-            save_pretrained(self.model, path, tokenizer_files(self.model_dir))
-
-    # ---- checkpoint state: model/ (HF), optim.safetensors, rng.safetensors -------------------
+            save_pretrained(model, path, tokenizer_files(self.model_dir))
 
     def save_state(self, path: str) -> dict:
         self.save_model(os.path.join(path, "model"))

@@ -1,17 +1,12 @@
-"""Policy losses: one pure function per file, ``(LossInputs, params) -> (loss, metrics)``.
+"""Policy losses: one pure function per file, ``(LossInputs, params) -> (loss, metrics)``; shared
+here: the inputs, masking, the two normalisations and the KL-to-reference term. Metrics:
+``learner/loss``, ``learner/kl_ref``, ``loss/clip_frac`` (each loss's own), never a ``ratio/*`` name.
 
-Shared here: the input struct, masking, the two normalisations and the KL-to-reference term, so
-each loss file holds only its per-token formula.
-
-* ``"token"``: the sum of per-token terms divided by a **constant** ``token_norm_divisor`` (the
-  trainer passes ``groups_per_step * group_size * max_new_tokens``): every token weighs the same
-  whatever else is in the batch, and micro-batch gradients add up to the full-batch one. None:
-  ``mask.sum()`` of this call.
-* ``"sample"``: each row's token sum over its own length, then the mean over rows; a trainer that
-  micro-batches scales each micro-batch's loss by ``B_micro / B_step``.
-
-Metrics: ``learner/loss``, ``learner/kl_ref`` (when ``ref_logp`` is given) and ``loss/clip_frac``
-(each loss's own definition), never a ``ratio/*`` name: learner/ratio_metrics.py owns those.
+* ``"token"``: the per-token sum over a **constant** ``token_norm_divisor`` (the trainer's
+  ``groups_per_step * group_size * max_new_tokens``): every token weighs the same whatever else is
+  in the batch, and micro-batch gradients add up to the full-batch one (None: ``mask.sum()``).
+* ``"sample"``: each row's mean over its own length, then the mean over rows; a micro-batching
+  trainer scales each micro-batch's loss by ``B_micro / B_step``.
 """
 
 from __future__ import annotations
@@ -25,7 +20,6 @@ import torch
 from torch import Tensor
 
 from core.registry import resolve
-from learner.kl import kl_per_token
 
 NORMS = ("token", "sample")
 
@@ -71,16 +65,22 @@ def clean(inp: LossInputs) -> tuple[Tensor, Tensor, Tensor, Tensor]:
             torch.where(m, adv.to(dtype), zero))
 
 
-def normalise(per_token: Tensor, m: Tensor, inp: LossInputs) -> Tensor:
-    per_token = torch.where(m, per_token, per_token.new_zeros(()))
-    if inp.norm == "token":
-        return per_token.sum() / (inp.token_norm_divisor or m.sum().clamp(min=1).to(per_token.dtype))
-    lengths = m.sum(dim=1).clamp(min=1).to(per_token.dtype)
-    return (per_token.sum(dim=1) / lengths).mean()
-
-
 def masked_mean(x: Tensor, m: Tensor) -> Tensor:
     return torch.where(m, x, x.new_zeros(())).sum() / m.sum().clamp(min=1)
+
+
+def kl_per_token(logp: Tensor, ref_logp: Tensor, estimator: str = "k3") -> Tensor:
+    """Per-token estimate of KL(p || q) from tokens sampled from p (Schulman 2020), ``log r = ref_logp
+    - logp``: k1 = -log r (unbiased, high variance), k2 = (log r)^2 / 2 (biased, >= 0), k3 = r - 1 -
+    log r (unbiased, >= 0; expm1 keeps r - 1 exact for a tiny log r)."""
+    log_r = ref_logp - logp
+    if estimator == "k1":
+        return -log_r
+    if estimator == "k2":
+        return 0.5 * log_r**2
+    if estimator == "k3":
+        return torch.expm1(log_r) - log_r
+    raise ValueError(f"unknown KL estimator {estimator!r}; expected k1, k2 or k3")
 
 
 def finish(pg_token: Tensor, m: Tensor, logp: Tensor, inp: LossInputs, stats: dict[str, Tensor]):
@@ -91,7 +91,11 @@ def finish(pg_token: Tensor, m: Tensor, logp: Tensor, inp: LossInputs, stats: di
         stats["learner/kl_ref"] = masked_mean(kl.detach(), m)
         if inp.kl_beta:
             pg_token = pg_token + inp.kl_beta * kl
-    loss = normalise(pg_token, m, inp)
+    pg_token = torch.where(m, pg_token, pg_token.new_zeros(()))
+    if inp.norm == "token":
+        loss = pg_token.sum() / (inp.token_norm_divisor or m.sum().clamp(min=1).to(pg_token.dtype))
+    else:
+        loss = (pg_token.sum(dim=1) / m.sum(dim=1).clamp(min=1).to(pg_token.dtype)).mean()
     stats["learner/loss"] = loss.detach()
     return loss, dict(zip(stats, torch.stack([v.to(torch.float64) for v in stats.values()]).tolist()))
 

@@ -1,11 +1,7 @@
-"""Symmetric PPO-clip with the ratio taken w.r.t. the actor's behaviour log-probs.
-
-    r      = exp(logp - behaviour_logp)        (with gradient)
-    loss_t = -min(r * A, clip(r, 1 - eps, 1 + eps) * A)
-
-Where the clipped branch is the smaller one the token's gradient is exactly zero: the baseline
-against which Ring-Zero keeps every token. ``loss/clip_frac`` = fraction of response tokens on
-that side (not ratio_metrics' ``ratio/clip_frac``, rho > eps_high; both are logged).
+"""Symmetric PPO-clip with the ratio to the actor's behaviour log-probs: ``loss_t = -min(r A,
+clip(r, 1 - eps, 1 + eps) A)``, ``r = exp(logp - behaviour_logp)``. Tokens on the clipped side get
+exactly zero gradient: the baseline against which Ring-Zero keeps every token. ``loss/clip_frac``:
+their fraction (not ratio_metrics' ``ratio/clip_frac``, rho > eps_high; both are logged).
 """
 
 from __future__ import annotations

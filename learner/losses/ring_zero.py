@@ -19,8 +19,6 @@ from learner.losses import LossInputs, clean, finish, masked_mean
 
 
 def ring_zero_loss(inp: LossInputs, eps_high: float = 2.0) -> tuple[Tensor, dict[str, float]]:
-    if not eps_high > 0:
-        raise ValueError(f"eps_high must be > 0, got {eps_high}")
     m, logp, behaviour_logp, adv = clean(inp)
     rho = torch.exp(logp.detach() - behaviour_logp)
     rho_hat = rho.clamp(max=eps_high)

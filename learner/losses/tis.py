@@ -1,14 +1,8 @@
-"""Truncated importance sampling on top of PPO-clip: the verl ``tis_imp_ratio_cap`` form from
-"Your Efficient RL Framework Secretly Brings You Off-Policy RL Training" (Yao et al., 2025).
-
-    w      = min(exp(old_logp - behaviour_logp), eps_high) detached: corrects actor/learner drift
-    r      = exp(logp - old_logp)                          PPO ratio to the proximal policy
-    loss_t = -w * min(r * A, clip(r, 1 - eps, 1 + eps) * A)
-
-With one optimiser step per batch (driftrl's trainer) ``old_logp`` is ``logp.detach()``: r == 1
-and the gradient equals Ring-Zero's. They differ only when a trainer passes a step-0 ``old_logp``
-over several steps: TIS then also clips the drift since it. ``loss/clip_frac`` = fraction of
-response tokens whose IS weight was truncated.
+"""Truncated importance sampling on PPO-clip, verl's ``tis_imp_ratio_cap`` (Yao et al., 2025):
+``loss_t = -sg(min(exp(old_logp - behaviour_logp), eps_high)) * min(r A, clip(r) A)``, ``r =
+exp(logp - old_logp)``. With one optimiser step per batch (driftrl's trainer) ``old_logp`` is
+``logp.detach()``, r == 1 and the gradient is Ring-Zero's; a step-0 ``old_logp`` reused over several
+steps also clips the drift since it. ``loss/clip_frac``: the share of truncated IS weights.
 """
 
 from __future__ import annotations
@@ -21,8 +15,6 @@ from learner.losses.ppo_clip import clipped_surrogate
 
 
 def tis_loss(inp: LossInputs, eps_high: float = 2.0, eps_clip: float = 0.2) -> tuple[Tensor, dict[str, float]]:
-    if not eps_high > 0:
-        raise ValueError(f"eps_high must be > 0, got {eps_high}")
     if not 0 < eps_clip < 1:
         raise ValueError(f"eps_clip must be in (0, 1), got {eps_clip}")
     m, logp, behaviour_logp, adv = clean(inp)

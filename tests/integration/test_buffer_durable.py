@@ -128,3 +128,24 @@ def test_a_damaged_group_or_file_is_refused_by_name_and_the_rest_kept(tmp_path):
         f.write(b"\0" * 64)
     with pytest.raises(durable.CorruptStore, match=path):
         durable.DurableStore(os.path.dirname(path))
+
+
+def test_a_full_disk_stops_the_store_without_losing_what_it_committed(tmp_path):
+    """SQLite's own "disk full" (its page limit reached): the write fails with StoreWriteFailed
+    (the buffer exits 75, the launcher does not restart it), and a reopened store holds every
+    committed group, undamaged."""
+    store = durable.DurableStore(str(tmp_path))
+    raw = encode(make_group("a0", 0, completions=2, tokens=512))
+    store.add(("a0", 0), raw)
+    store.commit()
+    pages = store.db.execute("PRAGMA page_count").fetchone()[0]
+    store.db.execute(f"PRAGMA max_page_count={pages + 2}")
+    with pytest.raises(durable.StoreWriteFailed, match="could not be written"):
+        for seq in range(1, 200):
+            store.add(("a0", seq), raw)
+            store.commit()
+    store.db.close()
+    again = durable.DurableStore(str(tmp_path))
+    raws, keys = again.load()
+    assert ("a0", 0) in [tuple(k) for k in keys] and len(raws) == len(keys) >= 1 and not again.damaged()
+    again.close()

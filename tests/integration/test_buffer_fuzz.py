@@ -24,7 +24,7 @@ import zmq
 from buffer.client import ActorClient, LearnerClient
 from buffer.server import MAX_ID_CHARS, ZMQ_SLACK_BYTES
 from core import net
-from core.messages import (BUFFER_TO_ACTOR, SCHEMA_VERSION, Acks, Consumed, Hello, InvalidMessage, Limits,
+from core.messages import (BUFFER_TO_ACTOR, SCHEMA_VERSION, Ack, Acks, Consumed, Hello, InvalidMessage, Limits,
                            RolloutGroup, SampleRequest, decode_reason, decoder, encode, group_decoder,
                            validate_group)
 from tests.support.buffer import ServerThread, make_config, token
@@ -157,7 +157,7 @@ def test_fuzz_10k_hostile_frames_then_valid_traffic(tmp_path):
             while True:
                 assert dealer.poll(20_000), "server stopped answering"
                 msg = dec.decode(dealer.recv())
-                for ack in msg.acks if isinstance(msg, Acks) else [msg]:
+                for ack in msg.acks if isinstance(msg, Acks) else [msg] if isinstance(msg, Ack) else []:
                     if ack.actor_id == ACTOR and ack.status == "hello":
                         return
                     if ack.status == "rejected":

@@ -17,6 +17,7 @@ import torch
 
 from core import placement
 from core.config import load
+from weightsync import check_devices
 from core.messages import Hello, encode
 from weightsync.nccl import NcclPublisher, NcclSubscriber, RankDevice, _decode_join, rank_buffer_device, shared_devices
 
@@ -43,7 +44,7 @@ def _subscribers(run_dir: str, devices: list[str], out: dict) -> list[threading.
 
 def test_each_rank_claims_its_own_assigned_device(tmp_path):
     cfg = load(None, ['weightsync.transport="nccl"', "actor.num_actors=2", "learner.groups_per_step=2"])
-    learner, actors = placement.check(cfg, n_gpus=3)
+    learner, actors = check_devices(cfg, n_gpus=3)
     assert actors == ["cuda:1", "cuda:2"] and learner not in actors
     subs: dict = {}
     threads = _subscribers(str(tmp_path), actors, subs)
@@ -95,7 +96,7 @@ def test_device_rules():
     assert shared_devices([("a", "cuda:0"), ("a", "cuda:1"), ("b", "cuda:1"), ("a", "cpu"), ("a", "cpu")]) == []
     assert shared_devices([("a", "cuda:0"), ("a", "cuda:1"), ("a", "cuda:1")]) == [[1, 2]]
     join = [b"peer", encode(Hello("weightsync", "a0"))]
-    assert _decode_join([*join, encode(RankDevice("h", "cuda:2"))]) == RankDevice("h", "cuda:2")
+    assert _decode_join([*join, encode(RankDevice("h", "cuda:2"))])[1] == RankDevice("h", "cuda:2")
     assert _decode_join([*join, encode(RankDevice("h", "warp:9"))]) is None  # counted as a bad frame
     assert _decode_join(join) is None
     assert rank_buffer_device("nccl", "cuda:3") == torch.device("cuda:3")
@@ -110,4 +111,4 @@ def test_nccl_with_host_tensors_names_the_device_settings(tmp_path):
         NcclPublisher(str(tmp_path), _state(0), world_size=2, backend="nccl")
     cfg = load(None, ['weightsync.transport="nccl"'])
     with pytest.raises(Exception, match="learner.device, actor 0 resolved to 'cpu'"):
-        placement.check(cfg, n_gpus=0)
+        check_devices(cfg, n_gpus=0)

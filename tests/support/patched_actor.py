@@ -45,7 +45,7 @@ def skew(spec: str) -> None:
 
     def skewed(self, n):
         configured = self.__dict__.setdefault("configured_spec", self.engine.spec)
-        on = int(lo) <= self.version <= int(hi)
+        on = int(lo) <= self.engine.version <= int(hi)
         temperature = configured.temperature * (float(factor) if on else 1.0)
         self.engine.spec = dataclasses.replace(configured, temperature=temperature)
         for group in generate(self, n):

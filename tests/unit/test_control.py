@@ -193,6 +193,12 @@ def test_buffer_follows_the_requested_limit_and_pause_and_tells_idle_actors(tmp_
             learner.sample(1, 0, timeout_s=0.3, pause_actors=False)  # -1: the limit stays
             wait_for(lambda: actor.poll(10) is not None and actor.control == (5, False))
             assert srv.stats()["buffer/max_staleness"] == 5.0
+            late = ActorClient(cfg, "a1")  # an actor that says Hello afterwards is told at once
+            try:
+                late.next_seq()
+                wait_for(lambda: late.poll(10) is not None and late.control == (5, False))
+            finally:
+                late.close()
         finally:
             actor.close()
             learner.close()
@@ -380,8 +386,9 @@ def test_live_view_shows_the_limit_and_the_last_trip():
 
 
 def test_control_fields_are_trailing_defaults_old_peers_still_decode():
-    """Within schema version 3 fields are append-only: a request or Acks from a peer without the
-    control fields decodes with "unchanged" defaults, and the new ones decode for an old peer."""
+    """Fields are append-only: a request from a peer without the control fields decodes with
+    "unchanged" defaults, and the new ones decode for an old peer; control reaches actors as its
+    own message, never inside Acks."""
     from core import messages as M
 
     old_req = msgspec.defstruct("SampleRequest", [("request_id", int), ("num_groups", int), ("learner_version", int)],
@@ -390,6 +397,8 @@ def test_control_fields_are_trailing_defaults_old_peers_still_decode():
     req = M.decoder(M.LEARNER_TO_BUFFER).decode(msgspec.msgpack.encode(old_req(3, 4, 5)))
     assert (req.max_staleness, req.pause_actors) == (-1, False)
     acks = M.decoder(M.BUFFER_TO_ACTOR).decode(msgspec.msgpack.encode(old_acks([M.Ack("a0", 1, "ok")])))
-    assert (acks.max_staleness, acks.pause) == (-1, False)
+    assert acks.acks == [M.Ack("a0", 1, "ok")] and not hasattr(acks, "pause")
+    ctl = M.decoder(M.BUFFER_TO_ACTOR).decode(M.encode(M.Control(3, True)))
+    assert isinstance(ctl, M.Control) and (ctl.max_staleness, ctl.pause) == (3, True)
     new = msgspec.msgpack.decode(M.encode(M.SampleRequest(3, 4, 5, 2, True)), type=old_req)
     assert (new.request_id, new.num_groups, new.learner_version) == (3, 4, 5)

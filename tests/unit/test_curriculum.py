@@ -17,7 +17,7 @@ import msgspec
 import pytest
 import torch
 
-from actor.curriculum import LengthCurriculum, prompt_limit, state_path, steps_limit
+from actor.curriculum import LengthCurriculum, prompt_limit, state_path
 from actor.engines import sglang as S
 from actor.evaluate import evaluate, final_eval, task_report
 from actor.tasks import Prompt
@@ -43,7 +43,7 @@ def test_steps_grow_every_n_versions_up_to_the_cap():
     c = LengthCurriculum(_actor("steps"))
     got = [c.limit(v) for v in (-1, 0, 9, 10, 19, 20, 29, 30, 1000)]
     assert got == [8, 8, 8, 12, 12, 16, 16, 16, 16]
-    assert steps_limit(25, start=8, grow=4, every=10, cap=14) == 14
+    assert LengthCurriculum(_actor("steps", cap=14)).limit(25) == 14
     assert not c.observe("length", 8) and c.limit(0) == 8  # pure in the version: nothing to feed
 
 
@@ -114,6 +114,7 @@ def _worker(*extra: str) -> RolloutWorker:
     w.engine = tiny_engine(temperature=2.0, seed=5)
     w.engine.eos_ids = torch.tensor([-1])  # no row stops at EOS: each runs to its limit
     w.client, w.task, w.rng, w.actor_id = _Seqs(), _TieredArith(tiny_task()), random.Random(0), "actor0"
+    w.run_dir, w.curriculum = "", LengthCurriculum(w.cfg.actor)
     return w
 
 

@@ -36,7 +36,7 @@ def test_shortest_correct_ties_go_to_the_first_and_none_correct_is_none():
     assert D.shortest_correct([_s(4), _s(3), _s(3), _s(3)], [1.0, 0.0, 1.0, 1.0]) == 2
     assert D.shortest_correct([_s(2), _s(3)], [0.0, 0.0]) is None
     assert D.shortest_correct([], []) is None
-    with pytest.raises(ValueError, match="rewards"):
+    with pytest.raises(ValueError, match="zip"):
         D.shortest_correct([_s(2)], [1.0, 1.0])
 
 
@@ -67,8 +67,10 @@ def test_train_prompts_are_distinct_seeded_and_bounded():
 @pytest.fixture
 def spied(monkeypatch):
     """The real engine, with every ``generate`` call's prompts and samples recorded."""
+    import actor.evaluate as E
+
     calls = []
-    real = D.make_engine
+    real = E.make_engine
 
     def make(*args, **kwargs):
         engine = real(*args, **kwargs)
@@ -82,7 +84,7 @@ def spied(monkeypatch):
         engine.generate = recording
         return engine
 
-    monkeypatch.setattr(D, "make_engine", make)
+    monkeypatch.setattr(E, "make_engine", make)
     return calls
 
 

@@ -113,6 +113,8 @@ def test_default_generate_puts_a_stream_back_in_prompt_order():
     class Reversed(Engine):
         """Streams in reverse completion order: the base class's generate must reorder it."""
 
+        max_new_tokens = 1
+
         @classmethod
         def from_config(cls, actor_cfg, model_dir, weights=None, seed=0):
             return cls(weights)
@@ -123,7 +125,7 @@ def test_default_generate_puts_a_stream_back_in_prompt_order():
         def _apply_weights(self):
             return None
 
-        def stream(self, prompts, *, max_new_tokens=None, greedy=False):
+        def _stream(self, prompts, limits, greedy):
             for i in reversed(range(len(prompts))):
                 yield i, Sample([len(prompts[i])], [0.0], [0], "length")
 

@@ -212,7 +212,7 @@ def test_saved_checkpoint_reloads_in_transformers(ckpt, name, tmp_path):
 
 def test_bf16_checkpoint_saves_bit_identical_in_bf16(ckpt, tmp_path):
     src = ckpt["qwen3_yarn_bf16"]
-    save_pretrained(load_pretrained(src, dtype="bfloat16"), str(tmp_path), dtype="bfloat16")
+    save_pretrained(load_pretrained(src).to(torch.bfloat16), str(tmp_path))
     a, b = load_file(f"{src}/model.safetensors"), load_file(f"{tmp_path}/model.safetensors")
     assert a.keys() == b.keys() and all(b[k].dtype == torch.bfloat16 and torch.equal(a[k], b[k]) for k in a)
     assert _config(tmp_path)["dtype"] == "bfloat16"

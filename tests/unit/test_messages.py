@@ -45,17 +45,18 @@ def test_socket_decoder_rejects_messages_not_meant_for_it():
         M.decoder(M.BUFFER_TO_ACTOR).decode(M.encode(M.Shutdown(reason="not the buffer's")))
 
 
-@pytest.mark.parametrize("old", [1, 2])
+@pytest.mark.parametrize("old", [1, 2, 3])
 def test_a_group_of_an_older_schema_is_refused_by_validation(old):
-    # schema 1 frames carried by-reference fields, schema 2 Hellos no secret: refused
-    assert M.SCHEMA_VERSION == 3
+    # schema 1 frames carried by-reference fields, schema 2 Hellos no secret, schema 3 peers know
+    # no Control message: refused
+    assert M.SCHEMA_VERSION == 4
     with pytest.raises(M.InvalidMessage, match="schema_version"):
         M.validate_group(_group(schema_version=old))
 
 
 def test_hello_carries_the_token_last_and_defaults_to_none():
     assert M.Hello("actor", "a0").token == ""
-    assert msgspec.msgpack.decode(M.encode(M.Hello("actor", "a0", token="t"))) == ["hello", "actor", "a0", 3, "t"]
+    assert msgspec.msgpack.decode(M.encode(M.Hello("actor", "a0", token="t"))) == ["hello", "actor", "a0", 4, "t", -1, -1]
 
 
 LIMITS = M.Limits(group_size=2, max_prompt_tokens=4, max_new_tokens=3, vocab_size=10)

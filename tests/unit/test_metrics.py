@@ -14,7 +14,7 @@ import pytest
 
 from core.messages import MetricRecords
 from core.metrics import (MERGED_FILE, FileTail, MetricsFollower, MetricsWriter, merge_pending,
-                          record_to_json, role_path)
+                          record_to_json)
 from core.stats import dense_histogram
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -66,7 +66,7 @@ def test_round_trip_values_nan_and_inf(run_dir, follower):
     assert recs[0].values == {"ratio/p99": 1.08, "learner/step": 1.0}
     assert math.isnan(recs[1].values["learner/loss"])  # "no value": kept, not dropped
     assert recs[2].values == {"staleness/hist": [4.0, 2.0, 0.0, 1.0]}  # ±inf: an overflow, dropped
-    assert w.written == 3 and w.values_dropped == 2 and w.write_errors == 0
+    assert w.values_dropped == 2 and w.write_errors == 0
 
     rows = merged(run_dir)
     assert [(r["step"], r["role"], r["id"]) for r in rows] == [(1, "learner", "0"), (2, "learner", "0"),
@@ -116,7 +116,7 @@ def test_two_roles_files_are_merged(run_dir, follower):
 
 
 def test_a_torn_last_line_is_read_once_when_completed(run_dir, follower):
-    path = role_path(run_dir, "actor", "actor0")
+    path = os.path.join(run_dir, "metrics", "actor-actor0.jsonl")
     whole = line("actor", 1)
     append(path, line("actor", 0) + whole[:10])
     assert [r.step for r in follower.read()] == [0]
@@ -129,7 +129,7 @@ def test_a_torn_last_line_is_read_once_when_completed(run_dir, follower):
 
 
 def test_garbage_lines_are_skipped_and_counted(run_dir, follower):
-    path = role_path(run_dir, "buffer", "buffer")
+    path = os.path.join(run_dir, "metrics", "buffer-buffer.jsonl")
     garbage = [b"not json", b'{"step": "x", "time": 1, "role": "a", "id": "b"}', b"[1, 2]", b"\xff\xfe",
                b'{"step": 1, "time": NaN, "role": "a", "id": "b"}']  # a non-finite time
     inf = b'{"step": 5, "time": 1005, "role": "buffer", "id": "buffer", "x": Infinity, "y": 2}'
@@ -209,7 +209,7 @@ def test_a_role_whose_file_cannot_be_written_keeps_running(run_dir, caplog):
     with caplog.at_level(logging.WARNING, logger="core.metrics"):
         for step in range(3):
             w.emit(step, {"learner/step": float(step)})  # never raises
-        assert w.write_errors == 3 and w.written == 0
+        assert w.write_errors == 3 and not os.path.exists(w.path)
         errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
         assert len(errors) == 1 and w.path in errors[0].getMessage()
         os.remove(blocker)  # room again

@@ -6,8 +6,7 @@ import math
 import pytest
 import torch
 
-from learner.kl import kl_per_token
-from learner.losses import LossInputs, make_loss
+from learner.losses import LossInputs, kl_per_token, make_loss
 from learner.losses.ppo_clip import ppo_clip_loss
 from learner.losses.ring_zero import ring_zero_loss
 from learner.losses.tis import tis_loss

@@ -79,8 +79,6 @@ def test_empty_and_bad_input():
     assert all(math.isnan(v) for v in percentiles([], [50, 99]))
     with pytest.raises(ValueError, match="shape"):
         ratio_metrics(np.zeros((2, 3)), np.zeros((2, 4)), np.ones((2, 3)))
-    with pytest.raises(ValueError, match="q in"):
-        percentiles([1.0], [101])
 
 
 def test_bf16_head_widens_the_measured_tail():

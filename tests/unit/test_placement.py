@@ -9,6 +9,7 @@ import jobs
 
 from core import placement
 from core.config import ConfigError, load
+from weightsync import check_devices
 
 
 def _cfg(*overrides):
@@ -58,13 +59,17 @@ def test_cuda_without_cuda_says_why():
 def test_transports_the_placement_cannot_serve():
     nccl = ['weightsync.transport="nccl"', "actor.num_actors=2", "learner.groups_per_step=2"]
     with pytest.raises(ConfigError, match=r"learner.device, actor 0, actor 1 resolved to 'cpu'"):
-        placement.check(_cfg(*nccl), n_gpus=0)
+        check_devices(_cfg(*nccl), n_gpus=0)
     with pytest.raises(ConfigError, match=r"one CUDA device per rank, but \['cuda:1'\]"):
-        placement.check(_cfg(*nccl), n_gpus=2)  # auto puts both actors on cuda:1
-    assert placement.check(_cfg(*nccl), n_gpus=3) == ("cuda:0", ["cuda:1", "cuda:2"])
+        check_devices(_cfg(*nccl), n_gpus=2)  # auto puts both actors on cuda:1
+    assert check_devices(_cfg(*nccl), n_gpus=3) == ("cuda:0", ["cuda:1", "cuda:2"])
     with pytest.raises(ConfigError, match="one CUDA device"):
-        placement.check(_cfg('weightsync.transport="cuda_ipc"'), n_gpus=2)  # actor on cuda:1
-    assert placement.check(_cfg(), n_gpus=0) == ("cpu", ["cpu"])  # shm serves any placement
+        check_devices(_cfg('weightsync.transport="cuda_ipc"'), n_gpus=2)  # actor on cuda:1
+    assert check_devices(_cfg(), n_gpus=0) == ("cpu", ["cpu"])  # shm serves any placement
+    torch_dist = 'weightsync.transport="torch_dist"'  # a server engine's NCCL group: CUDA, any sharing
+    with pytest.raises(ConfigError, match=r"'torch_dist' moves CUDA tensors, but learner.device, actor 0"):
+        check_devices(_cfg(torch_dist), n_gpus=0)
+    assert check_devices(_cfg(torch_dist), n_gpus=1) == ("cuda:0", ["cuda:0"])
 
 
 def test_an_unknown_transport_is_refused_before_anything_starts():

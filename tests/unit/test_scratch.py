@@ -12,7 +12,7 @@ import torch
 
 from actor.tasks import make_task
 from actor.tasks.arith import build_tokenizer, special_ids
-from actor.tasks.scratch import (CHARS, DIVISORS, ScratchTask, digitwise_quotient, final_answer, is_worked,
+from actor.tasks.scratch import (ANSWER_SEP, CHARS, DIVISORS, ScratchTask, digitwise_quotient, final_answer,
                                  operands, remainders, worked_text)
 from core import config as C
 from model.hf import load_pretrained
@@ -22,6 +22,10 @@ from model.tokenizer import Tokenizer
 def _task(*overrides: str) -> ScratchTask:
     cfg = C.load(None, ["task.name=scratch", *overrides])
     return make_task(cfg.task, Tokenizer.build(build_tokenizer(CHARS), special_ids(), {}, {}))
+
+
+def is_worked(text: str) -> bool:
+    return ANSWER_SEP in text
 
 
 def _ids(task, text: str, eos: bool = True) -> list[int]:

@@ -93,12 +93,14 @@ def test_a_chosen_optional_stack_that_is_not_installed_fails_before_anything_sta
         jobs.check_seams(C.load(None, [override]))
 
 
-def test_an_engine_declares_how_it_receives_weights_and_only_the_driver_pairs_it_with_a_transport():
+def test_an_engine_declares_how_it_receives_weights_and_only_the_driver_pairs_it_with_a_transport(monkeypatch):
     """A new engine is its file, its registry line and its config subsection: it declares what it
     receives (``Engine.receives``), check_seams pairs that with a transport, and neither the worker
     nor weightsync names an engine."""
     from actor.engines import engine_class
+    from core import placement
 
+    monkeypatch.setattr(placement, "visible_gpus", lambda: 1)  # torch_dist broadcasts CUDA memory
     assert engine_class("torch").receives == "tensors" and engine_class("sglang").receives == "group"
     jobs.check_seams(C.load(None, ["actor.engine=sglang", "weightsync.transport=torch_dist"]))
     for transport in ("nccl", "shm"):  # an SGLang server cannot take tensors: the error names the fix

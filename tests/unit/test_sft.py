@@ -103,5 +103,6 @@ def test_bad_corpus_rows_are_refused_by_field(tmp_path):
     path.write_text("")
     with pytest.raises(ValueError, match="empty"):
         sft.load_corpus(str(path))
-    with pytest.raises(ValueError, match="token id 99 .* vocab_size = 48"):
-        sft.check_vocab([([1, 99], [2])], 48, str(path))
+    path.write_text(json.dumps({"prompt": [1, 10**6], "completion": [2]}) + "\n")
+    with pytest.raises(ValueError, match="token id 1000000 is outside the base model's vocab_size"):
+        sft.finetune(_cfg(), tiny_model_dir(), str(path), str(tmp_path / "sft"), seed=0)

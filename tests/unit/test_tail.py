@@ -42,7 +42,7 @@ def _logp(batch):
     """Learner log-probs = behaviour + DELTAS on the response; +50 on every prompt and padding
     column, so picking any of them would be the largest "high" of all."""
     logp = torch.full(batch.mask.shape, 50.0)
-    start, _ = T.spans(batch.mask)
+    start = (batch.mask > 0).int().argmax(dim=1).tolist()  # each row's first response column
     for (r, p), d in DELTAS.items():
         logp[r, start[r] + p] = batch.behaviour_logp[r, start[r] + p] + d
     return logp
@@ -88,16 +88,15 @@ def test_prompt_and_padding_never_picked_and_k_beyond_the_token_count():
 def test_k_zero_is_off():
     assert _records(k=0) == []
     assert T.writer_for(tiny_cfg("learner.tail_k=0"), "/nonexistent") is None
-    with pytest.raises(ValueError, match="tail_k must be >= 0, got -1"):
-        _records(k=-1)
+    from core.config import ConfigError
+
+    with pytest.raises(ConfigError, match="tail_k"):  # validated with the config
+        tiny_cfg("learner.tail_k=-1")
 
 
-def test_per_token_staleness_and_shape_errors():
+def test_sample_staleness_without_versions_and_shape_errors():
     batch = _batch()
-    start, _ = T.spans(batch.mask)
-    per_token = torch.zeros(batch.mask.shape, dtype=torch.long)
-    per_token[0, start[0] + 2] = 7
-    batch.staleness, batch.versions = per_token, None  # no versions: the given staleness is used
+    batch.staleness, batch.versions = torch.tensor([7, 0, 0, 0]), None  # no versions: the sample's staleness
     recs = T.records(batch, _logp(batch), step=1, version=3, k=1, decode=_decode)
     assert recs[0]["token_id"] == 22 and recs[0]["staleness"] == 7
     with pytest.raises(ValueError, match="must be shaped like the batch's mask"):

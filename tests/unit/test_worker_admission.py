@@ -3,6 +3,7 @@ first weights it applies; groups leave in completion order."""
 
 import threading
 
+from actor.curriculum import LengthCurriculum
 from actor.worker import RolloutWorker
 from tests.support.tiny import tiny_cfg
 
@@ -27,7 +28,8 @@ class Client:
 def _worker(engine, stop=None):
     w = RolloutWorker.__new__(RolloutWorker)  # the admission logic alone: no sockets, no model
     w.cfg = tiny_cfg("learner.groups_per_step=4", "actor.num_actors=2", "buffer.max_staleness=1", resolved=False)
-    w.index, w.engine, w.client, w.stop, w.admission = 0, engine, Client(), stop, None
+    w.index, w.engine, w.client, w.stop, w.admission = 0, engine, Client(), stop or threading.Event(), None
+    w.run_dir, w.actor_id = "", "actor0"  # no run directory: no heartbeat
     return w
 
 
@@ -70,6 +72,7 @@ def test_groups_leave_in_completion_order_before_the_batch_ends():
     w = RolloutWorker.__new__(RolloutWorker)
     w.cfg = tiny_cfg("actor.group_size=2")
     w.engine, w.client, w.task, w.rng, w.actor_id = engine, Seq(), tiny_task(), random.Random(0), "actor0"
+    w.run_dir, w.curriculum = "", LengthCurriculum(w.cfg.actor)
     seen_at = []
     groups = []
     for g in w.generate_groups(4):
