@@ -52,7 +52,7 @@ class DurableStore:
         self.always, self.dirty = fsync == "always", False
         try:
             self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)  # one user at a time
-            self.db.execute("PRAGMA page_size=65536")  # a new store: fewer pages per group (~1.3x throughput)
+            self.db.execute("PRAGMA page_size=65536")  # (a new store) fewer pages per group
             self.db.execute("PRAGMA journal_mode=WAL")
             self.db.execute(f"PRAGMA synchronous={'OFF' if fsync == 'never' else 'FULL'}")
             verdict = self.db.execute("PRAGMA quick_check").fetchone()[0]
