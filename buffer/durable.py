@@ -33,7 +33,7 @@ CREATE INDEX IF NOT EXISTS trained_by_step ON groups (step) WHERE state = 1;  --
 
 
 class CorruptStore(RuntimeError):
-    pass
+    """The store fails SQLite's integrity check or a group's crc32c: it was not loaded."""
 
 
 class StoreWriteFailed(RuntimeError):

@@ -202,6 +202,8 @@ class BufferServer:
             return "bad_actor_id" if role == "actor" else "bad_id"
         if msg.role != role:
             return "bad_role"
+        if role == "learner" and (msg.step < -1 or msg.version < (0 if msg.step >= 0 else -1)):
+            return "bad_hello"  # a learner's weights: none (-1, -1), or a step and its version >= 0
         if self.token is not None and not hmac.compare_digest(msg.token.encode(), self.token.encode()):
             return "bad_token"
         return None
@@ -336,16 +338,16 @@ class BufferServer:
     def _requeue(self, step: int, version: int) -> None:
         """Serve again what the learner trained after ``step``; drop the groups every token of which
         is newer than ``version``: they were sampled by weights that no longer exist."""
-        groups = [(entry_from_group(self._group_dec.decode(raw), raw), raw) for raw in self.db.requeue(step)]
-        gone = [e.key for e, _ in groups if e.min_version > version]
+        entries = [entry_from_group(self._group_dec.decode(raw), raw) for raw in self.db.requeue(step)]
+        gone = [e.key for e in entries if e.min_version > version]
         self.db.done(gone)
         self.rolled_back += len(gone)
-        for e, _ in groups:
+        for e in entries:
             if e.min_version <= version:
                 self.store.restore(e)
-        if groups:
+        if entries:
             log.info("%d groups trained after step %d served again, %d dropped as rolled back",
-                     len(groups) - len(gone), step, len(gone))
+                     len(entries) - len(gone), step, len(gone))
 
     def _drop_learner(self, why: str) -> int:
         st, self._learner = self._learner, None

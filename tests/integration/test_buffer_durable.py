@@ -149,3 +149,15 @@ def test_a_full_disk_stops_the_store_without_losing_what_it_committed(tmp_path):
     raws, keys = again.load()
     assert ("a0", 0) in [tuple(k) for k in keys] and len(raws) == len(keys) >= 1 and not again.damaged()
     again.close()
+
+
+def test_a_learner_hello_naming_impossible_weights_is_refused_and_counted(tmp_path):
+    """A step with a negative version would drop every trained group as "rolled back": refused."""
+    run = str(tmp_path)
+    cfg = make_config(run_dir=run)
+    with ServerThread(cfg, run) as srv:
+        bad = LearnerClient(cfg, step=3, version=-1)
+        with pytest.raises(RuntimeError, match="bad_hello"):
+            bad.sample(1, 0, timeout_s=10)
+        bad.close()
+        assert srv.stats()["buffer/dropped_invalid/bad_hello"] == 1.0
