@@ -1,6 +1,7 @@
-"""Clients of the buffer server: :class:`ActorClient` (a window of unacked groups, resend, busy
-backoff, a spool so a crashed actor loses no group the buffer never acknowledged) and
-:class:`LearnerClient` (one held request, ``Consumed``, never a key twice across a buffer restart).
+"""Clients of the buffer server: :class:`ActorClient` (a window of unacked groups, the due ones
+sent as one message; resend, busy backoff, a spool so a crashed actor loses no group the buffer
+never acknowledged) and :class:`LearnerClient` (one held request, ``Consumed``, never a key twice
+across a buffer restart).
 
 Both are DEALERs with a fixed identity and ``ZMQ_IMMEDIATE`` (while the buffer is down nothing piles
 up in ZeroMQ: sends fail fast and are retried here), present the run's secret in their ``Hello``
@@ -24,12 +25,12 @@ import zmq
 
 from core import net
 from core.files import atomic_write
-from core.messages import (BUFFER_TO_ACTOR, BUFFER_TO_LEARNER, Ack, Acks, Consumed, Control, Hello, RolloutGroup,
+from core.messages import (BUFFER_TO_ACTOR, BUFFER_TO_LEARNER, MAX_GROUPS_PER_MSG, Ack, Acks, Consumed, Control, Hello, RolloutGroup,
                            SampleBatch, SampleRequest, decoder, encode)
 
 log = logging.getLogger("driftrl.buffer.client")
 
-WINDOW = 8
+WINDOW = 32  # unacked groups: two default learner steps' worth, so a step's groups go as one message
 RESEND_S = 2.0
 BUSY_BACKOFF_S = (0.02, 1.0)  # first and largest wait before resending a group the buffer refused
 HELLO_TIMEOUT_S = 60.0
@@ -84,9 +85,11 @@ def _drain(sock, timeout_ms: int):
             return
 
 
-def _try_send(sock: zmq.Socket, payload: bytes) -> bool:
+def _try_send(sock: zmq.Socket, payload: bytes | list[bytes]) -> bool:
+    """Send one message (a list: one frame each, delivered together or not at all)."""
+    frames = payload if isinstance(payload, list) else [payload]
     try:
-        sock.send(payload, zmq.NOBLOCK, copy=len(payload) < 65536)
+        sock.send_multipart(frames, zmq.NOBLOCK, copy=sum(map(len, frames)) < 65536)
         return True
     except zmq.Again:  # not connected (IMMEDIATE) or queue full: caller retries
         return False
@@ -169,13 +172,15 @@ class ActorClient:
                  window: int = WINDOW, resend_s: float = RESEND_S,
                  on_ack: Callable[[Ack], None] | None = None, run_dir: str | None = None,
                  token: str | None = None, stop=None, timeout_s: float = SILENCE_TIMEOUT_S):
+        if not 1 <= window <= MAX_GROUPS_PER_MSG:  # the window's groups may travel as one message
+            raise ValueError(f"window {window}: 1..{MAX_GROUPS_PER_MSG} groups")
         self.actor_id, self.window, self.resend_s, self.on_ack = actor_id, window, resend_s, on_ack
         self.timeout_s, self._stop = timeout_s, _stop_flag(stop)
         self._heard_at = 0.0  # when the buffer last answered anything
         self._authed = False  # the buffer has answered our Hello on this connection
         self.admission_wait_s = 0.0
         self._pending: dict[int, _Pending] = {}  # insertion order == seq order
-        # bookkeeping that keeps send() O(1) in the window size: no scan of _pending per call
+        # bookkeeping that spares a wait its scan of _pending when nothing is due
         self._due = 0.0  # no entry among the first `window` needs a (re)send before this time
         self._busy_n = 0  # pending groups the buffer answered "busy" and has not taken since
         self._notices: list[Ack] = []
@@ -246,19 +251,8 @@ class ActorClient:
         return new
 
     def _spool_and_send(self, groups: list[RolloutGroup]) -> None:
-        new = self._spool_pending(groups)
-        now = time.monotonic()
-        # the common case: all earlier groups are out and these fit the window: send them now
-        # (the window check holds them back otherwise), else let _pump send them in order
-        if now >= self._due:
-            self._due = 0.0
-        else:
-            for p in new:
-                if not _try_send(self._sock, p.payload):
-                    self._due = 0.0
-                    break
-                p.sent_at, p.retry_at = now, now + self.resend_s
-                self._due = min(self._due, p.retry_at)
+        self._spool_pending(groups)
+        self._due = 0.0  # they are due: _pump sends every due group of the window, in one message
         self._pump()
 
     def poll(self, timeout_ms: int = 0) -> list[Ack]:
@@ -329,17 +323,20 @@ class ActorClient:
                 self._hello_at = now
         if now < self._due:  # nothing is unsent or due for a resend: skip the scan
             return
-        due = float("inf")
+        due, out = float("inf"), []
         for i, p in enumerate(self._pending.values()):
             if i >= self.window:
                 break
             if p.sent_at is None or now >= p.retry_at:
-                if not _try_send(self._sock, p.payload):
-                    self._due = 0.0  # retried on the next pump (_next_due paces it)
-                    return
-                p.sent_at, p.retry_at = now, now + self.resend_s
-            due = min(due, p.retry_at)
-        self._due = due
+                out.append(p)
+            else:
+                due = min(due, p.retry_at)
+        if out and not _try_send(self._sock, [p.payload for p in out]):  # one message, in seq order
+            self._due = 0.0  # retried on the next pump (_next_due paces it)
+            return
+        for p in out:
+            p.sent_at, p.retry_at = now, now + self.resend_s
+        self._due = min(due, now + self.resend_s) if out else due
 
     def _receive(self, timeout_ms: int) -> None:
         for frames in _drain(self._sock, timeout_ms):

@@ -4,8 +4,9 @@ Why SQLite: atomic commits, recovery from a write cut short (its WAL) and an int
 the most trusted embedded database, where a hand-built log needs recycling, salvage and compaction.
 A group is written when accepted and kept after training until a learner checkpoint that a fallback
 could still load covers its step: a restarted learner is served again what it trained since its
-checkpoint, so the learner keeps no journal. The server commits once per loop turn (group commit)
-and only then sends the acks and batches that depend on it. SQLite checks its own pages; each
+checkpoint, so the learner keeps no journal. The server commits once per loop turn that accepted
+a group (group commit) and only then sends the acks and batches that depend on it; a learner's
+marks alone wait for the next such commit, or ``LAZY_COMMIT_S``. SQLite checks its own pages; each
 group also carries its crc32c (SQLite does not checksum data). Either failing refuses the store by
 name, never loads it: ``python -m buffer.durable --drop-damaged RUN_DIR/buffer`` forgets the
 damaged groups (the rest is kept) and names them.
@@ -16,11 +17,15 @@ from __future__ import annotations
 import argparse
 import os
 import sqlite3
+import time
 from typing import Iterable
 
 import crc32c
 
 RESIDENT, TRAINED, DONE = 0, 1, 2
+# a learner's marks alone (trained, covered, dropped) wait up to this long for a commit: losing one
+# costs a group served again, which the learner's audit trail reports consumed without training it
+LAZY_COMMIT_S = 1.0
 FILE = "groups.sqlite"
 _SCHEMA = """CREATE TABLE IF NOT EXISTS groups (
     actor TEXT NOT NULL, seq INTEGER NOT NULL,
@@ -49,7 +54,9 @@ class DurableStore:
         if directory is not None:
             os.makedirs(directory, mode=0o700, exist_ok=True)
             self.path = os.path.join(directory, FILE)
-        self.always, self.dirty = fsync == "always", False
+        self.always, self._added = fsync == "always", False  # _added: an add (its ack) awaits the commit
+        self._adds: list[tuple] = []  # rows of add(), inserted together before any other statement
+        self._marked_at: float | None = None  # first mark not committed yet
         try:
             self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)  # one user at a time
             self.db.execute("PRAGMA page_size=65536")  # (a new store) fewer pages per group
@@ -79,7 +86,10 @@ class DurableStore:
 
     def add(self, key: tuple[str, int], raw) -> None:
         raw = memoryview(raw)
-        self._run("INSERT INTO groups VALUES (?, ?, ?, NULL, ?, ?)", [(*key, RESIDENT, raw, crc32c.crc32c(raw))])
+        self._adds.append((*key, RESIDENT, raw, crc32c.crc32c(raw)))
+        self._added = True
+        if self.always:
+            self.commit(force=True)
 
     def trained(self, keys: Iterable, step: int) -> None:
         """Trained at ``step`` (kept until covered); ``step`` < 0: never trained, forgotten now."""
@@ -98,35 +108,47 @@ class DurableStore:
 
     def requeue(self, step: int) -> list[bytes]:
         """The groups trained after ``step`` (a learner restarted from it), resident again."""
+        self._insert_adds()
         raws = [r for (r,) in self.db.execute(f"SELECT raw FROM groups WHERE state={TRAINED} AND step>? "
                                               "ORDER BY step, rowid", (step,))]
         self._run(f"UPDATE groups SET state={RESIDENT} WHERE state={TRAINED} AND step>?", [(step,)])
         return raws
 
     def damaged(self) -> list[tuple[str, int]]:
+        self._insert_adds()
         rows = self.db.execute(f"SELECT actor, seq, raw, crc FROM groups WHERE state!={DONE}")
         return [(a, q) for a, q, raw, crc in rows if crc32c.crc32c(raw) != crc]
 
-    def commit(self) -> None:
-        if self.dirty:
+    def commit(self, force: bool = False) -> None:
+        """Commit when an acknowledgement depends on it (an add), else when the marks have waited
+        LAZY_COMMIT_S (one commit, one fsync, per learner step instead of two)."""
+        marked = self._marked_at is not None and (force or time.monotonic() - self._marked_at >= LAZY_COMMIT_S)
+        if self._added or marked:
+            self._insert_adds()
             self._write(self.db.execute, "COMMIT")
             self.db.execute("BEGIN")
-            self.dirty = False
+            self._added, self._marked_at = False, None
 
     def disk_bytes(self) -> int:
         return sum(os.path.getsize(p) for p in (self.path, self.path + "-wal") if os.path.exists(p))
 
     def close(self) -> None:
-        self.commit()
+        self.commit(force=True)
         self.db.execute("COMMIT")
         self.db.close()
 
+    def _insert_adds(self) -> None:
+        rows, self._adds = self._adds, []
+        if rows:
+            self._write(self.db.executemany, "INSERT INTO groups VALUES (?, ?, ?, NULL, ?, ?)", rows)
+
     def _run(self, sql: str, rows: list) -> None:
         if rows:
+            self._insert_adds()
             self._write(self.db.executemany, sql, rows)
-            self.dirty = True
+            self._marked_at = self._marked_at or time.monotonic()
             if self.always:
-                self.commit()
+                self.commit(force=True)
 
     def _write(self, call, *args) -> None:
         try:

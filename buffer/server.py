@@ -1,7 +1,8 @@
 """The replay-buffer process: two ROUTER sockets (actors, learner) around a :class:`buffer.store.Store`
 and its durable copy (:mod:`buffer.durable`). Group bytes stay the actor's frame: stored and
-forwarded, never re-encoded. One loop turn: learner messages first (its round trip paces the
-pipeline), a bounded batch of actor messages, one commit, then every reply that depends on it.
+forwarded, never re-encoded; an actor message carries up to ``MAX_GROUPS_PER_MSG``, each judged
+alone. One loop turn: learner messages first (its round trip paces the pipeline), a bounded batch
+of actor messages, one commit, then every reply that depends on it.
 Nothing a peer sends can stop the loop: whatever is refused is counted in
 ``buffer/dropped_invalid/<reason>``. A group newer than the learner's version + 1 is rejected
 (``future_version``): v + 1 may be published before the learner's next request says so.
@@ -30,18 +31,17 @@ from core import config as C
 from core import heartbeat, net
 from core.files import atomic_write
 from core.proc import EXIT_CORRUPT_LOG, EXIT_WRITE_FAILED
-from core.messages import (LEARNER_TO_BUFFER, SCHEMA_VERSION, Ack, Acks, Consumed, Control, Hello, InvalidMessage,
-                           Limits, RolloutGroup, SampleBatch, SampleRequest, decode_reason, decoder, encode,
-                           group_decoder, group_key, validate_group)
+from core.messages import (LEARNER_TO_BUFFER, MAX_GROUPS_PER_MSG, SCHEMA_VERSION, Ack, Acks, Consumed, Control,
+                           Hello, InvalidMessage, Limits, RolloutGroup, SampleBatch, SampleRequest, decode_reason,
+                           decoder, encode, group_decoder, group_key, validate_group)
 
 log = logging.getLogger("driftrl.buffer")
 
 # ZeroMQ drops (and disconnects) frames above max_frame_bytes + this; between the two the
 # frame is received and counted as "oversize", so hostile traffic stays visible in the metrics
 ZMQ_SLACK_BYTES = 64 << 10
-# actor messages per loop turn (~1 ms of work): acks keep flowing under a flood and the learner is
-# served at least once per turn; with group commit, an fsync covers whatever arrived meanwhile
-# (8 measured ~5% faster than 16 or 32 in bench/buffer.py, 4 no better)
+# actor messages per loop turn: acks keep flowing under a flood and the learner is served at least
+# once per turn; with group commit, an fsync covers whatever arrived meanwhile
 MAX_BATCH_MSGS = 8
 # learner messages are small: more of them per turn lets the learner's own through a stranger's
 # flood of the learner port (ZeroMQ reads the peers in turn), while the actors still get theirs
@@ -163,7 +163,7 @@ class BufferServer:
         if self._monitor in ready:
             self._on_monitor()
         if self.actor_sock in ready:
-            self._drain(self.actor_sock, self._on_actor)
+            self._drain(self.actor_sock, self._on_actor, max_parts=MAX_GROUPS_PER_MSG)
             self._serve_requests()
         self._flush_outbox()
         now = time.monotonic()
@@ -172,7 +172,8 @@ class BufferServer:
             self._report()
         heartbeat.beat(self.run_dir, "buffer")  # every turn (<= POLL_MS): the launcher's hung-role check
 
-    def _drain(self, sock: zmq.Socket, handle, max_msgs: int = MAX_BATCH_MSGS) -> None:
+    def _drain(self, sock: zmq.Socket, handle, max_msgs: int = MAX_BATCH_MSGS, max_parts: int = 1) -> None:
+        """Up to ``max_msgs`` messages, each of 1..``max_parts`` payload frames handled in order."""
         nbytes = 0
         for _ in range(max_msgs):
             try:
@@ -180,15 +181,20 @@ class BufferServer:
             except zmq.Again:
                 return
             ident = frames[0].bytes
-            if len(frames) != 2:
+            if not 2 <= len(frames) <= max_parts + 1:
                 self.invalid["multipart"] += 1
                 continue
-            payload = frames[1]  # a zmq.Frame: decoded, logged and forwarded without a copy
-            nbytes += len(payload)
-            if len(payload) > self.max_frame:
-                self.invalid["oversize"] += 1
+            try:  # a ZMTP/1.0 peer's (no greeting) messages have no source: it can never say Hello
+                fd = frames[1].get(zmq.SRCFD)
+            except zmq.ZMQError:
+                self.invalid["legacy_peer"] += 1
                 continue
-            handle(ident, payload.get(zmq.SRCFD), payload)
+            for payload in frames[1:]:  # zmq.Frames: decoded, stored and forwarded without a copy
+                nbytes += len(payload)
+                if len(payload) > self.max_frame:
+                    self.invalid["oversize"] += 1
+                    continue
+                handle(ident, fd, payload)
             if nbytes >= MAX_BATCH_BYTES:
                 return
 
@@ -263,10 +269,10 @@ class BufferServer:
         try:
             if len(g.actor_id) > MAX_ID_CHARS:
                 raise InvalidMessage("bad_actor_id")
-            min_version = validate_group(g, self.limits)
+            min_version, newest = validate_group(g, self.limits)
             if g.actor_id != actor:
                 raise InvalidMessage("wrong_peer", f"{g.actor_id!r} from the connection of {actor!r}")
-            defer = self._too_new(g)
+            defer = self._too_new(newest)
         except InvalidMessage as e:
             self._reject(ident, g.actor_id, g.seq, e.reason)
             return
@@ -280,12 +286,10 @@ class BufferServer:
             self.db.add(entry.key, raw)
         self._ack(ident, Ack(g.actor_id, g.seq, status, reason))
 
-    def _too_new(self, g: RolloutGroup) -> bool:
-        """True when the group is newer than the bound while no learner version is known yet
-        (answer busy); raises ``future_version`` when it is newer than a known one. See the
-        module docstring for the bound."""
+    def _too_new(self, newest: int) -> bool:
+        """True when a group's newest version is above the bound while no learner version is known
+        (answer busy); raises ``future_version`` when it is above a known one's (module docstring)."""
         known = self.learner_version
-        newest = g.max_version()
         if newest <= (known or 0) + 1:
             return False
         if known is None:

@@ -6,6 +6,7 @@ import os
 import sqlite3
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -161,3 +162,30 @@ def test_a_learner_hello_naming_impossible_weights_is_refused_and_counted(tmp_pa
             bad.sample(1, 0, timeout_s=10)
         bad.close()
         assert srv.stats()["buffer/dropped_invalid/bad_hello"] == 1.0
+
+
+def test_an_add_commits_at_once_a_learners_mark_alone_within_lazy_commit_s(tmp_path, monkeypatch):
+    """Acks wait on their group's commit, so a turn with an add commits; marks alone (trained,
+    dropped, covered) ride with the next one, or are committed once they have waited LAZY_COMMIT_S."""
+    monkeypatch.setattr(durable, "LAZY_COMMIT_S", 0.3)
+    store = durable.DurableStore(str(tmp_path))
+    other = sqlite3.connect(store.path)  # what a restarted buffer would read
+    state = lambda: other.execute("SELECT state FROM groups WHERE seq = 0").fetchone()  # noqa: E731
+    try:
+        store.add(("a0", 0), encode(small(0)))
+        store.commit()
+        assert state() == (durable.RESIDENT,)
+        store.trained([("a0", 0)], 5)
+        store.commit()
+        assert state() == (durable.RESIDENT,)  # not yet: no ack depends on it
+        store.add(("a0", 1), encode(small(1)))
+        store.done([("a0", 7)])  # a mark after an add, in the same turn
+        store.commit()
+        assert state() == (durable.TRAINED,)  # carried by the add's commit
+        store.trained([("a0", 1)], 6)
+        time.sleep(0.35)
+        store.commit()
+        assert other.execute("SELECT state FROM groups WHERE seq = 1").fetchone() == (durable.TRAINED,)
+    finally:
+        other.close()
+        store.close()

@@ -22,7 +22,7 @@ import numpy as np
 import zmq
 
 from buffer.client import ActorClient, LearnerClient
-from buffer.server import MAX_ID_CHARS, ZMQ_SLACK_BYTES
+from buffer.server import MAX_GROUPS_PER_MSG, MAX_ID_CHARS, ZMQ_SLACK_BYTES
 from core import net
 from core.messages import (BUFFER_TO_ACTOR, SCHEMA_VERSION, Ack, Acks, Consumed, Hello, InvalidMessage, Limits,
                            RolloutGroup, SampleRequest, decode_reason, decoder, encode, group_decoder,
@@ -169,7 +169,7 @@ def test_fuzz_10k_hostile_frames_then_valid_traffic(tmp_path):
                 dealer.send(f)
             sync()
         for _ in range(multipart):
-            dealer.send_multipart([b"two", b"frames"])
+            dealer.send_multipart([b"x"] * (MAX_GROUPS_PER_MSG + 1))  # more groups than one message may carry
         sync()
         expected["multipart"] += multipart
 

@@ -3,6 +3,7 @@ learner, peers that are not the run's, a learner that vanishes. Each is refused 
 counted under its reason, and nothing a peer sends costs an accepted group or trains one twice."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -416,3 +417,38 @@ def test_waits_without_a_deadline_give_up_on_a_silent_buffer(tmp_path):
     learner = LearnerClient(cfg, stop=lambda: time.monotonic() > t_stop)  # a callable works too
     assert learner.sample(1, 0, timeout_s=None) is None  # no deadline, but stopped
     learner.close()
+
+
+def test_raw_tcp_garbage_zmtp1_frames_and_half_greetings_leave_the_buffer_serving(tmp_path):
+    """Anything a TCP peer can send, at both ports of a real buffer process, without a secret: nine
+    bytes of ZMTP/1.0 once stopped the buffer (a ZeroMQ error reading the frame's source). The same
+    process serves on, and a legacy peer's frames are counted, never taken."""
+    import random
+    import socket
+    run = str(tmp_path)
+    cfg = make_config(run_dir=run)
+    srv = ServerProcess(cfg, run)
+    rng = random.Random(0)
+    greeting = b"\xff" + b"\0" * 8 + b"\x7f\x03\x00NULL"  # a ZMTP/3 greeting cut off halfway
+    payloads = [bytes.fromhex("01000600") + b"hello", bytes.fromhex("0100"), greeting,
+                bytes.fromhex("ff0000000000000001") + os.urandom(32)]
+    try:
+        pid = srv.proc.pid
+        for port in (cfg.net.buffer_actor_port, cfg.net.buffer_learner_port):
+            for i in range(120):
+                with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+                    s.sendall(payloads[i % 4] if i % 5 else bytes(rng.randbytes(rng.randint(1, 300))))
+                    if i % 10 == 0:
+                        time.sleep(0.01)  # some linger long enough for ZeroMQ to read them
+        actor, learner = ActorClient(cfg, "a0"), LearnerClient(cfg)
+        groups = [small("a0", actor.next_seq()) for _ in range(6)]
+        actor.send_many(groups)
+        assert actor.flush(20)
+        got = learner.sample(6, 0, timeout_s=20)
+        assert got is not None and sorted(g.key for g in got.groups) == [g.key for g in groups]
+        assert srv.proc.poll() is None and srv.proc.pid == pid  # the same process, still serving
+        actor.close()
+        learner.close()
+    finally:
+        log = srv.stop()
+    assert "Traceback" not in log and re.search(r"invalid [1-9]", log), log[-2000:]  # refused and counted

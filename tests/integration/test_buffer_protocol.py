@@ -15,7 +15,7 @@ import zmq
 from buffer.client import ActorClient, LearnerClient, Spool, spool_path
 from core import net
 from core.messages import (ACTOR_TO_BUFFER, BUFFER_TO_LEARNER, LEARNER_TO_BUFFER, Ack, Consumed, Hello,
-                           RolloutGroup, SampleBatch, SampleRequest, decoder, encode)
+                           RolloutGroup, SampleBatch, SampleRequest, decoder, encode, MAX_GROUPS_PER_MSG)
 from tests.support.buffer import ROOT, RawActor, ServerThread, make_config, token, wait_for
 from tests.support.synth import make_group
 
@@ -316,6 +316,7 @@ class SilentBuffer:
         net.bind(self.sock, "127.0.0.1", cfg.net.buffer_actor_port)
         self.dec = decoder(ACTOR_TO_BUFFER)
         self.arrivals: list[int] = []
+        self.messages = 0  # group-carrying messages received
         self.ack_from = threading.Event()
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -325,13 +326,14 @@ class SilentBuffer:
         unacked = []
         while not self.stop.is_set():
             if self.sock.poll(20):
-                ident, frame = self.sock.recv_multipart()
-                msg = self.dec.decode(frame)
-                if isinstance(msg, Hello):
-                    self.sock.send_multipart([ident, encode(Ack(msg.id, 0, "hello"))])
-                    continue
-                self.arrivals.append(msg.seq)
-                unacked.append((ident, msg))
+                ident, *frames = self.sock.recv_multipart()  # a message carries one group or more
+                self.messages += not isinstance(self.dec.decode(frames[0]), Hello)
+                for msg in map(self.dec.decode, frames):
+                    if isinstance(msg, Hello):
+                        self.sock.send_multipart([ident, encode(Ack(msg.id, 0, "hello"))])
+                        continue
+                    self.arrivals.append(msg.seq)
+                    unacked.append((ident, msg))
             if self.ack_from.is_set():
                 for ident, msg in unacked:
                     self.sock.send_multipart([ident, encode(Ack(msg.actor_id, msg.seq, "ok"))])
@@ -342,6 +344,42 @@ class SilentBuffer:
         self.thread.join(5)
         self.sock.close()
         self.ctx.term()
+
+
+def test_groups_handed_over_together_travel_as_one_message(tmp_path):
+    """send_many puts every group that fits the window into one ZeroMQ message (one wake-up, one
+    commit and one Acks at the buffer for all of them), the rest into a second once acks make room."""
+    cfg = make_config(run_dir=tmp_path)
+    buf = SilentBuffer(cfg)
+    actor = ActorClient(cfg, "a0", window=4, resend_s=30)
+    try:
+        groups = [make_group("a0", actor.next_seq(), completions=1, tokens=4) for _ in range(3)]
+        actor.send_many(groups)
+        wait_for(lambda: len(buf.arrivals) == 3)
+        assert buf.arrivals == [0, 1, 2] and buf.messages == 1
+        buf.ack_from.set()
+        actor.send_many([make_group("a0", actor.next_seq(), completions=1, tokens=4) for _ in range(6)])
+        assert actor.flush(5)
+        assert buf.arrivals == list(range(9)) and 2 <= buf.messages <= 4  # never more than the window apart
+    finally:
+        actor.close()
+        buf.close()
+
+
+def test_the_server_takes_each_group_of_a_message_on_its_own_merits(tmp_path):
+    """One message of several groups: each is validated, stored and acked by itself (a bad one in
+    the middle costs only itself); one of more groups than MAX_GROUPS_PER_MSG is refused whole."""
+    cfg = make_config(run_dir=tmp_path)
+    with ServerThread(cfg, str(tmp_path)) as srv:
+        raw = RawActor(cfg, "a0")
+        bad = msgspec.structs.replace(small("a0", 1), schema_version=0)
+        raw.sock.send_multipart([encode(small("a0", 0)), encode(bad), encode(small("a0", 2))])
+        acks = sorted(((a.seq, a.status, a.reason) for a in (raw.recv() for _ in range(3))))
+        assert acks == [(0, "ok", ""), (1, "rejected", "schema_version"), (2, "ok", "")]
+        raw.sock.send_multipart([encode(small("a0", 10 + i)) for i in range(MAX_GROUPS_PER_MSG + 1)])
+        wait_for(lambda: srv.invalid["multipart"] == 1)
+        assert srv.store.counters.accepted == 2 and sorted(srv.store.resident) == [("a0", 0), ("a0", 2)]
+        raw.close()
 
 
 def test_actor_client_resends_unacked_groups_and_keeps_to_its_window(tmp_path):

@@ -45,18 +45,18 @@ def test_socket_decoder_rejects_messages_not_meant_for_it():
         M.decoder(M.BUFFER_TO_ACTOR).decode(M.encode(M.Shutdown(reason="not the buffer's")))
 
 
-@pytest.mark.parametrize("old", [1, 2, 3])
+@pytest.mark.parametrize("old", [1, 2, 3, 4])
 def test_a_group_of_an_older_schema_is_refused_by_validation(old):
     # schema 1 frames carried by-reference fields, schema 2 Hellos no secret, schema 3 peers know
-    # no Control message: refused
-    assert M.SCHEMA_VERSION == 4
+    # no Control message, schema 4 buffers take one group per message: refused
+    assert M.SCHEMA_VERSION == 5
     with pytest.raises(M.InvalidMessage, match="schema_version"):
         M.validate_group(_group(schema_version=old))
 
 
 def test_hello_carries_the_token_last_and_defaults_to_none():
     assert M.Hello("actor", "a0").token == ""
-    assert msgspec.msgpack.decode(M.encode(M.Hello("actor", "a0", token="t"))) == ["hello", "actor", "a0", 4, "t", -1, -1]
+    assert msgspec.msgpack.decode(M.encode(M.Hello("actor", "a0", token="t"))) == ["hello", "actor", "a0", M.SCHEMA_VERSION, "t", -1, -1]
 
 
 LIMITS = M.Limits(group_size=2, max_prompt_tokens=4, max_new_tokens=3, vocab_size=10)
@@ -74,7 +74,7 @@ LIMITS = M.Limits(group_size=2, max_prompt_tokens=4, max_new_tokens=3, vocab_siz
      "completion_too_long"),
 ])
 def test_validate_group_enforces_the_runs_limits(bad, reason):
-    assert M.validate_group(_group(), LIMITS) == 3  # the base group is within them
+    assert M.validate_group(_group(), LIMITS) == (3, 4)  # the base group is within them
     with pytest.raises(M.InvalidMessage) as e:
         M.validate_group(_group(**bad), LIMITS)
     assert e.value.reason == reason
@@ -82,7 +82,7 @@ def test_validate_group_enforces_the_runs_limits(bad, reason):
 
 def test_vocab_size_zero_skips_only_the_upper_bound():
     big = dict(prompt_tokens=np.array([1, 10**6], dtype="<i4").tobytes())
-    assert M.validate_group(_group(**big), M.Limits(vocab_size=0)) == 3
+    assert M.validate_group(_group(**big), M.Limits(vocab_size=0)) == (3, 4)
     with pytest.raises(M.InvalidMessage, match="token_out_of_vocab"):
         M.validate_group(_group(prompt_tokens=np.array([-5], dtype="<i4").tobytes()), M.Limits())
 
@@ -108,7 +108,7 @@ def test_bounded_decoder_refuses_oversized_arrays_before_building_them():
             dec.decode(M.encode(_group(**{field: value})))
         assert M.decode_reason(e.value) == "over_limit"
     ok = dec.decode(M.encode(_group()))
-    assert isinstance(ok, M.RolloutGroup) and ok.key == ("a0", 7) and M.validate_group(ok, LIMITS) == 3
+    assert isinstance(ok, M.RolloutGroup) and ok.key == ("a0", 7) and M.validate_group(ok, LIMITS) == (3, 4)
     assert isinstance(dec.decode(M.encode(M.Hello("actor", "a0"))), M.Hello)
 
 
@@ -118,10 +118,10 @@ def test_group_key_reads_the_key_without_the_arrays():
         assert M.group_key(other) is None
 
 
-def test_max_version_is_the_newest_token_version_or_the_start_version():
+def test_validation_gives_the_newest_token_version_or_the_start_version():
     comps = [M.make_completion([1, 2], [-0.1, -0.1], [3, 9], "stop", 0.0), M.make_completion([], [], [], "stop", 0.0)]
-    assert _group(completions=comps).max_version() == 9
-    assert _group(completions=comps[1:], start_version=4).max_version() == 4
+    assert M.validate_group(_group(completions=comps))[1] == 9
+    assert M.validate_group(_group(completions=comps[1:], start_version=4))[1] == 4
 
 
 def test_completion_arrays_and_min_version():
@@ -131,7 +131,7 @@ def test_completion_arrays_and_min_version():
     assert c.token_array().tolist() == [5, 6, 2]
     assert np.allclose(c.logprob_array(), [-0.1, -0.2, -0.3])
     assert g.min_version() == 3 and g.key == ("a0", 7)
-    assert M.validate_group(g) == 3
+    assert M.validate_group(g) == (3, 4)
 
 
 def test_min_version_is_the_oldest_token_version_or_the_start_version():
@@ -144,7 +144,8 @@ def test_min_version_is_the_oldest_token_version_or_the_start_version():
             comps.append(M.make_completion(rng.integers(0, 9, n), -rng.random(n), versions, "stop", 0.0))
         g = _group(completions=comps, start_version=2)
         per = [int(c.version_array().min()) for c in comps if c.num_tokens]  # the definition
-        assert g.min_version() == (min(per) if per else 2) == M.validate_group(g)
+        newest = max([2] + [int(c.version_array().max()) for c in comps if c.num_tokens])
+        assert (g.min_version(), newest) == ((min(per) if per else 2), newest) == M.validate_group(g)
 
 
 @pytest.mark.parametrize("bad, reason", [
