@@ -47,6 +47,7 @@ class RunSection(_Section):
 class ModelSection(_Section):
     path: str = ""  # empty: the task's tiny base model, built once (deterministically) and cached
     vocab_size: NonNegInt = 0  # read from path's config.json at launch; the buffer's token-id bound
+    context: NonNegInt = 0  # its max_position_embeddings, read likewise: prompt + completion within it
     cache_dir: str = ".cache/driftrl"
     pretrain_seed: NonNegInt = 0  # the built-in base model's build seed (not run.seed's); 0's is model/shipped/
     hidden_size: PosInt = 128
