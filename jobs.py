@@ -62,7 +62,7 @@ def check_seams(cfg: C.Config) -> None:
 
 
 def resolve_model(cfg: C.Config) -> C.Config:
-    """``model.path`` set (empty: the task's tiny model, built on first use), ``model.vocab_size``."""
+    """``model.path`` set (empty: the task's tiny model, built on first use), ``model.vocab_size``, ``.context``."""
     path = cfg.model.path
     if path and not os.path.exists(os.path.join(path, "config.json")):
         raise C.ConfigError(f"`$.model.path` = {path!r} has no config.json")
@@ -76,8 +76,12 @@ def resolve_model(cfg: C.Config) -> C.Config:
             raise C.ConfigError(f"`$.model.path` is empty: {e}") from None
         log.info("base model ready in %.1fs: %s", time.time() - t0, path)
     with open(os.path.join(path, "config.json")) as f:
-        vocab = int(json.load(f)["vocab_size"])
-    return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=path, vocab_size=vocab))
+        hf = json.load(f)  # the built-in's max_position_embeddings is model.max_position_embeddings
+    m = msgspec.structs.replace(cfg.model, path=path, vocab_size=int(hf["vocab_size"]),
+                                context=int(hf.get("max_position_embeddings") or 0))  # 0: unknown
+    if m.context and (n := cfg.actor.max_new_tokens) >= m.context:
+        raise C.ConfigError(f"`$.actor.max_new_tokens` = {n} leaves no room for a prompt (context {m.context}: {path})")
+    return msgspec.structs.replace(cfg, model=m)
 
 
 def contract_check(cfg: C.Config, run_dir: str | None) -> dict:

@@ -31,6 +31,7 @@ import msgspec
 from core import config as C
 from core import launchers
 from jobs import check_seams, first_eval, load_config, resolve_checkpoint, train
+from learner import checkpoint
 
 # `driftrl` (the installed command) or `run.py`: usage lines name what the user typed
 PROG = "driftrl" if os.path.basename(sys.argv[0]) == "driftrl" else "run.py"
@@ -69,6 +70,7 @@ def eval_main(args) -> int:
     from pipeline import TIERS, tier_report
 
     model_dir, run_cfg = resolve_checkpoint(args.target)
+    checkpoint.verify_model(model_dir)
     tasks = [a for a in args.overrides if "=" not in a]
     overrides = [a for a in args.overrides if "=" in a]
     if args.tiers and len(tasks) > 1:
@@ -114,6 +116,9 @@ def failure_exit(work) -> int:
     except (C.ConfigError, FileNotFoundError) as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    except checkpoint.DamagedCheckpoint as e:
+        print(f"damaged: {e}", file=sys.stderr)
+        return 65
     except (launchers.RoleFailed, ContractError) as e:
         print(f"run failed: {e}", file=sys.stderr)
         return getattr(e, "exit_code", 1)

@@ -15,7 +15,7 @@ import time
 
 from core.messages import MetricRecords
 from core.files import read_json, run_file
-from core.metrics import MERGED_FILE, METRICS_DIR, FileTail, MetricsFollower, read_all
+from core.metrics import MERGED_FILE, METRICS_DIR, FileTail, MetricsFollower, read_all, regular
 
 Follower = MetricsFollower | FileTail
 
@@ -51,8 +51,11 @@ def job_running(run_dir: str) -> bool:
 
 
 def metrics_path(run_dir: str) -> str:
-    """The run's merged ``metrics.jsonl``; FileNotFoundError without one."""
-    return run_file(run_dir, MERGED_FILE, "not a driftrl run directory, or its launcher has not started yet")
+    """The run's merged ``metrics.jsonl``; FileNotFoundError without one, OSError for a directory or FIFO."""
+    if not regular(path := run_file(run_dir, MERGED_FILE, "not a driftrl run directory, or its launcher has not "
+                                    "started yet")):
+        raise OSError(f"{path} is not a regular file (a directory or FIFO, say): not read")
+    return path
 
 
 def run_config(run_dir: str):
@@ -139,6 +142,6 @@ def main(argv=None) -> int:
         ap.error(f"--speed must be >= 0, got {args.speed}")
     try:
         return attach(args.run_dir, args.follow, args.speed, live=args.live)
-    except FileNotFoundError as e:
+    except OSError as e:  # no run, or metrics.jsonl is a directory or FIFO
         print(f"monitor: {e}", file=sys.stderr)
         return 2

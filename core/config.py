@@ -6,6 +6,8 @@ Unknown keys and bad values raise :class:`ConfigError` naming the field path (``
 from __future__ import annotations
 
 import functools
+import math
+import os
 import tomllib
 from typing import Annotated, Any, Literal
 
@@ -19,6 +21,9 @@ NonNegInt = Annotated[int, Meta(ge=0)]
 PosFloat = Annotated[float, Meta(gt=0)]
 NonNegFloat = Annotated[float, Meta(ge=0)]
 Frac = Annotated[float, Meta(ge=0, le=1)]
+FracLt1 = Annotated[float, Meta(ge=0, lt=1)]
+Port = Annotated[int, Meta(ge=0, le=65535)]  # 0 = pick a free port at launch
+MIN_FRAME_BYTES = 64 << 10  # buffer.max_frame_bytes: a frame carries whole groups; below this, not one
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]  # auto: core/precision.py
 Device = str  # "auto" | "cpu" | "cuda" | "cuda:N" (core/placement.py)
 
@@ -29,7 +34,7 @@ class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 class RunSection(_Section):
     run_dir: str = ""  # empty: runs/<UTC timestamp>, with runs/latest pointing at it
-    seed: int = 0
+    seed: Annotated[int, Meta(ge=0, lt=1 << 32)] = 0  # engines seed with seed * 1000 + actor index
     max_steps: NonNegInt = 1000  # learner optimiser steps; 0 = no step budget
     max_time_s: NonNegFloat = 480.0  # wall clock from the roles' launch (restarts included); 0 = none
     eval_every: NonNegInt = 10  # held-out eval every N policy versions (actor 0); 0 = off
@@ -122,7 +127,7 @@ class BufferSection(_Section):
     policy: Literal["drop_stale", "oldest_first"] = "drop_stale"
     capacity_groups: PosInt = 1024
     capacity_bytes: PosInt = 256 * 1024 * 1024
-    max_frame_bytes: PosInt = 64 * 1024 * 1024
+    max_frame_bytes: Annotated[int, Meta(ge=MIN_FRAME_BYTES)] = 64 * 1024 * 1024
     persist: bool = True  # buffer/durable.py: SQLite in run_dir/buffer/ (false: in memory)
     fsync: Literal["always", "batch", "never"] = "batch"  # commit per group / per loop turn / no fsync
     max_prompt_tokens: PosInt = 4096  # nor empty (completions: actor.max_new_tokens, group_size, vocab_size)
@@ -133,11 +138,11 @@ class LearnerSection(_Section):
     groups_per_step: PosInt = 16
     lr: PosFloat = 1e-4
     weight_decay: NonNegFloat = 0.0
-    betas: tuple[float, float] = (0.9, 0.99)
+    betas: tuple[FracLt1, FracLt1] = (0.9, 0.99)  # Adam's: in [0, 1)
     grad_clip: NonNegFloat = 1.0  # 0 = off
     loss: str = "ring_zero"  # learner/losses/ LOSSES
     eps_high: PosFloat = 2.0  # Ring-Zero/TIS upper truncation of the ratio
-    eps_clip: PosFloat = 0.2  # PPO-clip only
+    eps_clip: Annotated[float, Meta(gt=0, lt=1)] = 0.2  # PPO-clip only: the ratio within 1 -/+ eps_clip
     norm: Literal["token", "sample"] = "token"
     kl_beta: NonNegFloat = 0.0
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
@@ -163,8 +168,8 @@ class WeightSyncSection(_Section):
 
 class NetSection(_Section):
     host: str = "127.0.0.1"
-    buffer_actor_port: NonNegInt = 0  # 0 = pick a free port at launch
-    buffer_learner_port: NonNegInt = 0
+    buffer_actor_port: Port = 0  # 0 = pick a free port at launch
+    buffer_learner_port: Port = 0
     curve_server_public: str = ""  # ZeroMQ CURVE keys (z85), required off loopback
     curve_server_secret: str = ""
     curve_client_public: str | list[str] = ""  # the servers' allow-list
@@ -202,8 +207,8 @@ class ControlSection(_Section):  # the learner acting on its ratio tail (learner
     staleness_min: NonNegInt = 0
     staleness_max: NonNegInt = 8
     # clean default run at lag 2: p99 median 1.20, max 1.78; 1.5 keeps eps_high truncation rare
-    ratio_p99_target: PosFloat = 1.5
-    hysteresis: Annotated[float, Meta(ge=0, lt=1)] = 0.1
+    ratio_p99_target: Annotated[float, Meta(gt=1)] = 1.5  # the p99 of ratios with mean ~1 is above 1
+    hysteresis: FracLt1 = 0.1
     dwell_steps: NonNegInt = 10
     # guard-rails (0 or null = off), well outside clean default runs (README: guard-rails): ~1.7x the
     # largest p99, ~3x the largest max, ~9x below the smallest min, ~6x k3, ~3x lag-0 |Δ log p|
@@ -313,6 +318,7 @@ PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # ray
 
 def validate(cfg: Config) -> None:
     """Cross-field rules that per-field types cannot state (token limits: within what the buffer admits)."""
+    _check_finite(msgspec.to_builtins(cfg))
     if cfg.learner.groups_per_step % cfg.actor.num_actors:
         raise ConfigError("`$.learner.groups_per_step` must be a multiple of `$.actor.num_actors` "
                           f"({cfg.learner.groups_per_step} % {cfg.actor.num_actors} != 0): each actor owns "
@@ -322,11 +328,9 @@ def validate(cfg: Config) -> None:
     cap, t, r = cfg.actor.max_new_tokens, cfg.task, cfg.ray
     for name, tiers in (("system_prompt", t.system_prompt), ("tier_max_new_tokens", t.tier_max_new_tokens),
                         ("difficulty_tiers", t.difficulty_tiers.values())):
-        bad = sorted(set(tiers) - set(TIERS))
-        if bad:
+        if bad := sorted(set(tiers) - set(TIERS)):
             raise ConfigError(f"`$.task.{name}` has {bad}: tiers are {', '.join(TIERS)}")
-    over = {k: n for k, n in t.tier_max_new_tokens.items() if n > cap}
-    if over:
+    if over := {k: n for k, n in t.tier_max_new_tokens.items() if n > cap}:
         raise ConfigError(f"`$.task.tier_max_new_tokens` = {over} exceeds `$.actor.max_new_tokens` = {cap}")
     if cfg.actor.length_schedule != "off" and cfg.actor.length_start > cap:
         raise ConfigError(f"`$.actor.length_start` = {cfg.actor.length_start} exceeds "
@@ -335,11 +339,11 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"`$.ray.placement_strategy` = {r.placement_strategy!r} is not one of "
                           f"{', '.join(PLACEMENT_STRATEGIES)}")
     for name in ("actor_resources", "learner_resources", "buffer_resources"):
-        bad = {k: v for k, v in getattr(r, name).items() if not v > 0 or k in ("CPU", "GPU")}
-        if bad:
+        if bad := {k: v for k, v in getattr(r, name).items() if not v > 0 or k in ("CPU", "GPU")}:
             raise ConfigError(f"`$.ray.{name}` = {bad}: custom resources need amounts above 0 "
                               "(CPUs and GPUs have their own fields)")
     _validate_net(cfg.net)
+    _validate_model(cfg.model)
     c, max_staleness = cfg.control, cfg.buffer.max_staleness
     if c.staleness_min > c.staleness_max:
         raise ConfigError(f"`$.control.staleness_max` = {c.staleness_max} is below "
@@ -350,9 +354,26 @@ def validate(cfg: Config) -> None:
                           f"[{c.staleness_min}, {c.staleness_max}]")
     # a ratio threshold on the wrong side of 1 would fire on every clean step
     for name, side in (("guard_ratio_p99", "above"), ("guard_ratio_max", "above"), ("guard_ratio_min", "below")):
-        v = getattr(c, name)
-        if v and (v <= 1.0 if side == "above" else v >= 1.0):
+        if (v := getattr(c, name)) and (v <= 1.0 if side == "above" else v >= 1.0):
             raise ConfigError(f"`$.control.{name}` = {v} must be {side} 1 (or 0 = off)")
+
+
+def _check_finite(node, path: str = "$") -> None:
+    """Every float anywhere in the config (a builtins tree) is finite: NaN passes no range, JSON has no inf."""
+    if isinstance(node, float) and not math.isfinite(node):
+        raise ConfigError(f"`{path}` = {node}: must be a finite number")
+    for k, v in node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ():
+        _check_finite(v, f"{path}.{k}" if isinstance(node, dict) else f"{path}[{k}]")
+
+
+def _validate_model(m: ModelSection) -> None:
+    """The built-in model's shape: whole heads, an even head_dim (RoPE)."""
+    h, n, kv = m.hidden_size, m.num_heads, m.num_kv_heads
+    for bad, why in ((h % n, f"`$.model.hidden_size` = {h} is not a multiple of `$.model.num_heads` = {n}"),
+                     (n % kv, f"`$.model.num_heads` = {n} is not a multiple of `$.model.num_kv_heads` = {kv}"),
+                     (h // n % 2, f"`$.model.hidden_size` / `$.model.num_heads` = {h // n}: RoPE needs it even")):
+        if bad:
+            raise ConfigError(why)
 
 
 def _validate_net(n: NetSection) -> None:
@@ -388,11 +409,21 @@ def load(toml_path: str | None = None, overrides: list[str] | tuple = ()) -> Con
         try:
             with open(toml_path, "rb") as f:
                 merge(tree, tomllib.load(f))
-        except (OSError, tomllib.TOMLDecodeError) as e:
-            raise ConfigError(f"cannot read config file {toml_path}: {e}") from None
+        except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            why = f"not UTF-8 ({e})" if isinstance(e, UnicodeDecodeError) else e
+            raise ConfigError(f"cannot read config file {toml_path}: {why}") from None
     for item in overrides:
         apply_override(tree, item)
-    return from_dict(tree)
+    cfg = from_dict(tree)  # + a fresh config's checks (not validate(): a run dir's config.json may have moved)
+    if not cfg.model.path and cfg.actor.max_new_tokens >= (pos := cfg.model.max_position_embeddings):  # built-in
+        raise ConfigError(f"`$.actor.max_new_tokens` = {cfg.actor.max_new_tokens} leaves no room for a prompt "
+                          f"within `$.model.max_position_embeddings` = {pos}")
+    p = cfg.run.run_dir and os.path.realpath(cfg.run.run_dir)  # can be made or written
+    while p and not os.path.exists(p):  # its nearest existing ancestor; nothing is created
+        p = os.path.dirname(p)
+    if p and (not os.path.isdir(p) or not os.access(p, os.W_OK | os.X_OK) or p.split("/")[1] in ("proc", "sys")):
+        raise ConfigError(f"`$.run.run_dir` = {cfg.run.run_dir!r} cannot be created or written (at {p})")
+    return cfg
 
 
 def to_json(cfg: Config) -> bytes:

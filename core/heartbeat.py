@@ -13,6 +13,7 @@ BEAT_EVERY_S = 1.0
 START_GRACE_S = 60.0  # before a role's first beat: a model load may outlast a short timeout
 BACKOFF_CAP_S = 30.0
 _last: dict[str, float] = {}
+_role: tuple[str, str] | None = None  # (run_dir, role) of this process's last beat: see pulse()
 
 
 def path(run_dir: str, role: str) -> str:
@@ -21,8 +22,10 @@ def path(run_dir: str, role: str) -> str:
 
 def beat(run_dir: str, role: str) -> None:
     """Touch the role's heartbeat file; nothing without a run directory."""
+    global _role
     if not run_dir:
         return
+    _role = (run_dir, role)
     p, now = path(run_dir, role), time.monotonic()
     if now - _last.get(p, -BEAT_EVERY_S) < BEAT_EVERY_S:
         return
@@ -33,6 +36,13 @@ def beat(run_dir: str, role: str) -> None:
         os.makedirs(os.path.dirname(p), exist_ok=True)
         with open(p, "ab"):
             pass
+
+
+def pulse() -> None:
+    """A beat for this process's role from inside long work (a micro-batch, a checkpoint file): a
+    slow step is progress, not a hang. Nothing before the role's loop has beaten once."""
+    if _role is not None:
+        beat(*_role)
 
 
 def mtime(run_dir: str, role: str) -> float | None:

@@ -239,11 +239,12 @@ class Limits(NamedTuple):
     max_prompt_tokens: int = 0
     max_new_tokens: int = 0  # tokens of one completion
     vocab_size: int = 0  # token ids in [0, vocab_size)
+    context: int = 0  # the model's: prompt + completion within it
 
     @classmethod
     def of(cls, cfg) -> Limits:
         return cls(cfg.actor.group_size, cfg.buffer.max_prompt_tokens, cfg.actor.max_new_tokens,
-                   cfg.model.vocab_size)
+                   cfg.model.vocab_size, cfg.model.context)
 
 
 NO_LIMITS = Limits()
@@ -258,10 +259,12 @@ def bounded_group(limits: Limits) -> type:
     """RolloutGroup with array lengths bounded by ``limits``: its decoder refuses a frame at the first
     array header above them, before allocating (two million empty completions cost nothing)."""
     tok, item = Annotated[bytes, _cap(limits.max_new_tokens * TOKEN_DTYPE.itemsize)], TOKEN_DTYPE.itemsize
-    comp = msgspec.defstruct("Completion", [("tokens", tok), ("logprobs", tok), ("versions", tok)],
-                             bases=(Completion,), module=__name__)
+    text = Annotated[str, Meta(max_length=MAX_TEXT_CHARS)]
+    comp = msgspec.defstruct("Completion", [("tokens", tok), ("logprobs", tok), ("versions", tok),
+                                            ("finish_reason", text)], bases=(Completion,), module=__name__)
     return msgspec.defstruct(
-        "RolloutGroup", [("prompt_tokens", Annotated[bytes, _cap(limits.max_prompt_tokens * item)]),
+        "RolloutGroup", [("group_id", text), ("task", text), ("tier", text),
+                         ("prompt_tokens", Annotated[bytes, _cap(limits.max_prompt_tokens * item)]),
                          ("completions", Annotated[list[comp], _cap(limits.group_size)])],
         bases=(RolloutGroup,), tag="group", module=__name__)
 
@@ -308,6 +311,9 @@ class InvalidMessage(ValueError):
 
 _FINISH_REASONS = ("stop", "length")
 _MAX_LOGPROB = 1e-4  # float32 rounding may push log(1) a hair above 0; anything more is a bug
+_MIN_LOGPROB = -1e4  # a sampled token's is above ~-100 in float32; far below is no probability
+MAX_ABS_REWARD = 1e6  # beyond it a reward is a scorer's bug: its square would overflow float32
+MAX_TEXT_CHARS = 256  # group_id, task, tier, finish_reason
 # the fast path compares byte lengths as element counts
 assert TOKEN_DTYPE.itemsize == LOGPROB_DTYPE.itemsize == VERSION_DTYPE.itemsize
 
@@ -323,6 +329,8 @@ def validate_group(g: RolloutGroup, limits: Limits = NO_LIMITS) -> tuple[int, in
         raise InvalidMessage("empty_group")
     if g.seq < 0 or g.start_version < 0:
         raise InvalidMessage("negative_id")
+    if not math.isfinite(g.created_at):
+        raise InvalidMessage("bad_timestamp")
     if len(g.prompt_tokens) % TOKEN_DTYPE.itemsize:
         raise InvalidMessage("ragged_bytes", "prompt_tokens")
     n, prompt = len(g.completions), len(g.prompt_tokens) // TOKEN_DTYPE.itemsize
@@ -332,6 +340,8 @@ def validate_group(g: RolloutGroup, limits: Limits = NO_LIMITS) -> tuple[int, in
         raise InvalidMessage("empty_prompt")
     if limits.max_prompt_tokens and prompt > limits.max_prompt_tokens:
         raise InvalidMessage("prompt_too_long", f"{prompt} > {limits.max_prompt_tokens} tokens")
+    if limits.context and prompt >= limits.context:
+        raise InvalidMessage("over_context", f"a prompt of {prompt} tokens, context {limits.context}")
     versions = _completions_pass(g, limits)
     if versions is None:
         _explain_completions(g, limits)
@@ -347,12 +357,13 @@ def _completions_pass(g: RolloutGroup, limits: Limits) -> tuple[int, int] | None
     """The group's (min_version, max_version) if every check of :func:`_explain_completions` would
     pass, else None."""
     item = TOKEN_DTYPE.itemsize
-    cap = limits.max_new_tokens * item or math.inf
+    cap = min(limits.max_new_tokens or math.inf, limits.context - len(g.prompt_tokens) // item if limits.context
+              else math.inf) * item
     comps = g.completions
     for c in comps:
         n = len(c.tokens)
         if n % item or n > cap or len(c.logprobs) != n or len(c.versions) != n \
-                or c.finish_reason not in _FINISH_REASONS or not math.isfinite(c.reward):
+                or c.finish_reason not in _FINISH_REASONS or not abs(c.reward) <= MAX_ABS_REWARD:
             return None
     ids = np.frombuffer(b"".join([g.prompt_tokens, *[c.tokens for c in comps]]), dtype=TOKEN_DTYPE)
     if not _ids_ok(ids, limits.vocab_size):
@@ -361,7 +372,7 @@ def _completions_pass(g: RolloutGroup, limits: Limits) -> tuple[int, int] | None
     if not lp.size:
         return g.start_version, g.start_version
     # max() propagates NaN and NaN <= x is False: one test rejects NaN, +inf and positives; min() -inf
-    if not (lp.max() <= _MAX_LOGPROB and lp.min() > -math.inf):
+    if not (lp.max() <= _MAX_LOGPROB and lp.min() >= _MIN_LOGPROB):
         return None
     v = g._versions()
     oldest = int(v.min())
@@ -381,13 +392,20 @@ def _explain_completions(g: RolloutGroup, limits: Limits) -> None:
             raise InvalidMessage("length_mismatch", f"completion {i}: {n_tok}/{n_lp}/{n_ver}")
         if limits.max_new_tokens and n_tok > limits.max_new_tokens:
             raise InvalidMessage("completion_too_long", f"completion {i}: {n_tok} > {limits.max_new_tokens}")
+        prompt = len(g.prompt_tokens) // TOKEN_DTYPE.itemsize
+        if limits.context and prompt + n_tok > limits.context:
+            raise InvalidMessage("over_context", f"completion {i}: {prompt} + {n_tok} > {limits.context}")
         if not math.isfinite(c.reward):
             raise InvalidMessage("nonfinite_reward", f"completion {i}")
+        if abs(c.reward) > MAX_ABS_REWARD:
+            raise InvalidMessage("reward_out_of_range", f"completion {i}: {c.reward:g}")
         lp = c.logprob_array()
         if not np.isfinite(lp).all():
             raise InvalidMessage("nonfinite_logprob", f"completion {i}")
         if (lp > _MAX_LOGPROB).any():
             raise InvalidMessage("positive_logprob", f"completion {i}")
+        if (lp < _MIN_LOGPROB).any():
+            raise InvalidMessage("logprob_out_of_range", f"completion {i}: {lp.min():g}")
         if (c.version_array() < 0).any():
             raise InvalidMessage("negative_version", f"completion {i}")
         if not _ids_ok(c.token_array(), limits.vocab_size):

@@ -11,6 +11,8 @@ import json
 import logging
 import math
 import os
+import re
+import stat
 import time
 from numbers import Real
 
@@ -22,8 +24,10 @@ from core.messages import MetricRecords
 METRICS_DIR = "metrics"  # run_dir/metrics/<role>-<id>.jsonl: one writer each
 MERGED_FILE = "metrics.jsonl"  # every role's records, merged by the launcher
 MERGED_STATE = "metrics.merged.json"  # role file name -> [bytes merged, inode]
-READ_CHUNK = 8 << 20  # bytes per read of one file: a big backlog comes in slices
-MAX_LINE = 4 << 20  # a record is a few KB; a "line" this long is garbage
+READ_CHUNK = 1 << 20  # bytes per read of one file: a big backlog (or a huge line) comes in slices
+MAX_LINE = 1 << 20  # a record is a few KB; a longer line is skipped (and counted) unparsed
+MAX_DEPTH = 8  # a record nests 2 deep (an object of lists); json.loads recurses: deeper is checked before it
+MAX_LIST = 1024  # a list-valued metric longer than this is dropped (and counted)
 _RESERVED = ("step", "time", "role", "id")
 
 log = logging.getLogger(__name__)
@@ -45,8 +49,9 @@ def _value(v, null: bool) -> float | list[float] | None:
 
 
 def finite_values(values: dict) -> tuple[dict, list[str]]:
-    """``values`` without ±inf (a list holding one goes too), and the dropped keys."""
-    dropped = [k for k, v in values.items() if (any(map(math.isinf, v)) if isinstance(v, list) else math.isinf(v))]
+    """``values`` without ±inf (a list holding one goes too) or lists past MAX_LIST, and the dropped keys."""
+    dropped = [k for k, v in values.items() if ((len(v) > MAX_LIST or any(map(math.isinf, v)))
+                                                if isinstance(v, list) else math.isinf(v))]
     return {k: v for k, v in values.items() if k not in dropped}, dropped
 
 
@@ -54,6 +59,22 @@ def record_to_json(rec: MetricRecords) -> bytes:
     """One metrics line (no newline); the envelope fields win over metrics that reuse their names."""
     row = {k: v for k, v in rec.values.items() if k not in _RESERVED}
     return msgspec.json.encode({"step": rec.step, "time": rec.time, "role": rec.role, "id": rec.id, **row})
+
+
+def bounded_json(line: bytes):
+    """``json.loads(line)``; ValueError, unparsed, past MAX_LINE bytes or MAX_DEPTH nested arrays/objects."""
+    s = line if len(line) <= MAX_LINE and line.count(b"[") + line.count(b"{") > MAX_DEPTH else b""
+    s = re.sub(rb'"[^"]*"', b"", re.sub(rb"\\.", b"", s))  # maybe deep: without strings, then without
+    for _ in range(MAX_DEPTH):  # the innermost pairs MAX_DEPTH times, nothing may be left
+        s = re.sub(rb"[\[{][^\[\]{}]*[\]}]", b"", s)
+    if len(line) > MAX_LINE or b"[" in s or b"{" in s:
+        raise ValueError(f"a line of {len(line)} bytes, or nested deeper than {MAX_DEPTH}")
+    return json.loads(line)
+
+
+def regular(path: str) -> bool:
+    """Not a directory, FIFO or device (checked before any open: opening a FIFO hangs)."""
+    return stat.S_ISREG(os.stat(path).st_mode)
 
 
 def record_from_json(row) -> MetricRecords:
@@ -159,7 +180,7 @@ class MetricsWriter(_Closing):
             return
         clean, dropped = finite_values(clean)
         if dropped and not self.values_dropped:
-            log.warning("metrics: an infinite value of %r dropped (counted as monitor/values_dropped)", dropped[0])
+            log.warning("metrics: an inf or overlong list %r dropped (counted as monitor/values_dropped)", dropped[0])
         self.values_dropped += len(dropped)
         rec = MetricRecords(role=self.role, id=self.id, step=int(step), time=time.time(), values=clean)
         if self._file.append(record_to_json(rec) + b"\n"):
@@ -180,14 +201,16 @@ class FileTail:
     def __init__(self, path: str, offset: int = 0, ino: int | None = None):
         self.path, self.offset, self._ino = path, offset, ino
         self.bad_lines = self.values_dropped = self.resets = 0
-        self._partial = b""
+        self._partial, self._skip = b"", False
 
     def read(self) -> list[MetricRecords]:
         try:
+            if not regular(self.path):  # never read; the readers' commands refuse it (attach.metrics_path)
+                return []
             with open(self.path, "rb") as f:
                 st = os.fstat(f.fileno())
                 if (self._ino is not None and st.st_ino != self._ino) or st.st_size < self.offset:
-                    self.offset, self._partial = 0, b""
+                    self.offset, self._partial, self._skip = 0, b"", False
                     self.resets += 1
                 self._ino = st.st_ino
                 f.seek(self.offset)
@@ -197,17 +220,19 @@ class FileTail:
         self.offset += len(chunk)
         lines = (self._partial + chunk).split(b"\n")
         self._partial = lines.pop()
-        if len(self._partial) > MAX_LINE:  # never a line: drop it instead of growing without bound
-            self._partial = b""
-            self.bad_lines += 1
+        if self._skip and lines:  # the end of a line too long to keep
+            lines[0], self._skip = b"", False
+        if len(self._partial) > MAX_LINE:  # dropped as it comes instead of growing without bound; counted once
+            self.bad_lines += not self._skip
+            self._partial, self._skip = b"", True
         return [r for r in map(self._decode, lines) if r is not None]
 
     def _decode(self, line: bytes) -> MetricRecords | None:
         if not line.strip():
             return None
         try:
-            rec = record_from_json(json.loads(line))
-        except (ValueError, TypeError, OverflowError):  # bad JSON or UTF-8, a wrong shape, an int past float
+            rec = record_from_json(bounded_json(line))
+        except (ValueError, TypeError, OverflowError):  # bad, long or deep JSON, a wrong shape, an int past float
             self.bad_lines += 1
             return None
         values, dropped = finite_values(rec.values)
@@ -216,7 +241,7 @@ class FileTail:
 
     def caught_up(self) -> bool:
         try:
-            return os.path.getsize(self.path) <= self.offset
+            return not regular(self.path) or os.path.getsize(self.path) <= self.offset
         except OSError:
             return True
 

@@ -220,7 +220,7 @@ class Monitor:
             (g("ratio/p50") is not None or g("ratio/p99") is not None)
             and f"ratio p50 {fmt(g('ratio/p50'))} p99 {fmt(g('ratio/p99'), 2)} max {fmt(g('ratio/max'), 1)}",
             isinstance(hist, list) and hist
-            and "stale {" + ", ".join(f"{s}: {fmt(c, 0)}" for s, c in enumerate(hist) if c and c == c) + "}",
+            and "stale {" + ", ".join(f"{s}: {fmt(c, 0)}" for s, c, _ in self.staleness_rows() if c and c == c) + "}",
             ctl is not None and f"ctl {ctl}",
             g("buffer/depth") is not None
             and f"buf {fmt(g('buffer/depth'), 0)}" + (f" (drop {drops})" if drops else ""),

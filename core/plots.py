@@ -33,7 +33,10 @@ Points = list[tuple[float, float]]
 
 
 def load(run_dir: str) -> list:
-    return read_all(FileTail(metrics_path(run_dir)))
+    records = read_all(tail := FileTail(metrics_path(run_dir)))
+    if tail.bad_lines or tail.values_dropped:  # too long, too deep, not JSON; inf or overlong lists
+        print(f"plot: {tail.path}: {tail.bad_lines} lines and {tail.values_dropped} values skipped", file=sys.stderr)
+    return records
 
 
 def timeline(records: list):
@@ -139,7 +142,8 @@ def figures(records: list):
     counts = [c if math.isfinite(c) else 0.0 for c in hist]
     if any(counts):
         a.bar(range(len(counts)), counts, color="tab:blue")
-        a.set(xlabel="staleness (policy versions)", ylabel="samples", xticks=range(len(counts)))
+        a.set(xlabel="staleness (policy versions)", ylabel="samples",  # at most 32 ticks: cheap to draw
+              xticks=range(0, len(counts), max(1, len(counts) // 16)))
     else:
         not_logged(a, ["staleness/hist"])
     line_panel(b, idx, "staleness over steps", [("staleness/mean", "mean"), ("staleness/max", "max")], restarts)
@@ -230,7 +234,7 @@ def main(argv=None) -> int:
     except ImportError as e:
         print(f"plot: {e.name or e} is not installed: pip install -e '.[plot]'", file=sys.stderr)
         return 2
-    except FileNotFoundError as e:
+    except OSError as e:  # no run, metrics.jsonl a directory or FIFO, an unwritable --out
         print(f"plot: {e}", file=sys.stderr)
         return 2
     for p in paths:

@@ -16,7 +16,7 @@ PR_SET_PDEATHSIG = 1
 # a role that could not write what it must (a checkpoint on a full disk, ...): EX_TEMPFAIL of
 # sysexits.h, "try again later": the run is resumable once the cause is fixed. Not restarted.
 EXIT_WRITE_FAILED = 75
-EXIT_CORRUPT_LOG = 65  # EX_DATAERR: the buffer's store is damaged; see buffer.durable --drop-damaged
+EXIT_CORRUPT_LOG = 65  # EX_DATAERR: the buffer's store (buffer.durable --drop-damaged) or every checkpoint damaged
 ORPHAN_POLL_S = 0.5
 ORPHAN_GRACE_S = 15.0  # after the launcher is gone: time to stop cleanly before a hard exit
 
@@ -58,6 +58,8 @@ def stop_event() -> threading.Event:
 
 
 def setup_logging(role: str) -> logging.Logger:
+    """Also every file the role writes (tail, audit, checkpoints, store) is its user's alone."""
+    os.umask(0o077)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr, force=True)
     return logging.getLogger(f"driftrl.{role}")

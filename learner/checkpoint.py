@@ -14,6 +14,7 @@ import os
 import random
 import shutil
 
+from core import heartbeat
 from core.files import atomic_dir
 
 log = logging.getLogger("driftrl.learner.checkpoint")
@@ -41,8 +42,22 @@ def write_dir(what: str, final: str, write) -> str:
 
 
 def save_model(backend, final: str) -> str:
-    """The backend's weights as an HF-format directory at ``final``, atomically."""
-    return write_dir("the final model", final, backend.save_model)
+    """The backend's weights as an HF-format directory at ``final``, atomically, with its manifest."""
+    def write(tmp: str) -> None:
+        backend.save_model(tmp)
+        with open(os.path.join(tmp, MANIFEST), "w") as f:
+            json.dump(_manifest(tmp), f, indent=1)
+
+    return write_dir("the final model", final, write)
+
+
+def verify_model(model_dir: str) -> None:
+    """A model directory of a run (final_model/, a checkpoint's model/) against its manifest;
+    DamagedCheckpoint if it has none or differs. Another model directory is not checked."""
+    ours = [d for d in (model_dir, os.path.dirname(os.path.abspath(model_dir)))
+            if os.path.exists(os.path.join(d, MARKER))]
+    if ours:
+        verify(ours[0])
 
 
 def save(ckpt_root: str, step: int, backend, meta: dict) -> str:
@@ -63,6 +78,7 @@ def save(ckpt_root: str, step: int, backend, meta: dict) -> str:
 
 
 def _sha256(path: str) -> str:
+    heartbeat.pulse()  # hashing a large checkpoint is not a hang
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 

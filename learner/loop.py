@@ -23,7 +23,7 @@ from core import config as C
 from core import heartbeat
 from core import messages as M
 from core.metrics import MetricsWriter
-from core.proc import EXIT_WRITE_FAILED, die_with_parent, setup_logging, stop_event
+from core.proc import EXIT_CORRUPT_LOG, EXIT_WRITE_FAILED, die_with_parent, setup_logging, stop_event
 from core.stats import dense_histogram
 from learner import audit, checkpoint, tail
 from learner.backends import NonFiniteError, make_backend
@@ -63,6 +63,10 @@ class LearnerLoop:
         self._ckpt_step: int | None = None
         self._covered = -1  # every step up to here is in a checkpoint a fallback can load
         path = checkpoint.latest(self.ckpt_root)
+        if path is None and checkpoint.complete_checkpoints(self.ckpt_root):
+            raise checkpoint.DamagedCheckpoint(
+                f"every checkpoint in {self.ckpt_root} is damaged (see the warnings above): the learner "
+                "does not start over from the initial weights unasked; move that directory aside to")
         if path:
             meta = checkpoint.load(path, self.backend)
             self.step, self._ckpt_version = meta["step"], meta["version"]
@@ -225,16 +229,17 @@ class LearnerLoop:
                     "are dropped", path or "the initial weights", self.step, self.version, after + 1, upto)
 
     def _emit_control(self) -> None:
-        """A step that trained nothing still reports the control state."""
+        """A step that trained nothing still reports the control state and its counts."""
         self.metrics.emit(self.step, {"learner/step": float(self.step), "learner/version": float(self.version),
-                                      "learner/dropped_rolled_back": float(self.counts["dropped_rolled_back"]),
-                                      **self.control.metrics()})
+                                      **{f"learner/{k}": float(self.counts[k]) for k in
+                                         ("dropped_rolled_back", "skipped_batches")}, **self.control.metrics()})
 
     def _skip(self, groups: list[M.RolloutGroup], err: Exception) -> None:
         self._skips_in_a_row += 1
         self.counts["skipped_batches"] += 1
         kind = "non-finite" if isinstance(err, NonFiniteError) else type(err).__name__
         log.warning("batch of %d groups skipped at version %d (%s): %s", len(groups), self.version, kind, err)
+        self._emit_control()  # seen now, not with the next step that trains
         self._retire([g.key for g in groups])
         if self._skips_in_a_row >= MAX_SKIPS_IN_A_ROW:
             raise RuntimeError(f"{self._skips_in_a_row} batches in a row failed; the last: {err}") from err
@@ -325,6 +330,9 @@ def main(argv=None) -> None:
     except checkpoint.WriteError as e:
         log.error("%s (exit %d)", e, EXIT_WRITE_FAILED)
         sys.exit(EXIT_WRITE_FAILED)
+    except checkpoint.DamagedCheckpoint as e:
+        log.error("%s (exit %d)", e, EXIT_CORRUPT_LOG)
+        sys.exit(EXIT_CORRUPT_LOG)
     finally:
         if loop is not None:
             loop.close()

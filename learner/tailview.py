@@ -19,6 +19,7 @@ from rich.table import Table
 from rich.text import Text
 
 from core.files import run_file
+from core.metrics import bounded_json, regular
 from core.monitor import fmt
 from learner.tail import TAIL_FILE
 
@@ -31,13 +32,15 @@ def load(run_dir: str, last: int = 0) -> list[dict]:
     A torn last line (the learner died mid-write) is skipped."""
     path = run_file(run_dir, TAIL_FILE, "the learner writes it every step when learner.tail_k > 0 "
                     "(no step finished yet, or tail_k = 0)")
-    with open(path, encoding="utf-8") as f:
+    if not regular(path):
+        raise ValueError(f"{path} is not a regular file (a directory or FIFO, say): not read")
+    with open(path, "rb") as f:  # bounded_json: no line past MAX_LINE bytes or MAX_DEPTH deep is parsed
         lines = [line for line in f if line.strip()]
     by_step = {}
     for n, line in enumerate(lines, 1):
         try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
+            rec = bounded_json(line)
+        except ValueError as e:
             if n < len(lines):
                 raise ValueError(f"{path}:{n} is not a JSON line: {e}") from None
             continue

@@ -178,7 +178,7 @@ class Launcher(abc.ABC):
     def _write_pids(self, run_dir: str, procs: list[Role]) -> None:
         """Every live pid of the run, for operators and for the tests that check nothing is left."""
         pids = {"launcher": os.getpid(), **{r.name: r.handle.pid for r in procs if r.handle}}
-        atomic_write(os.path.join(run_dir, "pids.json"), json.dumps(pids).encode(), durable=False)
+        atomic_write(os.path.join(run_dir, "pids.json"), json.dumps(pids).encode(), durable=False, mode=0o600)
 
     def _check_role(self, role: Role, learner: Role, run_dir: str, restarts: collections.Counter, metrics) -> bool:
         """Schedule the restart of a role that crashed or hung (SIGKILLed first) after its backoff, at most

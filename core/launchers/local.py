@@ -33,7 +33,7 @@ def role_env() -> dict[str, str]:
 
 def start_process(argv: list[str], log_path: str, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
     """``argv`` in its own session with :func:`role_env` (+ ``extra_env``), output appended to ``log_path``."""
-    with open(log_path, "ab") as logf:
+    with open(os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab") as logf:
         return subprocess.Popen(argv, cwd=ROOT, env={**role_env(), **(extra_env or {})}, stdout=logf,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
 

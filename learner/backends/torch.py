@@ -18,7 +18,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from core import placement, precision
+from core import heartbeat, placement, precision
 from learner.advantages import group_advantages
 from learner.backends import Backend, NonFiniteError
 from learner.batching import Batch, by_length, micro_batches
@@ -126,6 +126,7 @@ class TorchBackend(Backend):
         logp_sorted = torch.zeros(batch.mask.shape)
         entropies, parts = [], []
         for start, stop in micro_batches(rows, lc.micro_batch_tokens):
+            heartbeat.pulse()  # a step of minutes is not a hang
             micro = rows.rows(start, stop)
             share = (stop - start) / n if lc.norm == "sample" else 1.0
             logp, ent, metrics = self._micro_step(micro, adv[start:stop], share)

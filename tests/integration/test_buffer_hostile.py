@@ -77,13 +77,19 @@ class RawLearner:
 
 def test_groups_that_would_break_the_learner_are_refused_with_their_reason(tmp_path):
     cfg = make_config(run_dir=tmp_path, actor=dict(max_new_tokens=16), max_prompt_tokens=32)
-    g = small("a0", 0, ragged=False)
+    cfg = msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, context=40))
+    g = small("a0", 0, ragged=False, prompt_tokens=8)
     cases = {
         "token_out_of_vocab": with_completion(g, 1, tokens=np.full(16, VOCAB)),
         "group_size": msgspec.structs.replace(g, completions=g.completions[:1]),
         "empty_prompt": msgspec.structs.replace(g, prompt_tokens=b""),
         "over_limit": with_completion(g, 0, tokens=np.ones(17), logprobs=-np.ones(17), versions=np.zeros(17)),
         "nonfinite_reward": with_completion(g, 0, reward=float("inf")),
+        # meanings that decode and are finite in float64, but not in what the learner makes of them
+        "reward_out_of_range": with_completion(g, 0, reward=1e39),  # inf as float32
+        "logprob_out_of_range": with_completion(g, 1, logprobs=np.full(16, -3e38)),
+        "over_context": msgspec.structs.replace(g, prompt_tokens=np.ones(30, "<i4").tobytes()),  # 30 + 16 > 40
+        "bad_timestamp": msgspec.structs.replace(g, created_at=float("nan")),
     }
     with ServerThread(cfg, str(tmp_path)) as srv:
         raw = RawActor(cfg, "a0")
@@ -92,7 +98,8 @@ def test_groups_that_would_break_the_learner_are_refused_with_their_reason(tmp_p
             assert raw.recv() == Ack("a0", seq, "rejected", reason)
         too_many = msgspec.structs.replace(g, seq=10, completions=list(g.completions) * 2)
         long_prompt = msgspec.structs.replace(g, seq=11, prompt_tokens=np.ones(33, "<i4").tobytes())
-        for bad in (too_many, long_prompt):  # refused by the bounded decoder, before allocation
+        long_text = msgspec.structs.replace(g, seq=13, tier="x" * 1_000_000)  # a megabyte of string
+        for bad in (too_many, long_prompt, long_text):  # refused by the bounded decoder, before allocation
             raw.send(bad)
             assert raw.recv() == Ack("a0", bad.seq, "rejected", "over_limit")
         raw.send(msgspec.structs.replace(g, seq=12))
@@ -100,7 +107,7 @@ def test_groups_that_would_break_the_learner_are_refused_with_their_reason(tmp_p
         stats = srv.stats()
         assert srv.store.counters.accepted == 1
         for reason in cases:
-            assert stats[f"buffer/dropped_invalid/{reason}"] == (3 if reason == "over_limit" else 1)
+            assert stats[f"buffer/dropped_invalid/{reason}"] == (4 if reason == "over_limit" else 1)
         raw.close()
 
 

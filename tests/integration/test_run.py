@@ -61,6 +61,9 @@ def test_run_end_to_end(tmp_path, cache_dir, staleness):
     with open(os.path.join(result.run_dir, "pids.json")) as f:
         pids = json.load(f)
     assert not any(alive(pid) for name, pid in pids.items() if name != "launcher")
+    shared = [p for d, _, names in os.walk(result.run_dir) for p in [os.path.join(d, n) for n in names]
+              if os.path.isfile(p) and os.stat(p).st_mode & 0o077]
+    assert not shared, shared  # logs, metrics, pids, tail, audit, checkpoints: the user's alone
 
 
 def test_ctrl_c_leaves_nothing_behind(tmp_path, cache_dir):

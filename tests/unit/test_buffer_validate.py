@@ -24,6 +24,8 @@ def reference_validate(g, limits=NO_LIMITS):
         raise InvalidMessage("empty_group")
     if g.seq < 0 or g.start_version < 0:
         raise InvalidMessage("negative_id")
+    if not math.isfinite(g.created_at):
+        raise InvalidMessage("bad_timestamp")
     if len(g.prompt_tokens) % TOKEN_DTYPE.itemsize:
         raise InvalidMessage("ragged_bytes")
     prompt = np.frombuffer(g.prompt_tokens, TOKEN_DTYPE)
@@ -33,6 +35,8 @@ def reference_validate(g, limits=NO_LIMITS):
         raise InvalidMessage("empty_prompt")
     if limits.max_prompt_tokens and prompt.size > limits.max_prompt_tokens:
         raise InvalidMessage("prompt_too_long")
+    if limits.context and prompt.size >= limits.context:
+        raise InvalidMessage("over_context")
     if _ids_bad(prompt, limits):
         raise InvalidMessage("token_out_of_vocab")
     for c in g.completions:
@@ -45,14 +49,20 @@ def reference_validate(g, limits=NO_LIMITS):
             raise InvalidMessage("length_mismatch")
         if limits.max_new_tokens and n_tok > limits.max_new_tokens:
             raise InvalidMessage("completion_too_long")
+        if limits.context and prompt.size + n_tok > limits.context:
+            raise InvalidMessage("over_context")
         if not math.isfinite(c.reward):
             raise InvalidMessage("nonfinite_reward")
+        if abs(c.reward) > 1e6:
+            raise InvalidMessage("reward_out_of_range")
         if n_tok:
             lp = np.frombuffer(c.logprobs, LOGPROB_DTYPE)
             if not np.isfinite(lp).all():
                 raise InvalidMessage("nonfinite_logprob")
             if (lp > 1e-4).any():
                 raise InvalidMessage("positive_logprob")
+            if (lp < -1e4).any():
+                raise InvalidMessage("logprob_out_of_range")
             if (np.frombuffer(c.versions, VERSION_DTYPE) < 0).any():
                 raise InvalidMessage("negative_version")
             if _ids_bad(np.frombuffer(c.tokens, TOKEN_DTYPE), limits):
@@ -70,7 +80,8 @@ def reason_of(fn, g, limits=NO_LIMITS):
 
 
 VOCAB, MAX_PROMPT, MAX_NEW = 32000, 40, 48
-LIMITS = Limits(group_size=3, max_prompt_tokens=MAX_PROMPT, max_new_tokens=MAX_NEW, vocab_size=VOCAB)
+LIMITS = Limits(group_size=3, max_prompt_tokens=MAX_PROMPT, max_new_tokens=MAX_NEW, vocab_size=VOCAB,
+                context=MAX_PROMPT + MAX_NEW - 8)  # a long prompt and a long completion do not fit together
 
 
 def corrupt(g, rng, limited=False):
@@ -104,11 +115,11 @@ def corrupt(g, rng, limited=False):
         elif kind == 0 and lp.size:
             lp[j] = rng.choice([np.nan, np.inf, -np.inf])
         elif kind == 1 and lp.size:
-            lp[j] = rng.choice([0.5, 1e-3, 1e-4, 0.0, 2e-4])  # around the 1e-4 tolerance
+            lp[j] = rng.choice([0.5, 1e-3, 1e-4, 0.0, 2e-4, -1e4, -1.001e4, -3e38])  # around both bounds
         elif kind == 2 and ver.size:
             ver[j] = -1
         elif kind == 3:
-            c = msgspec.structs.replace(c, reward=float(rng.choice([np.nan, np.inf, -np.inf])))
+            c = msgspec.structs.replace(c, reward=float(rng.choice([np.nan, np.inf, -np.inf, 1e39, -2e6, 1e6])))
         elif kind == 4:
             c = msgspec.structs.replace(c, finish_reason=str(rng.choice(["", "eos", "Stop"])))
         elif kind == 5:
@@ -141,7 +152,8 @@ def test_vectorised_validate_group_gives_the_reference_verdict_and_reason():
         seen.add(want)
     # the sample exercised every completion-level reason and the valid case
     assert {None, "empty_group", "ragged_bytes", "length_mismatch", "nonfinite_reward", "nonfinite_logprob",
-            "positive_logprob", "negative_version", "finish_reason"} <= seen
+            "positive_logprob", "negative_version", "finish_reason", "reward_out_of_range",
+            "logprob_out_of_range"} <= seen
 
 
 def test_with_the_runs_limits_the_vectorised_verdict_is_still_the_reference_one():
@@ -156,7 +168,7 @@ def test_with_the_runs_limits_the_vectorised_verdict_is_still_the_reference_one(
         assert reason_of(validate_group, g, LIMITS) == want, g
         seen.add(want)
     assert {None, "group_size", "empty_prompt", "prompt_too_long", "token_out_of_vocab",
-            "completion_too_long", "length_mismatch", "nonfinite_logprob"} <= seen
+            "completion_too_long", "length_mismatch", "nonfinite_logprob", "over_context"} <= seen
 
 
 def test_all_empty_completions_are_valid_and_keep_the_start_version():

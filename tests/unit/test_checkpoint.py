@@ -140,7 +140,7 @@ def test_save_model_exports_an_hf_dir(tmp_path):
     model = tiny_model()
     out = ck.save_model(Trainer(tiny_cfg(), model), str(tmp_path / "final"))
     assert sorted(os.listdir(out)) == sorted(
-        ["COMPLETE", "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"])
+        ["COMPLETE", "MANIFEST.json", "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"])
     from model.hf import load_pretrained
     back = load_pretrained(out)
     assert all(torch.equal(v, back.state_dict()[k]) for k, v in model.state_dict().items())
@@ -211,3 +211,49 @@ def test_a_failed_write_names_the_path_and_leaves_nothing(tmp_path, monkeypatch)
         ck.save_model(trainer, str(tmp_path / "final_model"))
     assert os.listdir(root) == [os.path.basename(good)]  # no torn or temporary directory
     assert not (tmp_path / "final_model").exists() and ck.latest(root) == good
+
+
+def _flip(path: str) -> None:
+    with open(path, "r+b") as f:  # same size, same header: only the sha256 can tell
+        f.seek(os.path.getsize(path) - 1024)
+        f.write(torch.full((256,), 0.5).numpy().tobytes())
+
+
+def test_a_final_model_carries_its_manifest_and_flipped_weights_are_named(tmp_path):
+    final = ck.save_model(_trained(1), str(tmp_path / "final_model"))
+    ck.verify_model(final)  # intact
+    _flip(os.path.join(final, "model.safetensors"))
+    with pytest.raises(ck.DamagedCheckpoint, match="model.safetensors"):
+        ck.verify_model(final)
+    root, _, newer = _two_checkpoints(tmp_path)
+    _flip(os.path.join(newer, "model", "model.safetensors"))
+    with pytest.raises(ck.DamagedCheckpoint, match="sha256"):  # a checkpoint's model/: its parent's manifest
+        ck.verify_model(os.path.join(newer, "model"))
+    ck.verify_model(tiny_model_dir())  # a model directory that is not a run's: not ours to check
+
+
+def test_a_learner_whose_every_checkpoint_is_damaged_refuses_to_start_over(tmp_path):
+    from learner.loop import LearnerLoop
+    from tests.unit.test_learner_loop import FakeClient, FakeSink, _loop
+
+    loop = _loop(tmp_path)
+    loop.save()
+    loop.close()
+    [path] = ck.complete_checkpoints(loop.ckpt_root)
+    _flip(os.path.join(path, "model", "model.safetensors"))
+    with pytest.raises(ck.DamagedCheckpoint, match="every checkpoint"):
+        LearnerLoop(loop.cfg, str(tmp_path), client=FakeClient(), metrics=FakeSink())
+
+
+def test_eval_of_a_run_whose_final_model_is_damaged_says_so_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.support.runs import ROOT
+
+    final = ck.save_model(_trained(1), str(tmp_path / "run" / "final_model"))
+    _flip(os.path.join(final, "model.safetensors"))
+    out = subprocess.run([sys.executable, "run.py", "eval", str(tmp_path / "run")], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 65 and out.stderr.strip().count("\n") == 0, out.stderr
+    assert "damaged" in out.stderr and "model.safetensors" in out.stderr

@@ -95,6 +95,7 @@ def test_unequal_group_sizes_are_skipped_then_training_goes_on(tmp_path):
     assert loop.train_step([_group(0), _group(1, size=2)]) == (None, None)
     _nothing_trained(loop, tmp_path)
     assert loop.counts["skipped_batches"] == 1 and len(_consumed_keys(loop)) == 2
+    assert loop.metrics.records[-1][1]["learner/skipped_batches"] == 1.0  # reported at once, not next step
 
     good = [_group(2), _group(3)]
     m, batch = loop.train_step(good)
@@ -161,4 +162,22 @@ def test_a_restarted_learner_spends_what_is_left_of_the_time_budget(tmp_path):
     loop.run(t_start=time.time() - 31)  # launched 31 s ago, budget 30 s
     assert time.time() - t0 < 10 and loop.step == 0
     assert loop.budget_left(time.time() - 29) and not loop.budget_left(time.time() - 31)
+    loop.close()
+
+
+def test_a_long_step_beats_per_micro_batch_and_per_checkpoint_file(tmp_path, monkeypatch):
+    """Liveness is progress: a step of many micro-batches, and a checkpoint's hashing, touch the
+    learner's heartbeat from inside (a slow step on a loaded machine is not taken for a hang)."""
+    from core import heartbeat as H
+
+    loop = _loop(tmp_path, "learner.micro_batch_tokens=8")  # one row per micro-batch
+    H.beat(str(tmp_path), "learner")  # the loop's own beat names the role
+    pulses = []
+    monkeypatch.setattr(H, "beat", lambda run_dir, role: pulses.append((run_dir, role)))
+    m, batch = loop.train_step([_group(0), _group(1)])
+    assert m is not None and len(pulses) >= batch.ids.shape[0] >= 8
+    assert set(pulses) == {(str(tmp_path), "learner")}
+    pulses.clear()
+    loop.save()
+    assert len(pulses) >= 3  # one per file hashed
     loop.close()

@@ -243,3 +243,13 @@ def test_rich_view_shows_markup_like_tokens_verbatim(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")
     V.show_rich(V.summarise(steps))
     assert "'[/b]'" in capsys.readouterr().out
+
+
+def test_a_deep_line_or_a_fifo_is_refused_in_a_line_not_a_recursion_or_a_hang(tmp_path):
+    _write(tmp_path, [], tail="[" * 100_000 + '\n{"step": 1, "records": []}\n')
+    with pytest.raises(ValueError, match="nested deeper"):
+        V.load(str(tmp_path))
+    os.unlink(tmp_path / T.TAIL_FILE)
+    os.mkfifo(tmp_path / T.TAIL_FILE)
+    with pytest.raises(ValueError, match="not a regular file"):
+        V.load(str(tmp_path))
