@@ -97,7 +97,8 @@ def _cfg(run_dir: str) -> tuple[C.Config, str]:
     cfg = C.load(None, [f"net.buffer_actor_port={net.free_port()}", f"net.buffer_learner_port={net.free_port()}",
                         "buffer.persist=true", 'buffer.fsync="batch"', f"buffer.max_staleness={10**6}",
                         # the buffer admits completions up to max_new_tokens: the long load's length
-                        f"actor.max_new_tokens={max(kw['tokens'] for kw in LOADS.values())}"])
+                        f"actor.max_new_tokens={max(kw['tokens'] for kw in LOADS.values())}",
+                        "model.max_position_embeddings=2048"])  # (a config rule: room for a prompt)
     path = os.path.join(run_dir, "config.json")
     with open(path, "wb") as f:
         f.write(C.to_json(cfg))

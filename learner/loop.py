@@ -223,6 +223,8 @@ class LearnerLoop:
         if path is None:  # no checkpoint yet: the initial weights, rebuilt as at the start
             self.backend = make_backend(self.cfg, self.cfg.model.path)
         self._recover()
+        # above every version published, trained or not (a second rollback before any step: the first's)
+        self.version = max(self.version, upto + 1)
         self.client.restart(self.step, self._ckpt_version)  # the buffer serves again what was trained since
         self.publish()
         log.warning("rolled back to %s: step %d, now version %d; groups with tokens of versions %d..%d "

@@ -342,6 +342,21 @@ def test_rollback_reloads_the_checkpoint_and_never_trains_the_rolled_back_versio
     again.close()
 
 
+def test_two_rollbacks_in_a_row_each_publish_a_fresh_version(tmp_path):
+    """The guard fires again on the first batch after a rollback, before any step: the second
+    rollback's version is above the first's (published, never trained), not equal to it (which
+    the publisher refused: the learner crashed and the run starved)."""
+    loop = _loop(tmp_path, "control.guard_action=rollback")
+    loop.train_step([_scored(loop, 0), _scored(loop, 1)])
+    loop.save()  # step 1, version 1
+    loop.train_step([_scored(loop, 2, versions=(1, 1, 1)), _scored(loop, 3, versions=(1, 1, 1))])
+    assert loop.train_step([_scored(loop, 4, shift=1.0, versions=(2, 2, 2))] * 2) == (None, None)
+    assert (loop.step, loop.version) == (1, 3)
+    assert loop.train_step([_scored(loop, 5, shift=1.0, versions=(3, 3, 3))] * 2) == (None, None)
+    assert (loop.step, loop.version) == (1, 4)
+    loop.close()
+
+
 def test_rollback_without_a_checkpoint_goes_back_to_the_initial_weights(tmp_path):
     loop = _loop(tmp_path, "control.guard_action=rollback")
     initial = _weights(loop)
