@@ -49,6 +49,7 @@ MAX_BATCH_MSGS_LEARNER = 64
 MAX_DRAIN_ON_CLOSE = 4096  # learner-port messages read before a closed learner's leases go back
 MAX_BATCH_BYTES = 4 << 20
 MAX_ID_CHARS = 128
+MAX_VERSION = 2**31 - 1  # a token's version is an int32: a learner claiming more is refused
 MAX_ACTORS = 4096  # authenticated actor connections remembered (each actor id keeps only its latest)
 ZERO_COPY_BYTES = 64 << 10  # below this, pyzmq's zero-copy bookkeeping costs more than a copy
 POLL_MS = 100  # upper bound on reaction time to stop_event; arrivals wake the poll at once
@@ -67,6 +68,8 @@ class _Learner:
     pending: SampleRequest | None = None
     answered: int = -1  # last request id served (resends of it are ignored)
     version: int | None = None  # latest version this incarnation reported
+    # its Hello's version, then that of each step it reported trained: what outlives it
+    record: int = -1
 
 
 class BufferServer:
@@ -208,7 +211,7 @@ class BufferServer:
             return "bad_actor_id" if role == "actor" else "bad_id"
         if msg.role != role:
             return "bad_role"
-        if role == "learner" and (msg.step < -1 or msg.version < (0 if msg.step >= 0 else -1)):
+        if role == "learner" and (msg.step < -1 or not (0 if msg.step >= 0 else -1) <= msg.version <= MAX_VERSION):
             return "bad_hello"  # a learner's weights: none (-1, -1), or a step and its version >= 0
         if self.token is not None and not hmac.compare_digest(msg.token.encode(), self.token.encode()):
             return "bad_token"
@@ -334,7 +337,7 @@ class BufferServer:
         # trained on, so it is available again
         self._drop_learner("replaced by a new learner connection")
         self._incarnations += 1
-        self._learner = _Learner(ident, fd, f"{msg.id}#{self._incarnations}")
+        self._learner = _Learner(ident, fd, f"{msg.id}#{self._incarnations}", record=msg.version)
         log.info("learner %s connected at step %d", msg.id, msg.step)
         if msg.step >= 0:
             self._requeue(msg.step, msg.version)
@@ -357,7 +360,7 @@ class BufferServer:
         st, self._learner = self._learner, None
         if st is None:
             return 0
-        self._last_version = st.version
+        self._last_version = st.record if st.record >= 0 else self._last_version
         released = self.store.release(st.name)
         if released:
             log.info("learner %s %s: %d leased groups released", st.name, why, released)
@@ -378,9 +381,13 @@ class BufferServer:
                     self.leases_expired += self._drop_learner("disconnected")
 
     def _version_ok(self, st: _Learner, version: int) -> bool:
-        """A learner incarnation's versions never go down (a new Hello may start anywhere)."""
+        """A learner incarnation's versions never go down (a new Hello may start anywhere) and fit
+        a token's int32."""
         if st.version is not None and version < st.version:
             self.invalid["version_regressed"] += 1
+            return False
+        if version > MAX_VERSION:
+            self.invalid["version_out_of_range"] += 1
             return False
         st.version = version
         return True
@@ -415,6 +422,8 @@ class BufferServer:
             return
         done = self.store.consume(msg.keys, st.name)
         self.db.trained([e.key for e in done], msg.step)
+        if done and msg.step >= 0:  # a step trained on groups this buffer served: evidence
+            st.record = max(st.record, msg.learner_version)
 
     def _tell_learner(self, ident: bytes, ack: Ack) -> None:
         self._outbox["learner"].append([ident, encode(ack)])

@@ -58,8 +58,6 @@ def stop_event() -> threading.Event:
 
 
 def setup_logging(role: str) -> logging.Logger:
-    """Also every file the role writes (tail, audit, checkpoints, store) is its user's alone."""
-    os.umask(0o077)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr, force=True)
     return logging.getLogger(f"driftrl.{role}")

@@ -127,6 +127,9 @@ class RayLauncher(Launcher):
         if ray.is_initialized():
             return
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        # a role outlives its host actor by its parent-death SIGTERM, not Ray's SIGKILL of the
+        # worker's children: it stops cleanly (its /dev/shm weights go with it) when the launcher dies
+        os.environ.setdefault("RAY_kill_child_processes_on_worker_exit", "0")
         kw = dict(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False,
                   configure_logging=True)
         if not self.cfg.ray.address:

@@ -189,3 +189,22 @@ def test_an_add_commits_at_once_a_learners_mark_alone_within_lazy_commit_s(tmp_p
     finally:
         other.close()
         store.close()
+
+
+@pytest.mark.parametrize("cut", [0.7, 0.3])
+def test_a_truncated_store_is_named_never_taken_for_a_torn_tail(tmp_path, cut):
+    """A store file cut short (a copy interrupted, a disk that lost its end) is not a crash's torn
+    write (SQLite recovers those from its WAL): it is refused by name, and nothing is loaded --
+    a store silently shortened would lose acknowledged groups and let their keys be reused."""
+    run = str(tmp_path)
+    cfg = make_config(run_dir=run, fsync="always")
+    with ServerThread(cfg, run):
+        actor = ActorClient(cfg, "a0")
+        actor.send_many([small(seq) for seq in range(40)])
+        assert actor.flush(10)
+        actor.close()
+    path = os.path.join(run, "buffer", durable.FILE)
+    os.truncate(path, int(os.path.getsize(path) * cut) // 4096 * 4096)
+    with pytest.raises((durable.CorruptStore, RuntimeError), match="damaged|did not start") as e:
+        ServerProcess(cfg, run, timeout_s=20)
+    assert path in str(e.value)

@@ -459,3 +459,33 @@ def test_raw_tcp_garbage_zmtp1_frames_and_half_greetings_leave_the_buffer_servin
     finally:
         log = srv.stop()
     assert "Traceback" not in log and re.search(r"invalid [1-9]", log), log[-2000:]  # refused and counted
+
+
+def test_a_learners_claimed_version_is_bounded_and_does_not_outlive_it(tmp_path):
+    """A version no token can carry is refused; a departed learner leaves behind only the version
+    its Hello and its trained steps showed, not one it merely claimed (a claim of 2**30 once
+    made every resident and new group stale after that peer left)."""
+    cfg = make_config(run_dir=tmp_path, max_staleness=2)
+    with ServerThread(cfg, str(tmp_path)) as srv:
+        raw = RawActor(cfg, "a0")
+        for i in range(3):
+            raw.send(small("a0", i))
+            assert raw.recv().status == "ok"
+        first = RawLearner(cfg, "L", tok=token(cfg))
+        first.send(SampleRequest(1, 1, 0))
+        keys = [GROUP.decode(f).key for f in first.recv()[1]]
+        first.send(Consumed(keys, 1, step=1))  # trained at step 1, now version 1
+        first.send(SampleRequest(2, 5, 2**62))
+        wait_for(lambda: srv.invalid["version_out_of_range"] == 1)
+        first.send(SampleRequest(3, 5, 2**30))  # believed while it is there
+        wait_for(lambda: srv.learner_version == 2**30)
+        first.close()
+        wait_for(lambda: srv.learner_version == 1)  # gone: only what its trained step showed
+        raw.send(small("a0", 3))
+        assert raw.recv() == Ack("a0", 3, "ok")  # not stale against 2**30
+        liar = RawLearner(cfg, "L2")
+        liar.send(Hello("learner", "L2", token=token(cfg), step=0, version=2**40))
+        assert liar.recv()[0] == Ack("", -1, "rejected", "bad_hello")
+        assert len(srv.store.resident) == 3 and srv.store.counters.rejected["stale"] == 0
+        for c in (raw, liar):
+            c.close()

@@ -18,10 +18,14 @@ def cache_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("models"))
 
 
-def test_sigkilled_launcher_leaves_no_role_behind(tmp_path, cache_dir):
+@pytest.mark.parametrize("launcher", ["local", "ray"])
+def test_sigkilled_launcher_leaves_no_role_behind(tmp_path, cache_dir, launcher):
+    """Nor its weights' directory in /dev/shm (which each role's exit path removes)."""
+    if launcher == "ray":
+        pytest.importorskip("ray")
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "run.py", *TINY_RUN, f"model.cache_dir={cache_dir}", "run.max_steps=100000",
-           "run.max_time_s=300", f"run.run_dir={run_dir}"]
+           "run.max_time_s=300", f"run.run_dir={run_dir}", f"run.launcher={launcher}"]
     p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 120
@@ -29,6 +33,8 @@ def test_sigkilled_launcher_leaves_no_role_behind(tmp_path, cache_dir):
             assert p.poll() is None, "the run ended early"
             time.sleep(0.2)
         roles = {n: pid for n, pid in json.loads((run_dir / "pids.json").read_text()).items() if n != "launcher"}
+        shm = (run_dir / "weights.shm").read_text().strip()  # the weights' directory in /dev/shm
+        assert os.path.isdir(shm)
         p.kill()
         p.wait()
         deadline = time.time() + 30
@@ -41,3 +47,4 @@ def test_sigkilled_launcher_leaves_no_role_behind(tmp_path, cache_dir):
     for pid in left.values():
         os.kill(pid, signal.SIGKILL)
     assert not left, f"still running 30 s after the launcher died: {left}"
+    assert shm and not os.path.exists(shm), f"{shm} outlived the run"
