@@ -520,6 +520,7 @@ class BufferServer:
             log.info("buffer closing: accepted %d, consumed %d, dropped %s, resident %d, duplicates %d, "
                      "busy %d, invalid %d", c.accepted, c.consumed, dict(c.dropped), len(self.store.resident),
                      c.duplicates, c.busy, sum(self.invalid.values()))
+            self._report()  # the final figures reach the metrics too, not only the last second's
         if self.db is not None:
             self.db.close()
             self.db = None

@@ -2,7 +2,8 @@
 buffer, then the learner are SIGKILLed mid-run; each comes back within a bounded time, the run
 completes, nothing is trained twice and every group the buffer accepted is accounted for (trained,
 dropped, or still resident). And a role that hangs (SIGSTOP) is found by its silent heartbeat,
-killed and restarted."""
+killed and restarted. And the learner alone, SIGKILLed twice in one run: key by key, every group the
+buffer acknowledged is trained exactly once, still resident, or dropped and counted (tests/support/books.py)."""
 
 import json
 import logging
@@ -19,6 +20,8 @@ from buffer import durable
 from core import config as C
 from core import heartbeat
 import jobs
+from learner import audit
+from tests.support import books
 from tests.support.runs import TINY_RUN, alive, lines
 
 KILLS = ("actor0", "buffer", "learner")  # in this order, each after PROGRESS more trained steps
@@ -144,6 +147,77 @@ def test_actor_buffer_and_learner_killed_in_turn_all_heal(tmp_path, cache_dir, l
 
     _assert_resumed_at_its_checkpoint(rd, steps)
     _assert_every_accepted_group_accounted_for(rd, recs, set(trained))
+    with open(os.path.join(rd, "pids.json")) as f:
+        assert not any(alive(pid) for name, pid in json.load(f).items() if name != "launcher")
+
+
+def _kill_learner_twice(run_dir: str, kills: list) -> None:
+    """SIGKILL the learner once it trained past a checkpoint (ckpt_every=3), then again once its next
+    incarnation is back and trained PROGRESS + 2 steps beyond the first kill (so past a newer
+    checkpoint too). Each kill appends {"step": newest audited step just before, "back_s": ...}."""
+    path = os.path.join(run_dir, audit.TRAINED)
+
+    def top() -> int:  # audit.read: a line being appended right now is not a step yet
+        return max((s["step"] for s in audit.read(path)), default=0)
+
+    target = PROGRESS + 2
+    for _ in range(2):
+        if not _wait(lambda: top() >= target, 180):
+            return
+        pid, beat, at = _pid(run_dir, "learner"), heartbeat.mtime(run_dir, "learner"), top()
+        t0 = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        ok = _wait(lambda: _pid(run_dir, "learner") not in (None, pid) and
+                   heartbeat.mtime(run_dir, "learner") != beat and not alive(pid), BACK_S)
+        kills.append({"step": at, "back_s": time.monotonic() - t0 if ok else None})
+        if not ok:
+            return
+        target = at + PROGRESS + 2
+
+
+@pytest.mark.slow
+def test_learner_killed_twice_every_acknowledged_group_trained_once(tmp_path, cache_dir):
+    """Local launcher only. The learner restarts from its newest checkpoint each time (a later one the
+    second time), the steps it trained since are cut from the audit and their groups served again
+    (or dropped as stale / rolled back: counted), and the books balance key by key."""
+    cfg = _config(cache_dir, "local", "buffer.max_staleness=1", "run.ckpt_every=3", f"run.max_steps={STEPS}",
+                  "run.max_time_s=400")
+    kills: list = []
+
+    def on_ready(run_dir, procs):
+        threading.Thread(target=_kill_learner_twice, args=(run_dir, kills), daemon=True).start()
+
+    result = jobs.train(cfg, str(tmp_path / "run"), on_ready=on_ready)
+    rd = result.run_dir
+    assert len(kills) == 2, f"the run did not progress past each kill: {kills}"
+    assert all(k["back_s"] is not None for k in kills), f"not back within {BACK_S}s: {kills}"
+    assert not result.interrupted and result.returncodes["learner"] == 0
+
+    recs = lines(os.path.join(rd, "metrics.jsonl"))
+    assert [r["run/restarts/learner"] for r in recs if "run/restarts/learner" in r] == [1.0, 2.0]
+    assert not [k for r in recs for k in r if k.startswith("run/restarts/") and k != "run/restarts/learner"]
+
+    steps = audit.read(os.path.join(rd, audit.TRAINED))
+    with open(os.path.join(rd, "logs", "learner.log")) as f:
+        resumed = RESUMED.findall(f.read())
+    assert len(resumed) == 2, resumed  # once per restart, each from a checkpoint
+    ckpt_steps = []
+    for (ckpt, step, _, ck_version), kill in zip(resumed, kills):
+        step, ck_version = int(step), int(ck_version)
+        assert os.path.basename(ckpt) == f"step_{step:06d}" and PROGRESS <= step <= kill["step"] + 1, (ckpt, kill)
+        assert next(s["version"] for s in steps if s["step"] == step) == ck_version  # the version it had then
+        ckpt_steps.append(step)
+    assert ckpt_steps[0] < ckpt_steps[1], ckpt_steps  # the second incarnation checkpointed before its death
+
+    # exactly the steps after each restart's checkpoint, up to the death, were cut from the audit
+    cut = [s["step"] for s in audit.read(os.path.join(rd, audit.ROLLED_BACK))]
+    ends = [(k["step"], k["step"] + 1) for k in kills]  # a step may land between the last look and the kill
+    assert cut in [list(range(ckpt_steps[0] + 1, a + 1)) + list(range(ckpt_steps[1] + 1, b + 1))
+                   for a in ends[0] for b in ends[1]], (cut, ckpt_steps, kills)
+    counts = books.check(rd, STEPS)
+    back = ", ".join(f"{k['back_s']:.1f}" for k in kills)
+    print(f"learner killed at steps {[k['step'] for k in kills]}, back after {back} s, "
+          f"resumed at {ckpt_steps}; books: {counts}")
     with open(os.path.join(rd, "pids.json")) as f:
         assert not any(alive(pid) for name, pid in json.load(f).items() if name != "launcher")
 
