@@ -129,7 +129,11 @@ def train_main(args) -> int:
     from actor.evaluate import final_eval
 
     resume_dir = args.target if args.mode == "resume" else None
-    result = train(load_config(args.config, resume_dir, args.overrides), resume_dir)
+    try:
+        result = train(load_config(args.config, resume_dir, args.overrides), resume_dir)
+    except KeyboardInterrupt:  # Ctrl-C / SIGTERM in the model build or contract check (launchers.Interrupt)
+        print("interrupted; nothing left running")
+        return 130
     if result.interrupted:
         print(f"interrupted; all roles stopped. Resume with: python run.py resume {result.run_dir}")
         return 130

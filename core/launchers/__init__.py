@@ -12,7 +12,6 @@ import contextlib
 import datetime as _dt
 import json
 import logging
-import math
 import os
 import signal
 import sys
@@ -81,7 +80,11 @@ def prepare(cfg: C.Config, run_dir: str | None = None) -> tuple[C.Config, str]:
     ports = {k: getattr(cfg.net, k) or net.free_port(cfg.net.host) for k in BUFFER_PORTS}
     cfg = msgspec.structs.replace(cfg, run=msgspec.structs.replace(cfg.run, run_dir=run_dir),
                                   net=msgspec.structs.replace(cfg.net, **ports))
-    atomic_write(os.path.join(run_dir, "config.json"), C.to_json(cfg), mode=0o600)  # may hold CURVE secrets
+    path = os.path.join(run_dir, "config.json")
+    atomic_write(path, C.to_json(cfg), mode=0o600)  # may hold CURVE secrets
+    with open(path, "rb") as f:  # read back as every role reads it: one that cannot fails here, not in a role
+        if C.from_json(f.read()) != cfg:
+            raise C.ConfigError(f"{path} does not read back as the config it was written from")
     link = os.path.join(os.path.dirname(run_dir), "latest")
     with contextlib.suppress(OSError):  # runs/latest is a convenience; no symlinks still runs
         os.symlink(os.path.basename(run_dir), f"{link}.{os.getpid()}")
@@ -165,7 +168,7 @@ class Launcher(abc.ABC):
         return self.returncode(role) is not None
 
     def stop_all(self, procs: list[Role], grace_s: float = 20.0) -> None:
-        """SIGTERM in the given order, wait, then SIGKILL whatever is left."""
+        """SIGTERM in the given order, wait, then SIGKILL whatever is left (and reap it: bounded)."""
         for role in procs:
             if role.handle is None or self.returncode(role) is not None:
                 continue
@@ -173,7 +176,8 @@ class Launcher(abc.ABC):
             if not self._wait(role, grace_s):
                 log.warning("%s did not stop in %.0fs: SIGKILL", role.name, grace_s)
                 self.signal(role, signal.SIGKILL)
-                self._wait(role, math.inf)
+                if not self._wait(role, HUNG_KILL_WAIT_S):
+                    log.error("%s (pid %s) survived SIGKILL for %.0fs", role.name, role.handle.pid, HUNG_KILL_WAIT_S)
 
     def _write_pids(self, run_dir: str, procs: list[Role]) -> None:
         """Every live pid of the run, for operators and for the tests that check nothing is left."""
@@ -245,8 +249,10 @@ class Launcher(abc.ABC):
         procs = roles(self.cfg, run_dir, time.time())
         buffer, learner, *actors = procs
         result = RunResult(run_dir)
+        Interrupt.deferred = True  # from here a signal is raised only at the checks (not inside a Popen.poll)
         try:
             for role in procs:
+                Interrupt.check()
                 self.start(role, run_dir)
             self._write_pids(run_dir, procs)
             if on_ready:
@@ -264,19 +270,23 @@ class Launcher(abc.ABC):
                 metrics.close()
                 monitor.update(read_all(follower))
             finally:
+                Interrupt.deferred = False  # every role is stopped and reaped
                 follower.close()
                 self.close()
             result.returncodes = {r.name: (self.returncode(r) if r.handle else None) for r in procs}
-            result.wall_s = time.time() - t0
+            result.wall_s, result.interrupted = time.time() - t0, result.interrupted or Interrupt.signalled
         return result
 
 
 class Interrupt:
     """Ctrl-C / SIGTERM made sticky: the handler records the signal before it raises
     KeyboardInterrupt, and the watch loop re-raises it while the record stands (a
-    KeyboardInterrupt raised inside a finalizer is swallowed, and the run would go on)."""
+    KeyboardInterrupt raised inside a finalizer is swallowed, and the run would go on).
+    While roles run (``deferred``) the handler only records: raised between a Popen.poll's lock
+    and its ``try``, it would leave that lock taken, the role unreaped and stop_all waiting on it."""
 
     signalled = False
+    deferred = False
 
     @classmethod
     def install(cls) -> None:
@@ -286,7 +296,8 @@ class Interrupt:
     @classmethod
     def _handler(cls, signum, frame):
         cls.signalled = True
-        raise KeyboardInterrupt
+        if not cls.deferred:
+            raise KeyboardInterrupt
 
     @classmethod
     def check(cls) -> None:
