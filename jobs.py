@@ -85,8 +85,7 @@ def resolve_model(cfg: C.Config) -> C.Config:
 
 
 def contract_check(cfg: C.Config, run_dir: str | None) -> dict:
-    """Engine and backend, built as the roles build them, score one fixed batch alike (the newest
-    checkpoint's weights when resuming)."""
+    """Engine and backend, built as the roles build them, score one batch alike (resuming: the newest checkpoint)."""
     import torch
 
     from actor.engines import make_engine

@@ -60,8 +60,7 @@ def all_configs(base: dict, out: str, evals: dict | None = None) -> dict[str, C.
 
 
 def pass_rate_tiers(by_difficulty: dict[str, dict]) -> dict[str, str]:
-    """``task.difficulty_tiers`` from held-out accuracy per difficulty: ranked from the highest
-    pass rate down (ties: the lower difficulty first), in thirds -- low, medium, high."""
+    """``task.difficulty_tiers``: difficulties by held-out pass rate, highest first (ties: lower), in thirds."""
     ranked = sorted(by_difficulty, key=lambda d: (-by_difficulty[d]["accuracy"], float(d)))
     return {d: TIERS[min(2, 3 * i // len(ranked))] for i, d in enumerate(ranked)}
 

@@ -131,7 +131,9 @@ def train_main(args) -> int:
     resume_dir = args.target if args.mode == "resume" else None
     try:
         result = train(load_config(args.config, resume_dir, args.overrides), resume_dir)
-    except KeyboardInterrupt:  # Ctrl-C / SIGTERM in the model build or contract check (launchers.Interrupt)
+    except BaseException:  # a signal in the model build or contract check, as whatever a C extension made of it
+        if not launchers.Interrupt.signalled:
+            raise
         print("interrupted; nothing left running")
         return 130
     if result.interrupted:

@@ -67,8 +67,7 @@ def _mean(values) -> float:
 
 
 def build_corpus(cfg, policy_dir: str, out_path: str, progress=None) -> dict:
-    """Sample the policy in ``policy_dir``, write the corpus to ``out_path``, return its stats;
-    ``progress(n)`` after each chunk of ``n`` prompts."""
+    """Sample ``policy_dir`` into the corpus at ``out_path``; its stats. ``progress(n)`` per n-prompt chunk."""
     dc, t0 = cfg.distill, time.time()
     torch.set_num_threads(cfg.actor.threads)
     with loaded(cfg, policy_dir) as (engine, task):

@@ -93,8 +93,7 @@ class _Worker:
 
 
 class RewardPool:
-    """``workers`` processes checking answers with ``scorer`` ("module:function": a JSON-able
-    payload -> float), each answer within ``timeout_s`` seconds."""
+    """``workers`` processes running ``scorer`` ("module:function": payload -> float), ``timeout_s`` per answer."""
 
     def __init__(self, scorer: str, workers: int, timeout_s: float):
         self.scorer, self.timeout_s = scorer, float(timeout_s)

@@ -1,7 +1,5 @@
-"""Clients of the buffer server: :class:`ActorClient` (a window of unacked groups, the due ones
-sent as one message; resend, busy backoff, a spool so a crashed actor loses no group the buffer
-never acknowledged) and :class:`LearnerClient` (one held request, ``Consumed``, never a key twice
-across a buffer restart).
+"""Clients of the buffer server (what each keeps: buffer/__init__.py): :class:`ActorClient` sends its window's
+due groups as one message; :class:`LearnerClient` never returns a key twice, even across a buffer restart.
 
 Both are DEALERs with a fixed identity and ``ZMQ_IMMEDIATE`` (while the buffer is down nothing piles
 up in ZeroMQ: sends fail fast and are retried here), present the run's secret in their ``Hello``
@@ -57,8 +55,7 @@ def _stop_flag(stop) -> Callable[[], bool]:
 
 
 def run_token(cfg, run_dir: str | None = None, token: str | None = None) -> str:
-    """The secret a client presents: ``token``, else the run's (``run_dir`` or ``cfg.run.run_dir``),
-    "" when the run has no secret file (a buffer without one accepts any Hello)."""
+    """The secret a client presents: ``token``, else the run's; "" without a secret file (any Hello is accepted)."""
     if token is not None:
         return token
     d = run_dir or cfg.run.run_dir
@@ -74,8 +71,7 @@ def _dealer(ctx: zmq.Context, cfg, port: int, role: str, name: str) -> zmq.Socke
 
 
 def _drain(sock, timeout_ms: int):
-    """Every message waiting on ``sock`` (its frames), after waiting up to ``timeout_ms`` for the
-    first; never blocks past that."""
+    """Every message waiting on ``sock`` (its frames), after waiting up to ``timeout_ms`` for the first."""
     if timeout_ms and not sock.poll(timeout_ms):
         return
     while True:
@@ -235,25 +231,22 @@ class ActorClient:
         i = 0
         while i < len(groups):
             t0 = time.monotonic()
-            room = self._wait_until(lambda: len(self._pending) < self.window and not self._busy(), None)
+            room = self._wait_until(lambda: len(self._pending) < self.window and not self._busy_n, None)
             self.admission_wait_s += time.monotonic() - t0
             if not room:  # stopped: the rest waits in the spool for the next incarnation
                 self._spool_pending(groups[i:])
                 return
             chunk = groups[i:i + self.window - len(self._pending)]
             i += len(chunk)
-            self._spool_and_send(chunk)
+            self._spool_pending(chunk)
+            self._due = 0.0  # they are due: _pump sends every due group of the window, in one message
+            self._pump()
 
     def _spool_pending(self, groups: list[RolloutGroup]) -> list[_Pending]:
         new = [self._pending.setdefault(g.seq, _Pending(g.seq, encode(g))) for g in groups]
         if self._spool is not None:  # before the first send: no group is out without its copy
             self._spool.put([p.seq for p in new], [p.payload for p in new])
         return new
-
-    def _spool_and_send(self, groups: list[RolloutGroup]) -> None:
-        self._spool_pending(groups)
-        self._due = 0.0  # they are due: _pump sends every due group of the window, in one message
-        self._pump()
 
     def poll(self, timeout_ms: int = 0) -> list[Ack]:
         """Process acks; return those the actor must act on (``rejected``/``dropped``)."""
@@ -273,10 +266,6 @@ class ActorClient:
             self._ctx.term()
 
     # ---- internals ---------------------------------------------------------------------------
-
-    def _busy(self) -> bool:
-        """The buffer refused one of ours for capacity and has not taken it since."""
-        return self._busy_n > 0
 
     def _await_hello(self) -> None:
         """Without the buffer's answer no seq is safe to use (one it accepted before may be
@@ -358,8 +347,10 @@ class ActorClient:
             self._next = max(self._next, ack.seq)
             return
         p = self._pending.get(ack.seq)
-        if st == "unauthenticated":  # a buffer that does not know this connection (restarted)
-            self._reauthenticate(p)
+        if st == "unauthenticated":  # a restarted buffer: say Hello again at once, p right behind it
+            self._authed, self._hello_at = False, None
+            if p is not None:
+                p.retry_at, self._due = 0.0, 0.0
             return
         if st in ("ok", "duplicate"):
             if p is not None:
@@ -381,13 +372,6 @@ class ActorClient:
             self._notices.append(ack)
         if self.on_ack is not None:
             self.on_ack(ack)
-
-    def _reauthenticate(self, p: _Pending | None) -> None:
-        """Say Hello again at once and resend ``p`` right behind it, on the same connection."""
-        self._authed, self._hello_at = False, None
-        if p is not None:
-            p.retry_at = 0.0
-            self._due = 0.0
 
     def _finish(self, p: _Pending) -> None:
         del self._pending[p.seq]
@@ -437,9 +421,8 @@ class LearnerClient:
     def sample(self, num_groups: int, learner_version: int, timeout_s: float | None = None,
                max_staleness: int = -1, pause_actors: bool = False,
                covered_step: int = -1) -> SampleBatch | None:
-        """The next batch of up to ``num_groups`` fresh groups (fewer only from a full buffer, or
-        when keys already returned were filtered out), or None after ``timeout_s`` or on stop. The
-        control arguments travel with the request (-1 / False: as configured)."""
+        """The next batch of up to ``num_groups`` fresh groups (fewer only from a full buffer, or once returned keys
+        are filtered out), or None after ``timeout_s`` or on stop; the control arguments travel with it."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self._version = learner_version
         while True:
@@ -469,9 +452,8 @@ class LearnerClient:
         self._flush_unsent()
 
     def restart(self, step: int, version: int) -> None:
-        """A new incarnation holding the weights of ``step`` (a rollback): Hello again -- the buffer
-        releases the leases and serves again what was trained after ``step`` -- and forget what was
-        delivered, so that it is returned again."""
+        """A new incarnation holding the weights of ``step`` (a rollback): Hello again (the buffer serves again
+        what was trained after ``step``) and forget what was delivered, so that it is returned again."""
         self.step, self.version, self._need_hello, self._request = step, version, True, None
         self._floor = self._req_id
         self._delivered.clear()

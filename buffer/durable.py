@@ -73,8 +73,7 @@ class DurableStore:
         self.db.execute("BEGIN")
 
     def load(self) -> tuple[list[bytes], list[tuple[str, int]]]:
-        """The resident groups in arrival order, and every key ever accepted (sorted); every group
-        still held is checked first."""
+        """The resident groups in arrival order and every key ever accepted (sorted); held groups checked first."""
         bad = self.damaged()
         if bad:
             raise CorruptStore(f"the buffer's store {self.path} is damaged: {len(bad)} groups fail their crc32c "

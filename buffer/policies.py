@@ -1,30 +1,12 @@
-"""Consumption/staleness policies: plain functions keyed on policy version.
-
-A policy sees the *available* groups (resident and not leased to a learner), in arrival order,
-and decides which to hand out and which to drop::
+"""Consumption/staleness policies: plain functions keyed on policy version::
 
     policy(available, learner_version, max_staleness, n) -> (take_order, drops)
 
-``take_order`` holds at most ``n`` groups; ``drops`` are removed from the buffer and counted as
-``stale``. Neither list may contain a group whose staleness exceeds the bound in ``take_order``:
-that is the guarantee (ARCHITECTURE.md: Versions and staleness; :func:`core.messages.staleness`).
-
-Worked example. Five groups arrived in the order A..E, whose oldest token versions are::
-
-    group        A  B  C  D  E
-    min_version  3  1  4  2  4
-
-The learner is at v = 5 with ``max_staleness = 2``, so staleness = 5 - min_version is
-A 2, B 4, C 1, D 3, E 1: B and D are too old to train on. Asked for n = 2:
-
-* ``drop_stale`` drops B and D at once (eager) and serves the oldest-version groups first,
-  because they are the next to expire: take_order = A(3), C(4), E(4) cut to [A, C]; E stays.
-* ``oldest_first`` walks in arrival order and stops once it has n: A (take), B (drop, stale),
-  C (take) -> take [A, C], drops [B]. D is not looked at yet; it is dropped by a later call if it
-  is still too old then (lazy: a group is only dropped at the moment it would have been served).
-
-Both consume the oldest data first; they differ in when stale data is discarded and whether
-"oldest" means oldest weights (``drop_stale``) or oldest arrival (``oldest_first``).
+``available``: the groups resident and not leased to a learner, in arrival order. ``take_order`` holds
+at most ``n`` groups, none past the staleness bound: that is the guarantee (ARCHITECTURE.md: Versions
+and staleness; :func:`core.messages.staleness`). ``drops`` leave the buffer, counted as ``stale``.
+Both serve the oldest data first; they differ in when stale data is dropped (at once, or only when
+it would have been served) and in what "oldest" means (oldest weights, or oldest arrival).
 """
 
 from __future__ import annotations

@@ -6,7 +6,6 @@ of actor messages, one commit, then every reply that depends on it.
 Nothing a peer sends can stop the loop: whatever is refused is counted in
 ``buffer/dropped_invalid/<reason>``. A group newer than the learner's version + 1 is rejected
 (``future_version``): v + 1 may be published before the learner's next request says so.
-``python -m buffer.server --config RUN_DIR/config.json --run-dir RUN_DIR``.
 """
 
 from __future__ import annotations
@@ -277,7 +276,8 @@ class BufferServer:
                 raise InvalidMessage("wrong_peer", f"{g.actor_id!r} from the connection of {actor!r}")
             defer = self._too_new(newest)
         except InvalidMessage as e:
-            self._reject(ident, g.actor_id, g.seq, e.reason)
+            self.invalid[e.reason] += 1
+            self._ack(ident, Ack(g.actor_id[:MAX_ID_CHARS], g.seq, "rejected", e.reason))
             return
         if defer:
             self.deferred += 1
@@ -298,10 +298,6 @@ class BufferServer:
         if known is None:
             return True
         raise InvalidMessage("future_version", f"version {newest} > learner version {known} + 1")
-
-    def _reject(self, ident: bytes, actor: str, seq: int, reason: str) -> None:
-        self.invalid[reason] += 1
-        self._ack(ident, Ack(actor[:MAX_ID_CHARS], seq, "rejected", reason))
 
     def _ack(self, ident: bytes, ack: Ack | Control) -> None:
         self._outbox["actor"].append([ident, ack])  # encoded when sent: see _flush_outbox
@@ -367,8 +363,7 @@ class BufferServer:
         return released
 
     def _on_monitor(self) -> None:
-        """The learner's connection closed: its leases go back -- after whatever it sent before
-        closing (its last Consumed) has been read."""
+        """The learner's connection closed: its leases go back, once what it sent before (its Consumed) is read."""
         while True:
             try:
                 ev = recv_monitor_message(self._monitor, zmq.NOBLOCK)
@@ -381,8 +376,7 @@ class BufferServer:
                     self.leases_expired += self._drop_learner("disconnected")
 
     def _version_ok(self, st: _Learner, version: int) -> bool:
-        """A learner incarnation's versions never go down (a new Hello may start anywhere) and fit
-        a token's int32."""
+        """A learner incarnation's versions never go down (a new Hello may start anywhere) and fit an int32."""
         if st.version is not None and version < st.version:
             self.invalid["version_regressed"] += 1
             return False
@@ -487,8 +481,11 @@ class BufferServer:
             self._send(self.learner_sock, out.popleft())
 
     def _send(self, sock: zmq.Socket, frames: list) -> None:
+        """One multipart message; big frames (groups) go zero-copy, small ones are copied (cheaper)."""
         try:
-            _send_frames(sock, frames)
+            for i, f in enumerate(frames):
+                more = zmq.SNDMORE if i < len(frames) - 1 else 0
+                sock.send(f, zmq.NOBLOCK | more, copy=len(f) < ZERO_COPY_BYTES)
         except zmq.ZMQError:  # peer gone or its queue full: it resends / re-requests
             self.send_failed += 1
 
@@ -550,13 +547,6 @@ def _load_token(run_dir: str, host: str) -> str | None:
     return None
 
 
-def _send_frames(sock: zmq.Socket, frames: list) -> None:
-    """One multipart message; big frames (groups) go zero-copy, small ones are copied (cheaper)."""
-    last = len(frames) - 1
-    for i, f in enumerate(frames):
-        sock.send(f, zmq.NOBLOCK | (zmq.SNDMORE if i < last else 0), copy=len(f) < ZERO_COPY_BYTES)
-
-
 def main(argv=None) -> None:
     from core.proc import die_with_parent, setup_logging, stop_event
 
@@ -579,7 +569,9 @@ def main(argv=None) -> None:
 
     try:
         server = BufferServer(cfg, args.run_dir, metrics=emit)
-        _write_ports(args.run_dir, server)
+        ports = {"actor": server.actor_port, "learner": server.learner_port, "pid": os.getpid()}
+        os.makedirs(os.path.join(args.run_dir, "buffer"), exist_ok=True)  # bound ports (the config may say 0)
+        atomic_write(os.path.join(args.run_dir, "buffer", "ports.json"), json.dumps(ports).encode(), durable=False)
         server.serve_forever(stop)
     except CorruptStore as e:  # one clear line: restarting cannot help, the repair it names can
         log.error("%s", e)
@@ -590,14 +582,6 @@ def main(argv=None) -> None:
     finally:
         sink.close()
         log.info("buffer stopped")
-
-
-def _write_ports(run_dir: str, server: BufferServer) -> None:
-    """Publish the bound ports (they differ from the config when it asked for port 0)."""
-    d = os.path.join(run_dir, "buffer")
-    os.makedirs(d, exist_ok=True)
-    ports = {"actor": server.actor_port, "learner": server.learner_port, "pid": os.getpid()}
-    atomic_write(os.path.join(d, "ports.json"), json.dumps(ports).encode(), durable=False)
 
 
 if __name__ == "__main__":

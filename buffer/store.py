@@ -50,8 +50,7 @@ class Entry:
 
 
 def entry_from_group(group, raw=None, min_version: int | None = None) -> Entry:
-    """The store's view of a validated group; ``min_version`` when the caller already has it
-    (``validate_group`` returns it), else ``group.min_version()``."""
+    """The store's view of a validated group; ``min_version`` if the caller has it, else ``group.min_version()``."""
     if min_version is None:
         min_version = group.min_version()
     length = max([len(c.tokens) for c in group.completions], default=0) // TOKEN_DTYPE.itemsize
@@ -59,11 +58,8 @@ def entry_from_group(group, raw=None, min_version: int | None = None) -> Entry:
 
 
 class SeenKeys:
-    """Every key ever accepted, compactly: per actor the highest seq seen plus the gaps below it.
-
-    Actors number their groups 0, 1, 2, ... so the gap list is normally empty; a rejected group or
-    an actor restart leaves one small interval. Gaps are inclusive ``(lo, hi)`` intervals, sorted.
-    """
+    """Every key ever accepted, compactly: per actor the highest seq seen plus the gaps below it, inclusive
+    ``(lo, hi)`` intervals, sorted (actors count 0, 1, 2, ...: a rejected group or a restart leaves one)."""
 
     def __init__(self):
         self._hwm: dict[str, int] = {}
@@ -180,11 +176,8 @@ class Store:
         return len(self.resident) - self.leased
 
     def take(self, n: int, learner_version: int, lessee: str = "learner", at_least: int = 1):
-        """Lease up to ``n`` fresh groups to ``lessee``; returns ``(taken, dropped)``.
-
-        Stale groups the policy discards are removed and returned in ``dropped`` even when
-        fewer than ``at_least`` fresh groups exist, in which case nothing is leased.
-        """
+        """Lease up to ``n`` fresh groups to ``lessee`` -> ``(taken, dropped)``; below ``at_least`` none is
+        leased, but the stale groups the policy discards are removed and returned in ``dropped`` anyway."""
         avail = [e for e in self.resident.values() if e.lessee is None]
         take, drops = policies.get(self.policy)(avail, learner_version, self.max_staleness, n)
         for e in drops:
@@ -200,9 +193,8 @@ class Store:
         return take, drops
 
     def consume(self, keys: Iterable[Key], lessee: str | None = None) -> list[Entry]:
-        """The learner trained on these: they leave for good. Keys not resident, or (with
-        ``lessee``) not leased to that learner -- it cannot have trained on them -- are counted
-        and ignored."""
+        """The learner trained on these: they leave for good. Keys not resident, or (with ``lessee``) not
+        leased to that learner (it cannot have trained on them), are counted and ignored."""
         done = []
         for key in keys:
             e = self.resident.get(key)

@@ -16,6 +16,7 @@ import time
 from core.messages import MetricRecords
 from core.files import read_json, run_file
 from core.metrics import MERGED_FILE, METRICS_DIR, FileTail, MetricsFollower, read_all, regular
+from core.proc import pid_alive
 
 Follower = MetricsFollower | FileTail
 
@@ -29,14 +30,8 @@ def launcher_pid(run_dir: str) -> int | None:
 def job_running(run_dir: str) -> bool:
     """The launcher lives: not a zombie, nor a process started after pids.json was written (a reused pid)."""
     pid = launcher_pid(run_dir)
-    if pid is None:
+    if pid is None or not pid_alive(pid):
         return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # someone else's process: it exists
     try:  # Linux /proc; True elsewhere
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()

@@ -259,8 +259,7 @@ class Config(_Section):
 
 
 class ConfigError(ValueError):
-    """A bad key or value; the message names its field path (``$.section.key``), in one line
-    whatever a user's key holds (control characters escaped)."""
+    """A bad key or value; the message names its field path (``$.section.key``), one line (controls escaped)."""
 
     def __init__(self, msg: str):
         super().__init__("".join(c if c.isprintable() else repr(c)[1:-1] for c in str(msg)))

@@ -57,12 +57,7 @@ def mtime(run_dir: str, role: str) -> float | None:
 class Watch:
     stamp: float | None  # the file's mtime when last looked at (its value, never compared to now)
     seen_at: float  # launcher clock: the spawn, or when ``stamp`` last changed
-    beaten: bool = False  # the file moved since the spawn
-
-
-def started(stamp: float | None, now: float) -> Watch:
-    """A freshly (re)started role: the previous incarnation's file does not count as a beat."""
-    return Watch(stamp, now)
+    beaten: bool = False  # the file moved since the spawn (a previous incarnation's beat does not count)
 
 
 def observe(w: Watch, stamp: float | None, now: float) -> Watch:

@@ -285,8 +285,7 @@ _head = msgspec.msgpack.Decoder(_GroupHead)
 
 
 def group_key(frame) -> tuple[str, int] | None:
-    """``(actor_id, seq)`` of an encoded RolloutGroup, without decoding its arrays; None if the frame
-    does not start like one."""
+    """``(actor_id, seq)`` of an encoded RolloutGroup without decoding its arrays; None if it is not one."""
     try:
         head = _head.decode(frame)
     except (msgspec.DecodeError, msgspec.ValidationError):
@@ -354,8 +353,7 @@ def _ids_ok(ids: np.ndarray, vocab_size: int) -> bool:
 
 
 def _completions_pass(g: RolloutGroup, limits: Limits) -> tuple[int, int] | None:
-    """The group's (min_version, max_version) if every check of :func:`_explain_completions` would
-    pass, else None."""
+    """The group's (min_version, max_version) if every check of :func:`_explain_completions` passes, else None."""
     item = TOKEN_DTYPE.itemsize
     cap = min(limits.max_new_tokens or math.inf, limits.context - len(g.prompt_tokens) // item if limits.context
               else math.inf) * item

@@ -161,7 +161,6 @@ class Monitor:
         return None if isinstance(v, list) else v
 
     def actor_tokens_per_s(self) -> float | None:
-        """Sum of the latest ``actor/tokens_per_s`` of every source that reports it."""
         rates = [r for v in self._by_source.values() if isinstance(r := v.get("actor/tokens_per_s"), float)]
         return sum(r for r in rates if not math.isnan(r)) if rates else None
 

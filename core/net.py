@@ -39,8 +39,7 @@ def make_curve_keys() -> tuple[str, str]:
 
 
 def curve_from_config(net) -> Curve | None:
-    """The CURVE keys of a config's NetSection, None without server keys (a client's public key is
-    derived from its secret)."""
+    """A NetSection's CURVE keys, None without server keys (a client's public key is derived from its secret)."""
     if not net.curve_server_public:
         return None
     secret = net.curve_client_secret.encode()

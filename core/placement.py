@@ -62,8 +62,7 @@ def place(cfg, n_gpus: int) -> tuple[str, list[str]]:
 
 
 def check(cfg, n_gpus: int | None = None) -> tuple[str, list[str]]:
-    """:func:`place` on this machine (or ``n_gpus``); the weight transport's own rules on top of it:
-    :func:`weightsync.check_devices`."""
+    """:func:`place` on this machine (or ``n_gpus``); the transport's own rules: :func:`weightsync.check_devices`."""
     return place(cfg, visible_gpus() if n_gpus is None else n_gpus)
 
 

@@ -125,7 +125,6 @@ def line_panel(ax, idx: dict, title: str, keys, restarts, log_y: bool = False) -
 
 
 def figures(records: list):
-    """``(name, figure)`` of every figure."""
     import matplotlib.pyplot as plt
 
     idx, restarts = index(records), restart_steps(records)
@@ -173,8 +172,7 @@ PIPELINE_PANELS = (("mean response length (tokens)", "length/mean"), ("ratio p99
 
 
 def pipeline_figure(pipeline_dir: str):
-    """Length, ratio p99 and held-out reward of each RL stage, one after the other; a dashed line marks
-    the distillation between rl1 and rl2."""
+    """Length, ratio p99 and held-out reward of the RL stages in turn; a dashed line marks the distillation."""
     import matplotlib.pyplot as plt
 
     stages, offset = [], 0.0  # (stage, first step on the shared axis, {metric: points})

@@ -27,15 +27,20 @@ def die_with_parent() -> None:
     fallback (no prctl, or a wait that ignores the stop flag) a thread that sends SIGTERM itself
     and ``os._exit``\\ s after :data:`ORPHAN_GRACE_S`."""
     os.umask(0o077)
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError):  # without glibc (e.g. musl) no prctl: the watchdog remains
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    sigterm_with_parent()  # without prctl the watchdog remains
     launcher = os.environ.get("DRIFTRL_LAUNCHER_PID")
     if not launcher:
         return  # started by hand, not by a launcher: nothing to watch
     if os.getppid() != int(launcher):
         os.kill(os.getpid(), signal.SIGTERM)  # the launcher died before prctl took effect
     threading.Thread(target=_watch_launcher, args=(int(launcher),), name="orphan-watch", daemon=True).start()
+
+
+def sigterm_with_parent() -> None:
+    """SIGTERM when the parent dies, even by SIGKILL (Linux; a no-op without glibc's prctl, e.g. musl)."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _watch_launcher(launcher: int) -> None:
@@ -47,6 +52,16 @@ def _watch_launcher(launcher: int) -> None:
     time.sleep(ORPHAN_GRACE_S)
     log.error("still running %.0fs after the launcher died: exiting", ORPHAN_GRACE_S)
     os._exit(1)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, someone else's
+        pass
+    return True
 
 
 def stop_event() -> threading.Event:

@@ -56,9 +56,8 @@ def by_length(batch: Batch) -> tuple[Batch, torch.Tensor]:
 
 
 def micro_batches(batch: Batch, max_tokens: int, min_tokens: int = BUCKET_MIN_TOKENS) -> list[tuple[int, int]]:
-    """Row ranges of consecutive micro-batches of at most ``max_tokens`` padded tokens (at least
-    one row), cut also where a longer row starts a new length bucket (rows sorted by
-    :func:`by_length`). ``max_tokens`` 0 = the whole batch at once."""
+    """Row ranges of consecutive micro-batches of at most ``max_tokens`` padded tokens (0: all; at least one
+    row), cut also where a longer row starts a new length bucket (rows sorted by :func:`by_length`)."""
     n = batch.ids.shape[0]
     if not max_tokens:
         return [(0, n)]

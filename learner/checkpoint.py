@@ -1,8 +1,6 @@
-"""Atomic, pickle-free, verified checkpoints (ARCHITECTURE.md: Recovery). ``step_000042/`` holds
-``model/`` (HF format), the backend's state, ``meta.json``, ``MANIFEST.json`` (size and sha256 of
-every other file) and ``COMPLETE``, written last (``core.files.atomic_dir``). Nothing is pickled, so
-an untrusted checkpoint cannot run code; :func:`latest` skips a damaged one with a warning; a failed
-write raises :class:`WriteError` and leaves nothing torn.
+"""Atomic, pickle-free, verified checkpoints (ARCHITECTURE.md: Recovery, and the run directory's map for
+their files). Nothing is pickled, so an untrusted checkpoint cannot run code; :func:`latest` skips a
+damaged one with a warning; a failed write raises :class:`WriteError` and leaves nothing torn.
 """
 
 from __future__ import annotations
@@ -16,6 +14,7 @@ import shutil
 
 from core import heartbeat
 from core.files import atomic_dir
+from core.proc import pid_alive
 
 log = logging.getLogger("driftrl.learner.checkpoint")
 MARKER = "COMPLETE"
@@ -33,8 +32,7 @@ class DamagedCheckpoint(RuntimeError):
 
 
 def write_dir(what: str, final: str, write) -> str:
-    """``write(tmp)`` fills a directory that appears at ``final`` whole (``COMPLETE`` marker) or
-    not at all; a failed write is a :class:`WriteError` naming ``what`` and the path."""
+    """``write(tmp)`` fills a directory that appears at ``final`` whole (``COMPLETE`` marker), else WriteError."""
     try:
         return atomic_dir(final, write, marker=MARKER)
     except OSError as e:
@@ -113,18 +111,8 @@ def _prune(ckpt_root: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
     # leftovers of writers that were killed mid-checkpoint (their pid is gone)
     for name in os.listdir(ckpt_root):
-        if name.startswith((".tmp-", ".old-")) and not _pid_alive(int(name.rsplit("-", 1)[1])):
+        if name.startswith((".tmp-", ".old-")) and not pid_alive(int(name.rsplit("-", 1)[1])):
             shutil.rmtree(os.path.join(ckpt_root, name), ignore_errors=True)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, someone else's
-        pass
-    return True
 
 
 def complete_checkpoints(ckpt_root: str) -> list[str]:

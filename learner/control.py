@@ -3,14 +3,7 @@
 :class:`StalenessController` moves the limit by one, judging the ratio p99 at the highest lag present
 (the lag the limit answers for): lower above ``target``, raise below ``target * (1 - hysteresis)``
 (the band between holds: no flapping), never within ``dwell_steps`` of the last change, always within
-``[lo, hi]``. Example (target 1.30, hysteresis 0.1 -> raise below 1.17, dwell 2, limit 2 at step 0)::
-
-    step  highest lag  its p99   decision
-       1            2     1.05   hold: dwell (1 step since the change at step 0)
-       2            2     1.05   raise 2 -> 3 (1.05 < 1.17)
-       3            3     1.40   hold: dwell
-       4            3     1.40   lower 3 -> 2 (1.40 > 1.30)
-       6            2     1.20   hold: 1.17 <= 1.20 <= 1.30
+``[lo, hi]`` (tests/unit/test_control.py walks through an example).
 
 :class:`GuardRails` fire *at* a threshold (0 or None: off): from above for ratio p99/max, KL k3 and
 the lag-0 |Δlog p| p99 (the engine/learner numerics gap alone), from below for ratio min (a low tail
@@ -125,7 +118,6 @@ class Verdict:
 
     @property
     def blocks_step(self) -> bool:
-        """The optimiser must not apply this step's gradients."""
         return self.action in ("skip_step", "rollback")
 
     def reason(self) -> str:

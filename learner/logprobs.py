@@ -45,14 +45,9 @@ def _chunk_logprobs(h: Tensor, w: Tensor, targets: Tensor, *, dtype: torch.dtype
 def token_logprobs(hidden: Tensor, head_weight: Tensor, targets: Tensor, temperature: float = 1.0,
                    fp32: bool = True, chunk: int = 1024, with_entropy: bool = False, top_k: int = 0,
                    top_p: float = 1.0) -> tuple[Tensor, Tensor | None]:
-    """Log-prob of each target token under ``softmax(hidden @ head_weight.T / temperature)``,
-    renormalised over the actor's top-k/top-p support when those are on (:func:`truncation_mask`).
-
-    ``hidden`` ``[..., H]`` final-normed states predict ``targets`` ``[...]``; ``head_weight`` is
-    ``[V, H]``. ``fp32``: head and log-softmax in at least float32 (float64 input stays float64),
-    else in ``hidden.dtype``. Returns ``(logp, entropy)`` shaped like ``targets``, float32 or
-    wider; ``entropy`` (of the scaled, truncated distribution) is None unless ``with_entropy``.
-    """
+    """``(logp, entropy)`` of each target under ``softmax(hidden @ head_weight.T / temperature)`` (``hidden``: the
+    final-normed states), renormalised over the actor's top-k/top-p support when those are on
+    (:func:`truncation_mask`); float32 or wider, ``entropy`` (of that distribution) None unless ``with_entropy``."""
     if hidden.shape[:-1] != targets.shape:
         raise ValueError(f"hidden {tuple(hidden.shape)} and targets {tuple(targets.shape)} disagree: "
                          "hidden must be targets.shape + (H,)")

@@ -93,8 +93,7 @@ class LearnerLoop:
         return not (self.stop is not None and self.stop.is_set())
 
     def run(self, t_start: float | None = None) -> None:
-        """Train until the budget is spent. ``t_start``: when the run was launched -- a learner
-        restarted after a crash spends what is left of ``run.max_time_s``, not a fresh budget."""
+        """Train until the budget is spent, counted from ``t_start`` (the launch: a restart gets no fresh budget)."""
         self.publish()
         t_start = time.time() if t_start is None else t_start
         log.info("learner ready at version %d", self.version)
@@ -111,7 +110,10 @@ class LearnerLoop:
             t2 = time.time()
             self.window.append((t1 - t0, t2 - t1))
             self._emit(m, batch, t1 - t0, t2 - t1, t_start)
-            self._maybe_save()
+            r = self.cfg.run
+            if (r.ckpt_every and self.step % r.ckpt_every == 0) or (
+                    r.ckpt_every_s and time.time() - self._ckpt_at >= r.ckpt_every_s):
+                self.save()
         if self._ckpt_step != self.step:
             self.save()
         checkpoint.save_model(self.backend, os.path.join(self.run_dir, "final_model"))
@@ -218,7 +220,8 @@ class LearnerLoop:
         self.counts["dropped_rolled_back"] += len(groups)
         upto, path = self.version, checkpoint.latest(self.ckpt_root)
         after = int(checkpoint.read_meta(path)["version"]) if path else 0
-        record_rollback(self.run_dir, self.step, after, upto)  # durable before anything changes
+        audit.append_durable(os.path.join(self.run_dir, ROLLBACKS), "the rollback record",  # durable first
+                             [{"step": self.step, "after": after, "upto": upto, "time": time.time()}])
         self.poisoned.add(after, upto)
         if path is None:  # no checkpoint yet: the initial weights, rebuilt as at the start
             self.backend = make_backend(self.cfg, self.cfg.model.path)
@@ -249,12 +252,6 @@ class LearnerLoop:
     def _retire(self, keys) -> None:
         """Tell the buffer these groups will never be trained."""
         self.client.consumed(keys, self.version)
-
-    def _maybe_save(self) -> None:
-        r = self.cfg.run
-        if (r.ckpt_every and self.step % r.ckpt_every == 0) or (
-                r.ckpt_every_s and time.time() - self._ckpt_at >= r.ckpt_every_s):
-            self.save()
 
     def save(self) -> str:
         meta = {"version": self.version, "stage": "rl", "consumed_groups": self.consumed_groups,
@@ -308,11 +305,6 @@ def read_rollbacks(run_dir: str) -> list[tuple[int, int]]:
     return [(rec["after"], rec["upto"]) for rec in audit.read(os.path.join(run_dir, ROLLBACKS))]
 
 
-def record_rollback(run_dir: str, step: int, after: int, upto: int) -> None:
-    audit.append_durable(os.path.join(run_dir, ROLLBACKS), "the rollback record",
-                         [{"step": step, "after": after, "upto": upto, "time": time.time()}])
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--run-dir", required=True)
@@ -329,12 +321,10 @@ def main(argv=None) -> None:
     try:
         loop = LearnerLoop(cfg, args.run_dir, stop)
         loop.run(args.t0)
-    except checkpoint.WriteError as e:
-        log.error("%s (exit %d)", e, EXIT_WRITE_FAILED)
-        sys.exit(EXIT_WRITE_FAILED)
-    except checkpoint.DamagedCheckpoint as e:
-        log.error("%s (exit %d)", e, EXIT_CORRUPT_LOG)
-        sys.exit(EXIT_CORRUPT_LOG)
+    except (checkpoint.WriteError, checkpoint.DamagedCheckpoint) as e:
+        code = EXIT_WRITE_FAILED if isinstance(e, checkpoint.WriteError) else EXIT_CORRUPT_LOG
+        log.error("%s (exit %d)", e, code)
+        sys.exit(code)
     finally:
         if loop is not None:
             loop.close()

@@ -30,13 +30,9 @@ def _host(x) -> np.ndarray:
 
 
 def ratio_metrics(logp, behaviour_logp, mask, staleness=None, eps_high: float = 2.0) -> dict[str, float]:
-    """The metrics over the response tokens (``mask`` > 0) of ``[B, T]`` log-probs (torch or numpy).
-
-    Per token ``rho = exp(logp - behaviour_logp)``: ``ratio/ess = (sum rho)^2 / (n sum rho^2)`` (1 =
-    on-policy); ``mismatch/kl_k3`` estimates KL(behaviour || learner), unbiased and >= 0. ``staleness``
-    (``[B]`` or ``[B, T]``) adds the p99 per lag and, at lag 0 (numerics alone), the |Δlog p| p99.
-    With no response tokens every fixed key is NaN.
-    """
+    """The metrics over the response tokens (``mask`` > 0) of ``[B, T]`` log-probs (torch or numpy), all NaN
+    without one; ``staleness`` (``[B]`` or ``[B, T]``) adds the ratio p99 per lag and, at lag 0 (numerics alone),
+    the |Δlog p| p99. ``mismatch/kl_k3`` estimates KL(behaviour || learner), unbiased and >= 0."""
     lp, bl = _host(logp), _host(behaviour_logp)
     m = _host(mask) > 0
     if not lp.shape == bl.shape == m.shape:

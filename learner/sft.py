@@ -78,8 +78,7 @@ def _step(model, opt, params, batch: tuple, lc) -> float | None:
 
 
 def finetune(cfg, base_dir: str, corpus_path: str, out_dir: str, seed: int) -> dict:
-    """Fine-tune ``base_dir``'s model on the corpus (``cfg.distill``, ``cfg.learner``'s optimiser and
-    device), write it to ``out_dir`` atomically; returns its stats."""
+    """Fine-tune ``base_dir``'s model on a corpus (``cfg.distill``, the learner's optimiser) into ``out_dir``."""
     t0 = time.time()
     rows = load_corpus(corpus_path)
     torch.set_num_threads(cfg.learner.threads)

@@ -28,8 +28,7 @@ BUCKETS = ("first 10%", "middle", "last 10%")
 
 
 def load(run_dir: str, last: int = 0) -> list[dict]:
-    """The run's step lines in step order, the last of each step winning; the ``last`` ones if > 0.
-    A torn last line (the learner died mid-write) is skipped."""
+    """The run's step lines by step, the last per step winning (the ``last`` ones if > 0), a torn end skipped."""
     path = run_file(run_dir, TAIL_FILE, "the learner writes it every step when learner.tail_k > 0 "
                     "(no step finished yet, or tail_k = 0)")
     if not regular(path):

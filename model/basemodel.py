@@ -73,13 +73,6 @@ def _prefixed(ids: list[int], tok, rng: random.Random, prefixes: list[str]) -> l
     return ids[:head] + tok.encode(rng.choice(prefixes)) + ids[head:]
 
 
-def _loss(model, ids, mask, pad_id: int):
-    pos = torch.arange(ids.shape[1]).expand_as(ids)
-    hidden = model(ids[:, :-1], pos[:, :-1], ids[:, :-1] != pad_id)
-    nll = F.cross_entropy(model.logits(hidden).transpose(1, 2), ids[:, 1:], reduction="none")
-    return (nll * mask[:, 1:]).sum() / mask[:, 1:].sum()
-
-
 def _train(model, opt, sched, task, rng: random.Random, mc) -> float:
     """The pre-training steps under a progress bar; the last loss."""
     loss_v = float("nan")
@@ -87,8 +80,11 @@ def _train(model, opt, sched, task, rng: random.Random, mc) -> float:
     with progress("building the tiny base model (first use only)", mc.pretrain_steps) as advance:
         for step in range(mc.pretrain_steps):
             stage = worked if step < METHOD_FRAC * mc.pretrain_steps else mc  # the method stage: all worked
-            batch = _corpus_batch(task, rng, mc.pretrain_batch, stage)
-            loss = _loss(model, *batch, task.tok.pad_id)
+            ids, mask = _corpus_batch(task, rng, mc.pretrain_batch, stage)
+            pos = torch.arange(ids.shape[1]).expand_as(ids)
+            hidden = model(ids[:, :-1], pos[:, :-1], ids[:, :-1] != task.tok.pad_id)
+            nll = F.cross_entropy(model.logits(hidden).transpose(1, 2), ids[:, 1:], reduction="none")
+            loss = (nll * mask[:, 1:]).sum() / mask[:, 1:].sum()  # next-token loss on the masked positions
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -125,8 +125,7 @@ def tokenizer_files(model_dir: str) -> dict[str, bytes]:
 
 
 def save_pretrained(model: Decoder, path: str, extra_files: dict[str, bytes] | None = None) -> None:
-    """Write config.json, model.safetensors in the model's dtype and ``extra_files`` into ``path``;
-    plain writes (callers wanting atomicity use ``core.files.atomic_dir``)."""
+    """config.json, model.safetensors (the model's dtype) and ``extra_files`` into ``path``; not atomic."""
     names = {v: k for k, v in DTYPES.items()}
     target = next(model.parameters()).dtype
     if target not in names:

@@ -154,8 +154,7 @@ class Stopped(RuntimeError):
 
 
 def wait_until(ready, timeout_s: float, what: str, poll_s: float = 0.05, stop=None):
-    """Poll ``ready()`` until it returns something truthy; TimeoutError naming ``what``, or
-    Stopped once ``stop`` is set."""
+    """Poll ``ready()`` until it is truthy; TimeoutError naming ``what``, or Stopped once ``stop`` is set."""
     stopped = (lambda: False) if stop is None else getattr(stop, "is_set", stop)
     deadline = time.monotonic() + timeout_s
     while True:

@@ -1,10 +1,7 @@
-"""CUDA IPC transport (one shared GPU): weight slots in device memory, never through the host.
-
-Which of the publisher's device slots is free is the shm transport's question, answered by its
-files: file ``i`` holds only the *record* of slot ``i`` (:class:`IpcSlot`) and is reused only when
-no reader has it open. A reader keeps the file open until its device copy is synchronised, and a
-record is published only after its slot is written and synchronised. Copied, never mapped: CUDA IPC
-memory dies with its exporter (a restarted learner). ``share`` / ``opener``: stand-ins in the tests.
+"""CUDA IPC transport (one shared GPU): weight slots in device memory, never through the host. Which slot is
+free is the shm transport's question: its file ``i`` holds the *record* of slot ``i`` (:class:`IpcSlot`), kept
+open by a reader until its device copy is synchronised. Copied, never mapped: CUDA IPC memory dies with its
+exporter (a restarted learner). ``share`` / ``opener``: stand-ins in the tests.
 """
 
 from __future__ import annotations
@@ -23,9 +20,6 @@ from weightsync.files import ShmPublisher, ShmSubscriber, _copy_all
 
 RECORD = "ipc"  # the one tensor of a record file
 _LEN = struct.Struct("<Q")  # the record's length, before its bytes
-
-
-
 
 
 _slot_decoder = msgspec.msgpack.Decoder(IpcSlot)
@@ -76,8 +70,7 @@ def _sync(device: torch.device) -> None:
 
 
 class _Control(ShmPublisher):
-    """shm files, file ``i`` holding the record of ``owner``'s device slot ``i``; one version
-    visible, at most one file per slot."""
+    """shm files, file ``i`` holding the record of ``owner``'s device slot ``i``; one version visible."""
 
     keep = 1
 

@@ -1,8 +1,6 @@
-"""Weights as versioned files (transports ``shm`` and ``filesystem``; ARCHITECTURE.md, "Weights as
-versioned files"). The kernel keeps what a shared-memory allocator would: ``rename`` makes a version
-appear whole, a reader that opened or mapped a file keeps it, and a write lease (``F_SETLEASE``) is
-granted only when no other process has the file open, so a retired file is reused only then. A file
-is a checksummed prefix and msgpack header (never pickle), then the page-aligned buckets.
+"""Weights as versioned files (transports ``shm`` and ``filesystem``; the design: ARCHITECTURE.md, "Weights as
+versioned files"): the kernel's ``rename``, open files and write leases (``F_SETLEASE``) do an allocator's work.
+A file is a checksummed prefix and msgpack header (never pickle), then the page-aligned buckets.
 """
 
 from __future__ import annotations
@@ -45,9 +43,6 @@ _SHM_NAME = re.compile(r"driftrl-weights-[0-9a-f]{32}")
 _OURS = re.compile(r"v\d+|\.?LATEST(-new|\.tmp\d+)?|\.(spare|new)-\d+")  # what a publisher may remove
 _VERSION = re.compile(r"v(\d+)")
 _VANISHED_S = 30  # a reader gives up on versions retired between reading LATEST and opening them
-
-
-
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -200,8 +195,7 @@ def _unshared(fd: int) -> bool | None:
 
 
 class _File:
-    """A file the publisher made: fd, writable mapping, a view per tensor, its current name and
-    ``index`` (its number among the publisher's files, kept when reused)."""
+    """A file the publisher made: fd, writable mapping, a view per tensor, its name, ``index`` (kept when reused)."""
 
     def __init__(self, directory: str, index: int, header: WeightUpdateHeader, payload_at: int):
         self.name, self.index, size = f".new-{index}", index, payload_at + layout.total_nbytes(header)
@@ -273,8 +267,6 @@ class FilePublisher(Publisher):
         return cls(run_dir, template, cfg.weightsync.bucket_mb << 20)
 
     def _write(self, version: int, named: Mapping[str, torch.Tensor]) -> int | None:
-        """Fill a file no reader can reach, seal it, rename it into place, point LATEST at it and
-        retire what is past ``keep``."""
         f = self._take()
         if f is None:
             log.warning("weight version %d not published: readers hold all %d files", version, self.max_files)
@@ -374,8 +366,7 @@ class ShmPublisher(FilePublisher):
 
 
 class FsPublisher(FilePublisher):
-    """For readers on other hosts: a new file per version, fsynced, checksummed, three kept, and
-    they outlive close()."""
+    """For readers on other hosts: a new file per version, fsynced, checksummed, three kept, outliving close()."""
 
     transport = "filesystem"
     keep, recycle, durable, checksum, owns_dir = 3, False, True, True, False
@@ -396,8 +387,7 @@ class FsPublisher(FilePublisher):
 
 
 class _Plan:
-    """A reader's per-layout facts, checked: ``tensors`` in payload order as (name, file offset,
-    bytes, shape, element offset in the payload)."""
+    """A reader's checked layout: ``tensors`` in payload order, (name, file offset, bytes, shape, element offset)."""
 
     def __init__(self, raw: bytes, path: str, header_end: int):
         try:
@@ -489,8 +479,7 @@ class Version(_Closable):
             raise DamagedFile(f"{self.path}: payload checksum mismatch (damaged)")
 
     def apply(self, bound: _Binding, scratch) -> int:
-        """Read the targets that are not mapped, point the others at a read-only mapping of the
-        file (``set_``: no byte copied); how many were mapped."""
+        """Read the unmapped targets, point the others at a read-only mapping of the file (no copy); how many."""
         plan, head = bound.plan, bound.plan.head
         for t, mapped, (n, off, nbytes, *_) in zip(bound.targets, bound.maps, plan.tensors):
             if not mapped and nbytes:
@@ -522,10 +511,9 @@ class Version(_Closable):
 
 
 class FileSubscriber(Subscriber):
-    """``zero_copy``: map same-dtype CPU targets (rebinding the given tensor objects: pass the
-    model's own Parameters, not ``state_dict()`` aliases); ``poll_s``: how often at most
-    ``latest_version()`` reads ``LATEST``. A subclass finds the directory (``_find``, None until it
-    exists; ``where`` says where it looks)."""
+    """``zero_copy``: map same-dtype CPU targets (rebinding the given tensor objects: pass the model's own
+    Parameters, not ``state_dict()`` aliases); ``poll_s``: how often at most ``latest_version()`` reads
+    ``LATEST``. A subclass finds the directory (``_find``: None until it exists; ``where``: where it looks)."""
 
     zero_copy, poll_s, where = True, 0.0, "?"
     _next_find = 0.0
@@ -549,8 +537,7 @@ class FileSubscriber(Subscriber):
         return cls(run_dir, timeout_s, stop=stop)
 
     def _moved(self) -> bool:
-        """Called when ``LATEST`` is missing: whether ``self.dir`` moved to a successor's (shm: a
-        restarted learner's new directory, once its publisher closed)."""
+        """``LATEST`` missing: whether ``self.dir`` moved to a successor's (shm: a restarted learner's directory)."""
         now = time.monotonic()
         if now < self._next_find or os.path.isdir(self.dir):
             return False

@@ -36,8 +36,7 @@ def tensor_nbytes(dtype: str, shape: Sequence[int]) -> int:
 
 
 def plan(version: int, specs: Iterable[tuple[str, str, Sequence[int]]], bucket_bytes: int) -> WeightUpdateHeader:
-    """Header for ``(name, dtype name, shape)`` tensors: dtypes grouped in order of first
-    appearance, tensors in their given order within a dtype."""
+    """Header for ``(name, dtype name, shape)`` tensors: dtypes grouped by first appearance, tensors in order."""
     if bucket_bytes < 1:
         raise LayoutError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
     names, dtypes, shapes = [], [], []

@@ -35,12 +35,6 @@ GROUP_NAME = "driftrl_weights"  # the torch_dist group (and PrefixStore) name bo
 BACKENDS = ("nccl", "gloo", "torch_dist")
 
 
-
-
-
-
-
-
 _to_subscriber = decoder(Union[CollectiveInit, WeightUpdateHeader, Shutdown])
 _hello = decoder(Hello)
 _rank_device = decoder(RankDevice)
@@ -181,9 +175,8 @@ class _TorchGroup:
 
 
 class NcclPublisher(Publisher):
-    """Rank 0. The constructor waits (at most ``join_timeout_s``) for ``world_size - 1`` subscribers
-    (``torch_dist``: servers, each joining once it is up), then refuses two ranks on one CUDA device
-    of one host (NCCL would fail later with "Duplicate GPU detected") and sends each its rank."""
+    """Rank 0: waits (``join_timeout_s``) for ``world_size - 1`` subscribers (torch_dist: servers, once up), refuses
+    two ranks on one CUDA device of a host (NCCL: "Duplicate GPU detected", later), then sends each its rank."""
 
     transport = "nccl"
 
@@ -274,9 +267,8 @@ class NcclPublisher(Publisher):
         return _TorchGroup(store, self.world_size, self.torch_backend, self.collective_timeout_s)
 
     def _rejoin(self) -> None:
-        """torch_dist: a known peer that said Hello again (its server restarted: its rank is gone)
-        gets a new group, and so does every other peer (a group needs all its ranks). A peer is
-        known by its socket or by its Hello.id (a restarted actor has a new socket)."""
+        """torch_dist: a known peer (by socket, or by Hello.id: a restarted actor has a new socket) that said Hello
+        again (its server restarted: its rank is gone) gets a new group, and so does every other peer."""
         again = False
         while self._sock.poll(0):
             frames = self._sock.recv_multipart()
@@ -414,9 +406,8 @@ class GroupLink(_Closable):
                    actor_id=actor_id, stop=stop)
 
     def join(self, claim: RankDevice | None = None) -> CollectiveInit:
-        """Say hello (again, after a restart; an NcclSubscriber with its device ``claim``) and wait
-        for a rank; RuntimeError if the publisher refused or closed. Versions queued for an earlier
-        group can no longer be received: dropped."""
+        """Say hello (again, after a restart; an NcclSubscriber with its device ``claim``) and wait for a rank
+        (RuntimeError if the publisher refused or closed); versions queued for an earlier group are dropped."""
         self.pending.clear()
         self._sock.send_multipart([encode(Hello("weightsync", self.actor_id)), *([encode(claim)] if claim else [])])
         msg = wait_until(lambda: m if isinstance(m := self._recv(), (CollectiveInit, Shutdown)) else None,
@@ -500,8 +491,7 @@ def _decode_join(frames: list[bytes], group: bool = False) -> tuple[Hello, RankD
 
 
 def check_backend(backend: str, torch_backend: str, device: torch.device) -> None:
-    """The publisher's ``backend`` (and torch_dist's ``torch_backend``) against where the
-    learner's weights are: NCCL broadcasts CUDA memory only."""
+    """The publisher's ``backend`` (and ``torch_backend``) against the weights' device: NCCL moves CUDA memory."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "torch_dist" and torch_backend not in ("nccl", "gloo"):
@@ -525,8 +515,7 @@ def _buffers(header: WeightUpdateHeader, device: torch.device, *, packed: bool):
 
 
 def shared_devices(claims: list[tuple[str, str]]) -> list[list[int]]:
-    """Groups of ranks (indices into ``claims`` of ``(host, device)``) claiming one CUDA device
-    of one host; CPU ranks (Gloo) may share."""
+    """Groups of ranks (indices into ``claims``: ``(host, device)``) on one CUDA device of a host (CPU may share)."""
     by_device: dict[tuple[str, str], list[int]] = {}
     for rank, (host, device) in enumerate(claims):
         if torch.device(device).type == "cuda":

@@ -1,8 +1,6 @@
 """The ``Engine`` seam: generate completions with behaviour log-probs and per-token versions.
-
-``refresh_weights()`` adopts the newest version from ``weight_source(...)``, the configured
-transport's subscriber (None: fixed weights): in process before every forward (an update lands
-between two tokens), a server engine between batches through its API.
+``refresh_weights()`` adopts the newest version from ``weight_source(...)`` (None: fixed weights); when, in
+process or in a server: ARCHITECTURE.md, below the seam table.
 """
 
 from __future__ import annotations

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -22,7 +21,7 @@ import urllib.request
 from collections.abc import Iterator
 
 from actor.engines import Engine, EngineStopped, Sample
-from core import net, precision
+from core import net, precision, proc
 from model.sampling import SamplingSpec
 from model.tokenizer import Tokenizer
 from weightsync.nccl import GROUP_NAME, GroupLink
@@ -160,12 +159,6 @@ def post_ok(server, path: str, body: dict, timeout_s: float) -> None:
         raise SGLangError(f"{path} failed: {reply.get('message')}")
 
 
-def _die_with_us() -> None:
-    """In the child before exec: SIGTERM when the actor dies, even by SIGKILL (Linux)."""
-    with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 class SGLangServer:
     """One ``sglang.launch_server`` child in its own process group, and JSON over HTTP to it."""
 
@@ -176,7 +169,7 @@ class SGLangServer:
     def start(self, timeout_s: float, stop=None) -> None:
         log.info("starting SGLang: %s", " ".join(self.argv))
         self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL,  # stdout/stderr: the actor's log
-                                     start_new_session=True, preexec_fn=_die_with_us)
+                                     start_new_session=True, preexec_fn=proc.sigterm_with_parent)
         deadline = time.monotonic() + timeout_s
         try:
             while not self._healthy():

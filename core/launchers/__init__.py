@@ -93,8 +93,7 @@ def prepare(cfg: C.Config, run_dir: str | None = None) -> tuple[C.Config, str]:
 
 
 def roles(cfg: C.Config, run_dir: str, t0: float | None = None) -> list[Role]:
-    """The role processes; ``t0`` (the launch time) goes to the learner, whose ``run.max_time_s``
-    counts from it, so that a restarted learner does not begin a fresh budget."""
+    """The role processes; the learner's ``run.max_time_s`` counts from ``t0`` (a restart gets no fresh budget)."""
     py, config_json = sys.executable, os.path.join(run_dir, "config.json")
     return [Role("buffer", [py, "-m", "buffer.server", "--config", config_json, "--run-dir", run_dir]),
             Role("learner", [py, "-m", "learner.loop", "--run-dir", run_dir, *(["--t0", repr(t0)] if t0 else [])]),
@@ -158,7 +157,7 @@ class Launcher(abc.ABC):
     def start(self, role: Role, run_dir: str) -> None:
         role.log_path = os.path.join(run_dir, "logs", f"{role.name}.log")
         self.spawn(role, run_dir)
-        self._beats[role.name] = heartbeat.started(heartbeat.mtime(run_dir, role.name), time.monotonic())
+        self._beats[role.name] = heartbeat.Watch(heartbeat.mtime(run_dir, role.name), time.monotonic())
 
     def _wait(self, role: Role, timeout_s: float) -> bool:
         """Whether the role has exited within ``timeout_s``."""
@@ -185,9 +184,8 @@ class Launcher(abc.ABC):
         atomic_write(os.path.join(run_dir, "pids.json"), json.dumps(pids).encode(), durable=False, mode=0o600)
 
     def _check_role(self, role: Role, learner: Role, run_dir: str, restarts: collections.Counter, metrics) -> bool:
-        """Schedule the restart of a role that crashed or hung (SIGKILLed first) after its backoff, at most
-        ``run.max_restarts`` times; not of one that could not write (exit 75) or found its store damaged
-        (65): it would fail again. True once the learner finished."""
+        """Schedule a crashed or hung (then SIGKILLed) role's restart after its backoff, ``run.max_restarts`` times
+        at most; not one that could not write or found its store damaged: it would fail again. True: done."""
         code, limit = self.returncode(role), self.cfg.run.max_restarts
         if code is None:
             now = time.monotonic()

@@ -1,9 +1,6 @@
-"""Local launcher: every role a child process of this one, on this host.
-
-Children run in their own sessions, so a terminal Ctrl-C reaches only the launcher, which then
-stops the roles in order by process id. Each child also asks the kernel for SIGTERM if the
-launcher itself dies, and watches the launcher's pid as a fallback that ends it even if a wait
-ignores the signal (core/proc.py), so nothing is left behind when the launcher is SIGKILLed.
+"""Local launcher: every role a child process of this one, on this host. Children run in their own
+sessions, so a terminal Ctrl-C reaches only the launcher, which then stops the roles in order by
+process id; a child ends with the launcher even when it is SIGKILLed (core/proc.py: die_with_parent).
 """
 
 from __future__ import annotations

@@ -164,8 +164,7 @@ class RayLauncher(Launcher):
         return self._call(name, "where", timeout_s=self.cfg.ray.start_timeout_s)
 
     def prepare(self, run_dir: str | None) -> tuple[C.Config, str]:
-        """Place every role's host (a bundle each, in roles() order), then resolve the addresses from
-        where they landed."""
+        """Place every role's host (a bundle each, in roles() order), then resolve addresses from where they are."""
         bs, timeout_s = bundles(self.cfg), self.cfg.ray.start_timeout_s
         try:
             self._init_ray(bs)

@@ -59,8 +59,7 @@ class HostMemoryBuffer(GlobalMemoryBuffer):
 
 
 class HostRotaryEmbedding(RotaryEmbedding):
-    """``RotaryEmbedding`` whose table stays on ``inv_freq``'s device (non-interleaved only, as
-    the Llama/Qwen families and ``core_config``)."""
+    """``RotaryEmbedding`` whose table stays on ``inv_freq``'s device (non-interleaved only: Llama/Qwen)."""
 
     def get_emb(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
         freqs = self.get_freqs_non_repeated(max_seq_len, offset)

@@ -33,8 +33,7 @@ from model.sampling import SamplingSpec
 
 @contextlib.contextmanager
 def _as_oserror(path: str):
-    """safetensors reports a full disk as SafetensorError("... os error 28"): raise it as the OSError
-    it is, which learner/checkpoint.py reports as a write failure."""
+    """safetensors' full disk (SafetensorError "... os error 28") as the OSError it is: a write failure."""
     try:
         yield
     except SafetensorError as e:

@@ -13,8 +13,6 @@ from learner.losses import LossInputs, clean, finish, masked_mean
 
 
 def ppo_clip_loss(inp: LossInputs, eps_clip: float = 0.2) -> tuple[Tensor, dict[str, float]]:
-    if not 0 < eps_clip < 1:
-        raise ValueError(f"eps_clip must be in (0, 1), got {eps_clip}")
     m, logp, behaviour_logp, adv = clean(inp)
     ratio = torch.exp(logp - behaviour_logp)
     per_token, clipped = clipped_surrogate(ratio, adv, eps_clip)
@@ -24,6 +22,8 @@ def ppo_clip_loss(inp: LossInputs, eps_clip: float = 0.2) -> tuple[Tensor, dict[
 
 def clipped_surrogate(ratio: Tensor, adv: Tensor, eps_clip: float) -> tuple[Tensor, Tensor]:
     """Per-token ``-min(r A, clip(r) A)`` and the bool mask of tokens where the clip is active."""
+    if not 0 < eps_clip < 1:
+        raise ValueError(f"eps_clip must be in (0, 1), got {eps_clip}")
     unclipped = ratio * adv
     clipped = ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip) * adv
     active = ((adv > 0) & (ratio > 1.0 + eps_clip)) | ((adv < 0) & (ratio < 1.0 - eps_clip))

@@ -1,9 +1,4 @@
 """Ring-Zero policy loss (ARCHITECTURE.md: Precision and the ratio): truncated importance weight, no clipping.
-
-    rho     = exp(logp - behaviour_logp)      from the *detached* learner log-prob
-    rho_hat = min(rho, eps_high)
-    loss_t  = -sg(rho_hat) * A * logp
-
 The gradient on every response token is ``-rho_hat * A * d logp`` with ``rho_hat > 0``: no token
 is silently dropped the way PPO-clip drops tokens outside its trust region, while truncation at
 ``eps_high`` bounds the variance a rare learner-favoured token would inject.

@@ -15,8 +15,6 @@ from learner.losses.ppo_clip import clipped_surrogate
 
 
 def tis_loss(inp: LossInputs, eps_high: float = 2.0, eps_clip: float = 0.2) -> tuple[Tensor, dict[str, float]]:
-    if not 0 < eps_clip < 1:
-        raise ValueError(f"eps_clip must be in (0, 1), got {eps_clip}")
     m, logp, behaviour_logp, adv = clean(inp)
     old = logp if inp.old_logp is None else inp.old_logp
     old = torch.where(m, old.to(logp.dtype), logp.new_zeros(())).detach()

@@ -150,7 +150,7 @@ def test_length_buckets():
     assert [length_bucket(n) for n in (1, 64, 65, 1024, 5000)] == ["<=64", "<=64", "<=256", "<=1024", ">4096"]
 
 
-# ---- policies: the worked example of buffer/policies.py ----------------------------------------
+# ---- policies: a worked example (learner at v5, max_staleness 2: B and D are stale) ------------
 
 
 def _example():

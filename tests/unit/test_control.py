@@ -66,7 +66,9 @@ def test_dwell_blocks_changes_right_after_one():
     assert c.update(9, _by_lag(l4=5.0)).limit == 3
 
 
-def test_the_docstring_worked_example():
+def test_a_worked_example():
+    # target 1.30, hysteresis 0.1 (raise below 1.17), dwell 2, limit 2 at step 0: hold (dwell), raise 2 -> 3,
+    # hold (dwell), lower 3 -> 2 (1.40 > 1.30), hold (1.17 <= 1.20 <= 1.30)
     c = StalenessController(2, 1, 4, 1.3, 0.1, 2)
     got = [(c.update(step, _by_lag(**{f"l{lag}": p99})).limit) for step, lag, p99 in
            [(1, 2, 1.05), (2, 2, 1.05), (3, 3, 1.40), (4, 3, 1.40), (6, 2, 1.20)]]

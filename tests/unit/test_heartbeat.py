@@ -9,14 +9,14 @@ from core import heartbeat as H
 
 
 def test_a_role_that_beats_is_never_hung():
-    w = H.started(None, now=100.0)
+    w = H.Watch(None, seen_at=100.0)
     for t in range(101, 1000, 5):  # a beat every 5 s, the file's stamp on the role's own clock
         w = H.observe(w, stamp=float(t) - 3600.0, now=float(t))  # an hour of clock skew: irrelevant
         assert H.hung_for(w, float(t) + 4.0, timeout_s=10.0) is None
 
 
 def test_silence_past_the_timeout_is_hung_after_the_first_beat():
-    w = H.observe(H.started(None, 0.0), stamp=5.0, now=5.0)
+    w = H.observe(H.Watch(None, 0.0), stamp=5.0, now=5.0)
     assert w.beaten
     assert H.hung_for(w, 5.0 + 9.9, timeout_s=10.0) is None
     quiet = H.hung_for(w, 5.0 + 10.5, timeout_s=10.0)
@@ -25,7 +25,7 @@ def test_silence_past_the_timeout_is_hung_after_the_first_beat():
 
 
 def test_a_restarted_role_gets_its_start_grace_and_the_old_file_is_no_beat():
-    w = H.started(stamp=42.0, now=1000.0)  # the previous incarnation's last beat
+    w = H.Watch(stamp=42.0, seen_at=1000.0)  # the previous incarnation's last beat
     w = H.observe(w, stamp=42.0, now=1000.0 + H.START_GRACE_S - 1)
     assert not w.beaten and H.hung_for(w, 1000.0 + H.START_GRACE_S - 1, timeout_s=5.0) is None
     assert H.hung_for(w, 1000.0 + H.START_GRACE_S + 1, timeout_s=5.0) is not None
@@ -34,7 +34,7 @@ def test_a_restarted_role_gets_its_start_grace_and_the_old_file_is_no_beat():
 
 
 def test_timeout_zero_is_off():
-    w = H.started(None, 0.0)
+    w = H.Watch(None, 0.0)
     assert H.hung_for(w, 1e9, timeout_s=0.0) is None
 
 
