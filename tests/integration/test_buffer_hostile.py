@@ -48,6 +48,15 @@ def with_completion(g, i=0, **kw):
     return msgspec.structs.replace(g, completions=comps)
 
 
+def stocked(cfg, n: int) -> RawActor:
+    """An authenticated raw actor whose groups 0..n-1 the buffer has accepted."""
+    raw = RawActor(cfg, "a0")
+    for i in range(n):
+        raw.send(small("a0", i))
+        assert raw.recv().status == "ok"
+    return raw
+
+
 class RawLearner:
     """A bare learner DEALER: what it sends, and every answer."""
 
@@ -228,10 +237,7 @@ def test_an_actor_id_belongs_to_the_connection_that_said_hello_with_it(tmp_path)
 def test_one_learner_at_a_time_and_consumed_only_what_it_holds(tmp_path):
     cfg = make_config(run_dir=tmp_path)
     with ServerThread(cfg, str(tmp_path)) as srv:
-        raw = RawActor(cfg, "a0")
-        for i in range(4):
-            raw.send(small("a0", i))
-            assert raw.recv().status == "ok"
+        raw = stocked(cfg, 4)
         first = RawLearner(cfg, "L", tok=token(cfg))
         first.send(SampleRequest(1, 2, 0))
         assert [GROUP.decode(f).key for f in first.recv()[1]] == [("a0", 0), ("a0", 1)]
@@ -270,10 +276,7 @@ def test_a_learner_that_dies_gives_its_leases_back_at_once(tmp_path):
     run = str(tmp_path / "run")
     cfg = make_config(run_dir=run)
     with ServerThread(cfg, run) as srv:
-        raw = RawActor(cfg, "a0")
-        for i in range(3):
-            raw.send(small("a0", i))
-            assert raw.recv().status == "ok"
+        raw = stocked(cfg, 3)
         path = os.path.join(run, "config.json")
         with open(path, "wb") as f:
             f.write(C.to_json(cfg))
@@ -467,10 +470,7 @@ def test_a_learners_claimed_version_is_bounded_and_does_not_outlive_it(tmp_path)
     made every resident and new group stale after that peer left)."""
     cfg = make_config(run_dir=tmp_path, max_staleness=2)
     with ServerThread(cfg, str(tmp_path)) as srv:
-        raw = RawActor(cfg, "a0")
-        for i in range(3):
-            raw.send(small("a0", i))
-            assert raw.recv().status == "ok"
+        raw = stocked(cfg, 3)
         first = RawLearner(cfg, "L", tok=token(cfg))
         first.send(SampleRequest(1, 1, 0))
         keys = [GROUP.decode(f).key for f in first.recv()[1]]

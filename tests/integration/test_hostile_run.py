@@ -18,7 +18,7 @@ import pytest
 from buffer import durable
 from core import config as C
 import jobs
-from tests.support.runs import TINY_RUN, alive, lines
+from tests.support.runs import TINY_RUN, alive, lines, read_json, wait_until
 
 CONNECTIONS = 1000  # per port, both ports at once
 PORTS = ("actor", "learner")  # buffer/ports.json
@@ -33,23 +33,6 @@ ZMTP1_FRAME = bytes.fromhex("01000600") + b"hello"  # empty identity, then a 5-b
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("models"))
-
-
-def _read_json(path: str) -> dict | None:
-    try:  # rewritten in place (atomically, but a read may race the rename's predecessor)
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
-def _wait(cond, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def _payload(i: int, rng: random.Random) -> bytes:
@@ -88,11 +71,12 @@ def _attack(run_dir: str, seen: dict) -> None:
     try:
         trained = os.path.join(run_dir, "trained_keys.jsonl")
         ports_path = os.path.join(run_dir, "buffer", "ports.json")
-        if not _wait(lambda: _read_json(ports_path) is not None and len(lines(trained)) >= WARMUP, 180):
+        warm = lambda: read_json(ports_path) is not None and len(lines(trained)) >= WARMUP  # noqa: E731
+        if not wait_until(warm, 180, every=0.05):
             seen["error"] = "the run did not train its first steps"
             return
-        ports = _read_json(ports_path)
-        seen["pid_before"] = _read_json(os.path.join(run_dir, "pids.json"))["buffer"]
+        ports = read_json(ports_path)
+        seen["pid_before"] = read_json(os.path.join(run_dir, "pids.json"))["buffer"]
         seen["ports_pid"] = ports["pid"]
         seen["steps_before"] = len(lines(trained))
         t0 = time.monotonic()
@@ -111,7 +95,7 @@ def _attack(run_dir: str, seen: dict) -> None:
             t.join()
         seen["made"], seen["hammer_s"] = made, time.monotonic() - t0
         seen["steps_after"] = len(lines(trained))
-        seen["pid_after"] = _read_json(os.path.join(run_dir, "pids.json"))["buffer"]
+        seen["pid_after"] = read_json(os.path.join(run_dir, "pids.json"))["buffer"]
         seen["alive_after"] = alive(seen["pid_before"])
     except BaseException as e:  # noqa: BLE001 -- reported by the test, not lost in a thread
         seen["error"] = repr(e)

@@ -22,7 +22,7 @@ from core import heartbeat
 import jobs
 from learner import audit
 from tests.support import books
-from tests.support.runs import TINY_RUN, alive, lines
+from tests.support.runs import TINY_RUN, alive, lines, read_json, wait_until
 
 KILLS = ("actor0", "buffer", "learner")  # in this order, each after PROGRESS more trained steps
 PROGRESS = 3
@@ -37,20 +37,7 @@ def cache_dir(tmp_path_factory):
 
 
 def _pid(run_dir: str, name: str) -> int | None:
-    try:  # pids.json is rewritten in place on every restart: a read may catch it half written
-        with open(os.path.join(run_dir, "pids.json")) as f:
-            return json.load(f).get(name)
-    except (OSError, ValueError):
-        return None
-
-
-def _wait(cond, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.1)
-    return False
+    return (read_json(os.path.join(run_dir, "pids.json")) or {}).get(name)  # rewritten on every restart
 
 
 def _kill_in_turn(run_dir: str, procs: list, back: dict) -> None:
@@ -59,7 +46,7 @@ def _kill_in_turn(run_dir: str, procs: list, back: dict) -> None:
     trained = os.path.join(run_dir, "trained_keys.jsonl")
     for name in KILLS:
         target = len(lines(trained)) + PROGRESS
-        if not _wait(lambda: len(lines(trained)) >= target, 120):
+        if not wait_until(lambda: len(lines(trained)) >= target, 120):
             return
         pid, beat = _pid(run_dir, name), heartbeat.mtime(run_dir, name)
         t0 = time.monotonic()
@@ -70,7 +57,7 @@ def _kill_in_turn(run_dir: str, procs: list, back: dict) -> None:
             ray.kill(host)
         else:
             os.kill(pid, signal.SIGKILL)
-        ok = _wait(lambda: _pid(run_dir, name) not in (None, pid) and heartbeat.mtime(run_dir, name) != beat
+        ok = wait_until(lambda: _pid(run_dir, name) not in (None, pid) and heartbeat.mtime(run_dir, name) != beat
                    and not alive(pid), BACK_S)
         back[name] = time.monotonic() - t0 if ok else None
 
@@ -162,12 +149,12 @@ def _kill_learner_twice(run_dir: str, kills: list) -> None:
 
     target = PROGRESS + 2
     for _ in range(2):
-        if not _wait(lambda: top() >= target, 180):
+        if not wait_until(lambda: top() >= target, 180):
             return
         pid, beat, at = _pid(run_dir, "learner"), heartbeat.mtime(run_dir, "learner"), top()
         t0 = time.monotonic()
         os.kill(pid, signal.SIGKILL)
-        ok = _wait(lambda: _pid(run_dir, "learner") not in (None, pid) and
+        ok = wait_until(lambda: _pid(run_dir, "learner") not in (None, pid) and
                    heartbeat.mtime(run_dir, "learner") != beat and not alive(pid), BACK_S)
         kills.append({"step": at, "back_s": time.monotonic() - t0 if ok else None})
         if not ok:
@@ -231,11 +218,11 @@ def test_a_hung_actor_is_killed_and_restarted(tmp_path, cache_dir, caplog):
     def on_ready(run_dir, procs):
         def work():
             trained = os.path.join(run_dir, "trained_keys.jsonl")
-            if _wait(lambda: len(lines(trained)) >= 2, 90):
+            if wait_until(lambda: len(lines(trained)) >= 2, 90):
                 stopped["pid"] = pid = _pid(run_dir, "actor0")
                 os.kill(pid, signal.SIGSTOP)
                 t0 = time.monotonic()
-                if _wait(lambda: _pid(run_dir, "actor0") not in (None, pid), 60):
+                if wait_until(lambda: _pid(run_dir, "actor0") not in (None, pid), 60):
                     stopped["back_s"] = time.monotonic() - t0
         threading.Thread(target=work, daemon=True).start()
 

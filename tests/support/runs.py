@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY_RUN = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1",
@@ -28,3 +29,22 @@ def alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def read_json(path: str):
+    """A JSON file a role rewrites in place (pids.json, ports.json): None while absent or half written."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def wait_until(cond, timeout_s: float, every: float = 0.1) -> bool:
+    """Poll ``cond()`` until it holds (True) or ``timeout_s`` passes (False)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(every)
+    return False
