@@ -104,10 +104,7 @@ def main(argv=None) -> int:
     if argv[:1] in (["sweep"], ["pipeline"]):  # their own options (--seeds, --resume, ...): sweep.py, pipeline.py
         return failure_exit(lambda: importlib.import_module(argv[0]).main(argv[1:]))
     args = parse(argv)
-    try:
-        return failure_exit(lambda: eval_main(args) if args.mode == "eval" else train_main(args))
-    finally:  # the outcome is decided: a late signal is recorded, never raised into the teardown
-        launchers.Interrupt.deferred = True
+    return failure_exit(lambda: eval_main(args) if args.mode == "eval" else train_main(args))
 
 
 def failure_exit(work) -> int:
