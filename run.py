@@ -107,6 +107,15 @@ def main(argv=None) -> int:
     return failure_exit(lambda: eval_main(args) if args.mode == "eval" else train_main(args))
 
 
+def cli() -> int:
+    """The command line (``python run.py``, ``driftrl``). Once main has decided the exit code, a late
+    SIGTERM is recorded, never raised into the interpreter's teardown (a finalizer would print it)."""
+    try:
+        return main()
+    finally:
+        launchers.Interrupt.deferred = True
+
+
 def failure_exit(work) -> int:
     """``work()``'s exit code; a config error exits 2, a failed role or contract check its own."""
     from learner.contract import ContractError
@@ -147,4 +156,4 @@ def train_main(args) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())

@@ -288,6 +288,7 @@ class Interrupt:
 
     @classmethod
     def install(cls) -> None:
+        cls.deferred = False
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, cls._handler)
 

@@ -81,6 +81,31 @@ def test_a_swallowed_interrupt_still_stops_the_watch_loop():
     Interrupt.check()  # no signal: nothing raised
 
 
+def test_a_signal_after_the_command_line_decided_its_exit_is_recorded_not_raised(monkeypatch):
+    """A SIGTERM during the interpreter's teardown raised KeyboardInterrupt into whatever finalizer
+    ran (a storm of them printed its traceback); once ``run.cli`` returns, the handler only records."""
+    import signal
+    import time
+
+    import run
+    from core.launchers import Interrupt
+
+    monkeypatch.setattr(run, "main", lambda: 7)
+    monkeypatch.setattr(Interrupt, "deferred", True)  # install() starts undeferred: a new run's
+    monkeypatch.setattr(Interrupt, "signalled", False)
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        Interrupt.install()
+        assert not Interrupt.deferred
+        assert run.cli() == 7
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)  # the handler runs here: without the record-only mode it raises
+        assert Interrupt.signalled
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+
+
 @pytest.mark.parametrize("override, module, extra", [("run.launcher=ray", "ray", "ray"),
                                                      ("metrics.tensorboard=true", "tensorboardX", "tensorboard")])
 def test_a_chosen_optional_stack_that_is_not_installed_fails_before_anything_starts(monkeypatch, override,
