@@ -22,7 +22,6 @@ import msgspec
 import zmq
 
 from core import net
-from core.files import atomic_write
 from core.messages import (BUFFER_TO_ACTOR, BUFFER_TO_LEARNER, MAX_GROUPS_PER_MSG, Ack, Acks, Consumed, Control, Hello, RolloutGroup,
                            SampleBatch, SampleRequest, decoder, encode)
 
@@ -113,7 +112,7 @@ class Spool:
         out = []
         for name in os.listdir(self.dir):
             groups = self._read(name)
-            if groups is None:  # a write cut short (a temp file), or not ours: never sent
+            if groups is None:  # a write cut short (it fails to decode), or not ours: never sent
                 os.unlink(os.path.join(self.dir, name))
                 continue
             self._track(name, [seq for seq, _ in groups])
@@ -122,7 +121,11 @@ class Spool:
 
     def put(self, seqs: list[int], payloads: list[bytes]) -> None:
         name = f"{seqs[0]}.groups"  # unique: a seq is never reused while it is spooled
-        atomic_write(os.path.join(self.dir, name), msgspec.msgpack.encode(payloads), durable=False)
+        # no temporary file and rename: these groups are sent only once the write is complete, and
+        # a write cut short fails to decode and is discarded as never sent (pending)
+        fd = os.open(os.path.join(self.dir, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with open(fd, "wb") as f:
+            f.write(msgspec.msgpack.encode(payloads))
         self._track(name, seqs)
 
     def settle(self, seq: int) -> None:

@@ -5,17 +5,22 @@ alone. One loop turn: learner messages first (its round trip paces the pipeline)
 of actor messages, one commit, then every reply that depends on it.
 Nothing a peer sends can stop the loop: whatever is refused is counted in
 ``buffer/dropped_invalid/<reason>``. A group newer than the learner's version + 1 is rejected
-(``future_version``): v + 1 may be published before the learner's next request says so.
+(``future_version``): v + 1 may be published before the learner's next request says so. A learner's
+claimed version is believed up to ``MAX_VERSION_LEAD`` above the buffer's own record (kept in the
+store: what learners' Hellos and trained steps showed), so no peer can make every group stale.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hmac
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
@@ -49,10 +54,15 @@ MAX_DRAIN_ON_CLOSE = 4096  # learner-port messages read before a closed learner'
 MAX_BATCH_BYTES = 4 << 20
 MAX_ID_CHARS = 128
 MAX_VERSION = 2**31 - 1  # a token's version is an int32: a learner claiming more is refused
+# a resumed learner publishes above every version it published, and its last steps' marks may not
+# have been committed (LAZY_COMMIT_S): that far above the record a claim is still believed
+MAX_VERSION_LEAD = 16
 MAX_ACTORS = 4096  # authenticated actor connections remembered (each actor id keeps only its latest)
 ZERO_COPY_BYTES = 64 << 10  # below this, pyzmq's zero-copy bookkeeping costs more than a copy
-POLL_MS = 100  # upper bound on reaction time to stop_event; arrivals wake the poll at once
 METRICS_EVERY_S = 1.0
+# an idle turn's period: arrivals and stop (wake(), a signal) end the poll at once; on a 2-core VM a
+# wake-up costs ~0.1 ms of CPU, and ten a second were a tenth of the buffer's CPU per learner step
+POLL_MS = int(METRICS_EVERY_S * 1000)
 # ZMTP heartbeats on the learner port: a learner host that vanishes without closing its TCP
 # connection is disconnected (and its leases released) after this long without an answer
 HEARTBEAT_IVL_MS = 2000
@@ -96,6 +106,7 @@ class BufferServer:
         self._actor_ident: dict[str, bytes] = {}  # actor id -> its identity, for late acks
         self._learner: _Learner | None = None
         self._last_version: int | None = None  # of the learner that disconnected last
+        self._record = -1  # the newest version a learner showed (durable; -1: none yet)
         self._incarnations = 0
         self._outbox: dict[str, deque[list]] = {"actor": deque(), "learner": deque()}  # sent after the commit
         self._covered = -1  # the learner's covered_step (SampleRequest)
@@ -116,6 +127,8 @@ class BufferServer:
         self._poller = zmq.Poller()
         for sock in (self.actor_sock, self.learner_sock, self._monitor):
             self._poller.register(sock, zmq.POLLIN)
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._poller.register(self._wake_r, zmq.POLLIN)
         log.info("buffer listening on %s: actors :%d, learner :%d; %d groups recovered",
                  cfg.net.host, self.actor_port, self.learner_port, self.store.counters.recovered)
 
@@ -140,6 +153,7 @@ class BufferServer:
         self.learner_port = net.bind(self.learner_sock, n.host, n.buffer_learner_port, curve)
 
     def _recover(self) -> None:
+        self._record = self.db.record()
         raws, keys = self.db.load()
         for key in keys:
             self.store.seen.add(tuple(key))
@@ -148,11 +162,18 @@ class BufferServer:
 
     # ---- the loop ----------------------------------------------------------------------------
 
-    def serve_forever(self, stop_event=None) -> None:
+    def serve_forever(self, stop_event=None, poll_ms: int = POLL_MS) -> None:
+        """Until ``stop_event``. In the main thread a signal (which sets it) ends the poll at once,
+        through its wakeup fd; elsewhere the event is noticed within ``poll_ms``."""
+        main = threading.current_thread() is threading.main_thread()
+        if main:
+            signal.set_wakeup_fd(self._wake_w)
         try:
             while stop_event is None or not stop_event.is_set():
-                self.step(POLL_MS)
+                self.step(poll_ms)
         finally:
+            if main:
+                signal.set_wakeup_fd(-1)
             self.close()
 
     def step(self, timeout_ms: int = POLL_MS) -> None:
@@ -164,6 +185,9 @@ class BufferServer:
             self._flush_outbox()
         if self._monitor in ready:
             self._on_monitor()
+        if self._wake_r in ready:
+            with contextlib.suppress(BlockingIOError):
+                os.read(self._wake_r, 4096)
         if self.actor_sock in ready:
             self._drain(self.actor_sock, self._on_actor, max_parts=MAX_GROUPS_PER_MSG)
             self._serve_requests()
@@ -333,7 +357,9 @@ class BufferServer:
         # trained on, so it is available again
         self._drop_learner("replaced by a new learner connection")
         self._incarnations += 1
-        self._learner = _Learner(ident, fd, f"{msg.id}#{self._incarnations}", record=msg.version)
+        if self._record < 0:  # the first learner's Hello is the record there is
+            self._raise_record(max(msg.version, 0))
+        self._learner = _Learner(ident, fd, f"{msg.id}#{self._incarnations}", record=self._bounded(msg.version))
         log.info("learner %s connected at step %d", msg.id, msg.step)
         if msg.step >= 0:
             self._requeue(msg.step, msg.version)
@@ -383,8 +409,20 @@ class BufferServer:
         if version > MAX_VERSION:
             self.invalid["version_out_of_range"] += 1
             return False
-        st.version = version
+        st.version = self._bounded(version)
         return True
+
+    def _bounded(self, version: int) -> int:
+        """``version``, or the most the record lets a learner claim (counted ``version_ahead``)."""
+        if self._record < 0 or version <= self._record + MAX_VERSION_LEAD:
+            return version
+        self.invalid["version_ahead"] += 1
+        return self._record + MAX_VERSION_LEAD
+
+    def _raise_record(self, version: int) -> None:
+        if version > self._record:
+            self._record = version
+            self.db.set_record(version)
 
     def _on_request(self, st: _Learner, msg: SampleRequest) -> None:
         if msg.num_groups < 1 or msg.learner_version < 0 or msg.max_staleness < -1:
@@ -417,7 +455,8 @@ class BufferServer:
         done = self.store.consume(msg.keys, st.name)
         self.db.trained([e.key for e in done], msg.step)
         if done and msg.step >= 0:  # a step trained on groups this buffer served: evidence
-            st.record = max(st.record, msg.learner_version)
+            st.record = max(st.record, st.version)
+            self._raise_record(st.record)
 
     def _tell_learner(self, ident: bytes, ack: Ack) -> None:
         self._outbox["learner"].append([ident, encode(ack)])
@@ -433,7 +472,7 @@ class BufferServer:
         partial = store.saturated and avail > 0
         if avail < n and not partial:
             return
-        taken, drops = store.take(n, req.learner_version, lessee=st.name, at_least=1 if partial else n)
+        taken, drops = store.take(n, st.version, lessee=st.name, at_least=1 if partial else n)
         self._dropped(drops)
         if not taken:
             return
@@ -534,6 +573,10 @@ class BufferServer:
             self._auth = None
         if self._own_ctx and not self.ctx.closed:
             self.ctx.term()
+        for fd in (getattr(self, "_wake_r", None), getattr(self, "_wake_w", None)):
+            if fd is not None:
+                os.close(fd)
+        self._wake_r = self._wake_w = None
 
 
 def _load_token(run_dir: str, host: str) -> str | None:

@@ -16,6 +16,7 @@ import pytest
 import zmq
 
 from buffer.client import ActorClient, BufferUnavailable, LearnerClient, Stopped, spool_path
+from buffer.server import MAX_VERSION_LEAD
 from core import config as C
 from core import net
 from core.messages import (BUFFER_TO_LEARNER, Ack, Consumed, Hello, RolloutGroup, SampleRequest, decoder, encode,
@@ -465,9 +466,9 @@ def test_raw_tcp_garbage_zmtp1_frames_and_half_greetings_leave_the_buffer_servin
 
 
 def test_a_learners_claimed_version_is_bounded_and_does_not_outlive_it(tmp_path):
-    """A version no token can carry is refused; a departed learner leaves behind only the version
-    its Hello and its trained steps showed, not one it merely claimed (a claim of 2**30 once
-    made every resident and new group stale after that peer left)."""
+    """A version no token can carry is refused; one far above what the buffer has seen is believed
+    only MAX_VERSION_LEAD above it; a departed learner leaves behind only the version its Hello and
+    its trained steps showed (a claim of 2**30 once made every resident and new group stale)."""
     cfg = make_config(run_dir=tmp_path, max_staleness=2)
     with ServerThread(cfg, str(tmp_path)) as srv:
         raw = stocked(cfg, 3)
@@ -477,8 +478,9 @@ def test_a_learners_claimed_version_is_bounded_and_does_not_outlive_it(tmp_path)
         first.send(Consumed(keys, 1, step=1))  # trained at step 1, now version 1
         first.send(SampleRequest(2, 5, 2**62))
         wait_for(lambda: srv.invalid["version_out_of_range"] == 1)
-        first.send(SampleRequest(3, 5, 2**30))  # believed while it is there
-        wait_for(lambda: srv.learner_version == 2**30)
+        first.send(SampleRequest(3, 5, 2**30))  # believed only a small step above the record
+        wait_for(lambda: srv.invalid["version_ahead"] == 1)
+        assert srv.learner_version == 1 + MAX_VERSION_LEAD
         first.close()
         wait_for(lambda: srv.learner_version == 1)  # gone: only what its trained step showed
         raw.send(small("a0", 3))
@@ -489,3 +491,9 @@ def test_a_learners_claimed_version_is_bounded_and_does_not_outlive_it(tmp_path)
         assert len(srv.store.resident) == 3 and srv.store.counters.rejected["stale"] == 0
         for c in (raw, liar):
             c.close()
+    with ServerThread(cfg, str(tmp_path)) as srv:  # restarted: the record survives in its store
+        late = RawLearner(cfg, "L3", tok=token(cfg))
+        late.send(SampleRequest(1, 1, 2**20))
+        wait_for(lambda: srv.invalid["version_ahead"] == 1)
+        assert srv.learner_version == 1 + MAX_VERSION_LEAD
+        late.close()

@@ -68,7 +68,7 @@ class ServerThread:
         _check_run_dir(cfg, run_dir)
         self.server = BufferServer(cfg, run_dir, metrics=metrics)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self.server.serve_forever, args=(self._stop,), daemon=True)
+        self._thread = threading.Thread(target=self.server.serve_forever, args=(self._stop, 100), daemon=True)
 
     def __enter__(self) -> BufferServer:
         self._thread.start()
