@@ -53,6 +53,10 @@ def check_seams(cfg: C.Config) -> None:
                             f"`$.weightsync.transport` = {transport!r} does not deliver: set it to "
                             f"{' or '.join(map(repr, DELIVERS[receives]))}")
     check_devices(cfg)  # a CUDA device asked for where there is none fails here, not in a role
+    if cfg.learner.context_parallel > 1:  # the backend splits a sequence; no launcher starts its rank group yet
+        raise C.ConfigError(f"`$.learner.context_parallel` = {cfg.learner.context_parallel}: the torch backend "
+                            "implements it (model/context_parallel.py), but the launchers start one learner "
+                            "process, not a group of ranks, yet; use 1")
     # an optional stack that is chosen but not installed fails here, in a second, with its extra
     stacks = ((cfg.metrics.tensorboard, "tensorboardX", "`$.metrics.tensorboard` = true", "tensorboard"),
               (cfg.run.launcher == "ray", "ray", "`$.run.launcher` = 'ray'", "ray"))

@@ -153,6 +153,7 @@ class LearnerSection(_Section):
     micro_batch_tokens: NonNegInt = 8192  # gradient accumulation: padded tokens per micro-batch; 0 = one
     threads: PosInt = 1
     device: Device = "auto"
+    context_parallel: PosInt = 1  # ranks each sequence is split across (model/context_parallel.py); torch backend
     tail_k: NonNegInt = 8  # the k highest/lowest-ratio tokens per step to tail.jsonl (`run.py tail`); 0 = off
     # start-up contract check (learner/contract.py). BF16 engine vs BF16-body learner, both islands:
     # mean |dlogp| 0.058, k3 3.5e-3 (bench/precision.py); a one-sided temperature is far above both
@@ -347,6 +348,7 @@ def validate(cfg: Config) -> None:
                               "(CPUs and GPUs have their own fields)")
     _validate_net(cfg.net)
     _validate_model(cfg.model)
+    _validate_context_parallel(cfg)
     c, max_staleness = cfg.control, cfg.buffer.max_staleness
     if c.staleness_min > c.staleness_max:
         raise ConfigError(f"`$.control.staleness_max` = {c.staleness_max} is below "
@@ -377,6 +379,18 @@ def _validate_model(m: ModelSection) -> None:
                      (h // n % 2, f"`$.model.hidden_size` / `$.model.num_heads` = {h // n}: RoPE needs it even")):
         if bad:
             raise ConfigError(why)
+
+
+def _validate_context_parallel(cfg: Config) -> None:
+    """A CP degree the backend implements, with at least one token position per rank."""
+    cp, room = cfg.learner.context_parallel, cfg.buffer.max_prompt_tokens + cfg.actor.max_new_tokens
+    if cp > 1 and cfg.learner.backend == "megatron":
+        raise ConfigError(f"`$.learner.context_parallel` = {cp} needs learner.backend='torch': megatron-core's "
+                          "context_parallel_size runs only in TEDotProductAttention (Transformer Engine, CUDA), "
+                          "not in the local spec's DotProductAttention that its CPU path uses")
+    if cp > room:
+        raise ConfigError(f"`$.learner.context_parallel` = {cp} exceeds the longest sequence, {room} tokens "
+                          "(`$.buffer.max_prompt_tokens` + `$.actor.max_new_tokens`): a rank would hold only padding")
 
 
 def _validate_net(n: NetSection) -> None:

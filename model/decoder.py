@@ -49,13 +49,15 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
 
-    def forward(self, x, cos, sin, bias, cache: KVCache | None, fp32_softmax: bool):
+    def forward(self, x, cos, sin, bias, cache: KVCache | None, fp32_softmax: bool, cp=None):
         b, t, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, t, self.nh, self.hd)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(b, t, self.nkv, self.hd)).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.nkv, self.hd).transpose(1, 2)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
+        if cp is not None:  # model/context_parallel.py: this rank's heads over the whole sequence
+            return self.o_proj(cp.attend(q, k, v, lambda q, k, v: self._attend_full(q, k, v, bias, fp32_softmax)))
         if cache is None:
             return self.o_proj(self._attend_full(q, k, v, bias, fp32_softmax))
         # the actor's path: the cache owns its layout, so it writes k/v and computes attention
@@ -65,15 +67,16 @@ class Attention(nn.Module):
         """Cache-free attention (the learner's): queries grouped per kv head (no repeat_interleave) and
         scores built transposed, ``[B, nkv, S, rep*T]``: torch's CPU softmax over a short last dim is
         ~4x slower (learner step 51.8 -> 45.6 ms, measured)."""
-        b, _, t, hd = q.shape
-        rep = self.nh // self.nkv
-        qg = q.reshape(b, self.nkv, rep * t, hd)
+        b, nh, t, hd = q.shape  # the model's heads, or one context-parallel rank's
+        nkv = k.shape[1]
+        rep = nh // nkv
+        qg = q.reshape(b, nkv, rep * t, hd)
         bias = bias.transpose(2, 3)
         if rep > 1:
             bias = bias.repeat(1, 1, 1, rep)  # column r*T + i is query i of head kv*rep + r
         probs_t = attention_probs(k, qg.transpose(2, 3), bias, hd**-0.5, -2, fp32_softmax, v.dtype)
         out = attention_values(probs_t.transpose(2, 3), v)  # [B, nkv, rep*T, hd]
-        return out.view(b, self.nh, t, hd).transpose(1, 2).reshape(b, t, self.nh * hd)
+        return out.view(b, nh, t, hd).transpose(1, 2).reshape(b, t, nh * hd)
 
 
 class MLP(nn.Module):
@@ -95,8 +98,8 @@ class Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, bias, cache, fp32_softmax):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, bias, cache, fp32_softmax)
+    def forward(self, x, cos, sin, bias, cache, fp32_softmax, cp=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, bias, cache, fp32_softmax, cp)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -161,17 +164,19 @@ class Decoder(nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
 
-    def forward(self, input_ids, position_ids, key_mask, cache: KVCache | None = None):
-        """input_ids/position_ids [B, T]; key_mask [B, S] bool over all keys (cache + new), True = attend."""
+    def forward(self, input_ids, position_ids, key_mask, cache: KVCache | None = None, cp=None):
+        """input_ids/position_ids [B, T]; key_mask [B, S] bool over all keys (cache + new), True = attend.
+        ``cp`` (model/context_parallel.py): ids/positions are this rank's chunk, key_mask the whole sequence's."""
         x = self.model.embed_tokens(input_ids)
-        t, s = input_ids.shape[1], key_mask.shape[1]
+        s = key_mask.shape[1]
+        t = input_ids.shape[1] if cp is None else s  # CP: each rank's attention takes every query
         causal = torch.ones(t, s, dtype=torch.bool, device=x.device).tril(diagonal=s - t)
         allowed = causal[None, None] & key_mask[:, None, None, :]
         bias = torch.zeros(allowed.shape, dtype=torch.float32, device=x.device)
         bias.masked_fill_(~allowed, torch.finfo(torch.float32).min)
         cos, sin = self.rotary(position_ids)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, bias, cache, self.fp32_attn_softmax)
+            x = layer(x, cos, sin, bias, cache, self.fp32_attn_softmax, cp)
         if cache is not None:
             cache.advance(t)
         return self.model.norm(x)

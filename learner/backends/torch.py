@@ -1,6 +1,8 @@
 """The plain-PyTorch backend: one process, FP32 master weights, AdamW, on ``learner.device`` (each
 micro-batch moves there; metrics and the tail's numerator stay on the host). The numerator is
 recomputed with the current weights: body under ``body_autocast``, head via ``learner/logprobs.py``.
+With ``learner.context_parallel`` > 1 it is one process per rank, each given the whole batch, running
+its chunk of every row (model/context_parallel.py); the gradients are summed over the group.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import replace
 
 import msgspec
 import torch
+import torch.distributed as dist
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
@@ -26,6 +29,7 @@ from learner.logprobs import token_logprobs
 from learner.losses import LossInputs, make_loss
 from learner.ratio_metrics import ratio_metrics
 from model.attention import DTYPES, body_autocast
+from model.context_parallel import ContextParallel, group_of
 from model.decoder import Decoder
 from model.hf import load_pretrained, save_pretrained, tokenizer_files
 from model.sampling import SamplingSpec
@@ -54,6 +58,9 @@ class TorchBackend(Backend):
         self.device = self._place()
         self.model = self._build_model(model_dir, model)
         self.ref = self._frozen_copy() if lc.kl_beta > 0 else None
+        self.cp = None if lc.context_parallel == 1 else ContextParallel(
+            group_of(lc.context_parallel, self.device), self.arch.num_attention_heads, self.arch.num_key_value_heads,
+            self.device)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lc.lr, betas=tuple(lc.betas),
                                      weight_decay=lc.weight_decay)
         self.loss_fn = make_loss(lc.loss, **msgspec.structs.asdict(lc))
@@ -67,16 +74,49 @@ class TorchBackend(Backend):
         model = self.ref if reference else self.model
         lc, s = self.cfg.learner, sampling or self.sampling
         home, batch = batch.ids.device, self._on_device(batch)
-        hidden = self._hidden(model, batch.ids[:, :-1], batch.key_mask[:, :-1])
-        sel = batch.mask > 0
+        if self.cp is None:
+            hidden = self._hidden(model, batch.ids[:, :-1], batch.key_mask[:, :-1])
+            sel, targets = batch.mask > 0, batch.ids[:, 1:]
+        else:
+            hidden, sel, targets = self._hidden_cp(model, batch)
         h = hidden[sel]
         if not lc.fp32_head:
             h = h.to(DTYPES[precision.dtype_name(lc.body_dtype, h.device)])
-        lp, ent = token_logprobs(h, self._head_weight(model), batch.ids[:, 1:][sel],
+        lp, ent = token_logprobs(h, self._head_weight(model), targets[sel],
                                  temperature=s.temperature, fp32=lc.fp32_head, chunk=lc.logprob_chunk,
                                  with_entropy=with_entropy, top_k=s.top_k, top_p=s.top_p)
-        full = torch.zeros(batch.mask.shape, dtype=lp.dtype, device=lp.device).masked_scatter(sel, lp)
+        full = torch.zeros(sel.shape, dtype=lp.dtype, device=lp.device).masked_scatter(sel, lp)
+        if self.cp is not None:  # each rank scored its own tokens: gathered once, the whole batch's on each
+            full, ent = self._gather_cp(full, ent, sel, hidden, batch.mask)
         return full.to(home), (ent if ent is None else ent.to(home))
+
+    def _hidden_cp(self, model, batch: Batch):
+        """This rank's chunk of every row: hidden states, scored-token mask and targets ``[N, Tc]``."""
+        cp, ids, key_mask = self.cp, batch.ids, batch.key_mask[:, :-1]
+        pos = torch.arange(key_mask.shape[1], device=ids.device).expand(ids.shape[0], -1)
+        with body_autocast(self.cfg.learner.body_dtype, ids.device.type):
+            hidden = model(cp.shard(ids[:, :-1]), cp.shard(pos), cp.pad(key_mask), cp=cp)
+        return hidden, cp.shard(batch.mask > 0), cp.shard(ids[:, 1:])
+
+    def _gather_cp(self, full, ent, sel, hidden, mask):
+        """Every rank's ``[N, Tc]`` log-probs -> ``[N, L-1]``; entropies -> the scored tokens', in row order."""
+        logp = self.cp.gather(full, mask.shape[1], hidden)
+        if ent is not None:
+            ent = torch.zeros(sel.shape, dtype=ent.dtype, device=ent.device).masked_scatter(sel, ent.detach())
+            ent = self.cp.gather(ent, mask.shape[1], hidden.detach())[mask > 0]
+        return logp, ent
+
+    def _all_reduce_grads(self) -> None:
+        """Each CP rank holds its tokens' share of every gradient: summed, so all ranks step alike. A
+        parameter no rank has a gradient for stays without one, as AdamW expects."""
+        params = list(self.model.parameters())
+        has = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=self.device)
+        dist.all_reduce(has, op=dist.ReduceOp.MAX, group=self.cp.group)
+        params = [p for p, h in zip(params, has.tolist()) if h]
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+        dist.all_reduce(flat, group=self.cp.group)
+        for p, g in zip(params, flat.split([p.numel() for p in params])):
+            p.grad = g.view_as(p)
 
     def _on_device(self, batch: Batch) -> Batch:
         return replace(batch, **{f: t.to(self.device) for f in _BATCH_TENSORS
@@ -140,6 +180,8 @@ class TorchBackend(Backend):
         metrics.update(ratio_metrics(logp_all, batch.behaviour_logp, batch.mask, batch.staleness, lc.eps_high))
         ent = torch.cat(entropies)
         metrics["learner/entropy"] = float(ent.mean().item()) if ent.numel() else math.nan
+        if self.cp is not None:
+            self._all_reduce_grads()
         return metrics
 
     def _micro_step(self, micro: Batch, adv, share: float):

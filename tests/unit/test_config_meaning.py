@@ -138,6 +138,10 @@ HOSTILE = [  # (override, the field path its error names)
     ("learner.micro_batch_tokens=-1", "$.learner.micro_batch_tokens"),
     ("learner.tail_k=-1", "$.learner.tail_k"),
     ("learner.logprob_chunk=0", "$.learner.logprob_chunk"),
+    ("learner.context_parallel=0", "$.learner.context_parallel"),
+    ("learner.context_parallel=-2", "$.learner.context_parallel"),
+    ("learner.context_parallel=5000", "$.learner.context_parallel"),  # above prompt + completion tokens
+    ("learner.context_parallel=1.5", "$.learner.context_parallel"),
     ("control.staleness_min=9", "$.control.staleness_min"),  # above staleness_max = 8
     ("control.pause_steps=0", "$.control.pause_steps"),
     ("distill.samples=1", "$.distill.samples"),
