@@ -146,9 +146,8 @@ def _mean(values) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
-def _last(records, key) -> float:
-    vals = [r[key] for r in records if r.get(key) is not None]
-    return float(max(vals)) if vals else 0.0  # cumulative counters: the largest is the last
+def _last(records, key) -> float:  # cumulative counters: the largest is the last
+    return float(max((r[key] for r in records if r.get(key) is not None), default=0.0))
 
 
 def summarise(records: list[dict], samples_per_step: int) -> dict:

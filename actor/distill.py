@@ -1,10 +1,9 @@
 """Self-distillation, the actor's half: a corpus of the policy's shortest correct answers.
 
 Per training prompt the policy samples ``distill.samples`` completions as the actors sample and the
-shortest correct one is kept; ``learner/sft.py`` fine-tunes the *base* model on the corpus, so stage
-2 starts short and right. With ``distill.compress_prompt`` each kept answer is also rewritten once,
-the rewrite kept only if correct and strictly shorter. JSONL rows, written atomically: ``id``,
-``tier``, ``difficulty``, ``prompt``, ``completion`` (as sampled, EOS included), ``compressed``.
+shortest correct one is kept (as sampled, EOS included); ``learner/sft.py`` fine-tunes the *base*
+model on the corpus, so stage 2 starts short and right. With ``distill.compress_prompt`` each kept
+answer is also rewritten once, the rewrite kept only if correct and strictly shorter.
 """
 
 from __future__ import annotations

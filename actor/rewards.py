@@ -1,10 +1,7 @@
-"""Reward checking in killable worker processes, with a per-answer wall-clock timeout.
-
-A thread cannot be stopped, so each answer is checked in a process (``python -m actor.rewards
---scorer module:function``) that runs the checker in its main thread (math-verify's ``signal.alarm``
-needs it); msgpack frames over its stdin/stdout, never pickle. A check that raises, returns NaN/inf,
-dies or is over :data:`MAX_FRAME_BYTES` scores 0 (``reward/errors``); one past ``timeout_s`` (from
-the hand-over) scores 0 (``reward/timeouts``) and its worker is killed and replaced.
+"""Reward checking in killable worker processes, as a thread cannot be stopped (the pool, its counters and why it
+is hand-written: ARCHITECTURE.md, Seams). A worker runs the checker in its main thread (math-verify's
+``signal.alarm`` needs it). A NaN/inf score or a frame over :data:`MAX_FRAME_BYTES` is an error; ``timeout_s``
+runs from the hand-over.
 """
 from __future__ import annotations
 

@@ -64,8 +64,7 @@ def run_config(run_dir: str):
 
 
 def paced(records: list[MetricRecords], speed: float, max_gap_s: float = 2.0):
-    """``records`` in batches of equal time, each after a sleep of the real gap / ``speed`` (at most
-    ``max_gap_s``); ``speed`` 0: one batch, no sleep."""
+    """``records`` in batches of equal time, each after the real gap / ``speed`` (<= ``max_gap_s``); 0: one batch."""
     if speed <= 0 or not records:
         yield records
         return

@@ -1,7 +1,6 @@
-"""Metrics as files (ARCHITECTURE.md: Metric vocabulary): each role appends JSON lines to its own
-``run_dir/metrics/<role>-<id>.jsonl``; the launcher's follower merges them into ``metrics.jsonl`` and
-records how far in ``metrics.merged.json`` (a crash repeats lines, never loses them). NaN is "no value"
-(JSON null); ±inf is an overflow, dropped and counted. Not thread-safe: one writer per thread and file.
+"""Metrics as files (how they travel: ARCHITECTURE.md, Metric vocabulary). The follower records how far it merged
+in ``metrics.merged.json``: a crash repeats lines, never loses them. NaN is "no value" (JSON null); ±inf is an
+overflow, dropped and counted. Not thread-safe: one writer per thread and file.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""ZeroMQ helpers: the one place sockets are bound, connected and secured. A non-loopback bind
-requires CURVE, and a CURVE server admits only its allow-list through a ZAP handler (without one,
-libzmq admits any key pair that knows the server's public key). Every role also sends the per-run
-secret ``run_dir/secret`` in its ``Hello``: CURVE keeps other hosts out, the secret other local
-processes (any can reach a loopback port).
+"""ZeroMQ helpers: the one place sockets are bound, connected and secured (ARCHITECTURE.md, Trust). The ZAP
+allow-list is needed because libzmq alone admits any key pair that knows the server's public key; the run secret
+because any local process can reach a loopback port.
 """
 
 from __future__ import annotations

@@ -55,15 +55,12 @@ def resolve_actor(actor_cfg, index: int, n_gpus: int) -> str:
     return resolve(field, value, n_gpus, auto)
 
 
-def place(cfg, n_gpus: int) -> tuple[str, list[str]]:
-    """``(learner device, [device of actor i])`` on a host with ``n_gpus`` CUDA devices."""
+def check(cfg, n_gpus: int | None = None) -> tuple[str, list[str]]:
+    """``(learner device, [device of actor i])`` on this machine (or a host with ``n_gpus`` CUDA devices);
+    the transport's own rules: :func:`weightsync.check_devices`."""
+    n_gpus = visible_gpus() if n_gpus is None else n_gpus
     learner = resolve("learner.device", cfg.learner.device, n_gpus, "cuda:0" if n_gpus else "cpu")
     return learner, [resolve_actor(cfg.actor, i, n_gpus) for i in range(cfg.actor.num_actors)]
-
-
-def check(cfg, n_gpus: int | None = None) -> tuple[str, list[str]]:
-    """:func:`place` on this machine (or ``n_gpus``); the transport's own rules: :func:`weightsync.check_devices`."""
-    return place(cfg, visible_gpus() if n_gpus is None else n_gpus)
 
 
 def learner_device(cfg):

@@ -164,8 +164,6 @@ def figures(records: list):
     yield "throughput", fig
 
 
-# ---- a pipeline (pipeline.py): its RL stages one after the other on one step axis -------------
-
 PIPELINE_RL = ("rl1", "rl2", "tiers")
 PIPELINE_PANELS = (("mean response length (tokens)", "length/mean"), ("ratio p99", "ratio/p99"),
                    ("held-out reward", "eval/reward"))

@@ -5,6 +5,7 @@ without them emulates BF16 about 14x slower (learner step 1.29 s vs 0.19 s on an
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
@@ -13,13 +14,10 @@ NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 @functools.cache
 def cpu_flags() -> frozenset[str]:
     """This CPU's feature flags (empty where /proc/cpuinfo is absent or unreadable)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
     return frozenset()
 
 

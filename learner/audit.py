@@ -1,12 +1,11 @@
-"""``run_dir/trained_keys.jsonl``: what each learner step trained and the version it published.
-Exactly-once is checkable after the fact, and each line is fsynced before its version is published,
-so a restarted learner publishes above the newest ever: weights never go back in time. Recovery from
-a checkpoint at step S moves the lines after S to ``trained_keys.rolled_back.jsonl``; the buffer
-(buffer/durable.py) serves those groups again.
+"""``run_dir/trained_keys.jsonl``: what each learner step trained and the version it published (its use in a
+recovery: ARCHITECTURE.md, Recovery). Exactly-once is checkable after the fact, and each line is fsynced before
+its version is published, so a restarted learner publishes above the newest ever: weights never go back in time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -41,15 +40,11 @@ def _append(path: str, records: list[dict]) -> None:
 
 def read(path: str) -> list[dict]:
     """The lines of an audit file; a line torn by a crash described no published step."""
-    if not os.path.exists(path):
-        return []
     out = []
-    with open(path) as f:
+    with contextlib.suppress(FileNotFoundError), open(path) as f:
         for line in f:
-            try:
+            with contextlib.suppress(json.JSONDecodeError):
                 out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
     return out
 
 

@@ -1,6 +1,5 @@
-"""Atomic, pickle-free, verified checkpoints (ARCHITECTURE.md: Recovery, and the run directory's map for
-their files). Nothing is pickled, so an untrusted checkpoint cannot run code; :func:`latest` skips a
-damaged one with a warning; a failed write raises :class:`WriteError` and leaves nothing torn.
+"""Atomic, verified checkpoints (ARCHITECTURE.md: Recovery; their files: A run directory). Nothing is pickled,
+so an untrusted checkpoint cannot run code; a failed write raises :class:`WriteError` and leaves nothing torn.
 """
 
 from __future__ import annotations
@@ -43,8 +42,7 @@ def save_model(backend, final: str) -> str:
     """The backend's weights as an HF-format directory at ``final``, atomically, with its manifest."""
     def write(tmp: str) -> None:
         backend.save_model(tmp)
-        with open(os.path.join(tmp, MANIFEST), "w") as f:
-            json.dump(_manifest(tmp), f, indent=1)
+        _write_manifest(tmp)
 
     return write_dir("the final model", final, write)
 
@@ -67,8 +65,7 @@ def save(ckpt_root: str, step: int, backend, meta: dict) -> str:
                      "python_rng": [py_state[0], list(py_state[1]), py_state[2]]}
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump(full_meta, f, indent=2)
-        with open(os.path.join(tmp, MANIFEST), "w") as f:
-            json.dump(_manifest(tmp), f, indent=1)
+        _write_manifest(tmp)
 
     write_dir("the checkpoint", final, write)
     _prune(ckpt_root)
@@ -81,10 +78,11 @@ def _sha256(path: str) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def _manifest(root: str) -> dict:
+def _write_manifest(root: str) -> None:
     files = [os.path.relpath(os.path.join(d, n), root) for d, _, names in os.walk(root) for n in names]
-    return {p: {"bytes": os.path.getsize(os.path.join(root, p)), "sha256": _sha256(os.path.join(root, p))}
-            for p in sorted(files) if p not in (MANIFEST, MARKER)}
+    with open(os.path.join(root, MANIFEST), "w") as f:
+        json.dump({p: {"bytes": os.path.getsize(os.path.join(root, p)), "sha256": _sha256(os.path.join(root, p))}
+                   for p in sorted(files) if p not in (MANIFEST, MARKER)}, f, indent=1)
 
 
 def verify(path: str) -> None:

@@ -89,6 +89,5 @@ def writer_for(cfg, run_dir: str) -> TailWriter | None:
     """The run's writer, decoding with the model's tokenizer; None when ``learner.tail_k`` is 0."""
     from model.tokenizer import Tokenizer
 
-    if not cfg.learner.tail_k:
-        return None
-    return TailWriter(run_dir, cfg.learner.tail_k, token_decoder(Tokenizer.from_dir(cfg.model.path)))
+    k = cfg.learner.tail_k
+    return TailWriter(run_dir, k, token_decoder(Tokenizer.from_dir(cfg.model.path))) if k else None

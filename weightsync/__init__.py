@@ -2,7 +2,6 @@
 
 Transports (``weightsync.transport``) are named as strings and imported only when chosen
 (:func:`weightsync.base.make_publisher`), so this package imports nothing: no torch, no circle.
-What each transport needs of the devices is decided here too (:func:`check_devices`).
 """
 
 PUBLISHERS = {

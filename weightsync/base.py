@@ -1,9 +1,6 @@
-"""Weight sync interface: the learner publishes numbered weight versions, actors apply them.
-
-``Publisher`` / ``Subscriber`` hold what every transport shares (increasing versions, a layout fixed
-at start, ``no_grad``, timing and counters); transports move the bytes in ``_write`` / ``_apply``.
-Every blocking wait has a deadline and takes ``stop`` (an Event-like or a callable): once it is set
-the wait raises :class:`Stopped` within one poll interval.
+"""What every weight transport shares: increasing versions, a layout fixed at start, ``no_grad``, timing and
+counters; transports move the bytes in ``_write`` / ``_apply``. Every blocking wait has a deadline and takes
+``stop`` (an Event-like or a callable): once it is set the wait raises :class:`Stopped` within one poll interval.
 """
 
 from __future__ import annotations

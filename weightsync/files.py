@@ -550,8 +550,7 @@ class FileSubscriber(Subscriber):
 
     @staticmethod
     def _pointer(path: str) -> str:
-        """``LATEST``'s target: a symlink read, never followed (one syscall)."""
-        return os.readlink(path)
+        return os.readlink(path)  # ``LATEST``'s target: a symlink read, never followed (one syscall)
 
     def latest_version(self) -> int:
         now = time.monotonic()

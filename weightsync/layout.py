@@ -8,6 +8,7 @@ plain view). A whole update is the buckets one after another: :func:`total_nbyte
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 from typing import Iterable, Mapping, Sequence
 
@@ -39,20 +40,18 @@ def plan(version: int, specs: Iterable[tuple[str, str, Sequence[int]]], bucket_b
     """Header for ``(name, dtype name, shape)`` tensors: dtypes grouped by first appearance, tensors in order."""
     if bucket_bytes < 1:
         raise LayoutError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
-    names, dtypes, shapes = [], [], []
-    by_dtype: dict[str, list[int]] = {}
+    rows, by_dtype = [], {}
     for name, dtype, shape in specs:
         if dtype not in ITEMSIZE:
             raise LayoutError(f"tensor {name!r}: unsupported dtype {dtype!r} (have {sorted(ITEMSIZE)})")
         shape = [int(d) for d in shape]
         if any(d < 0 for d in shape):
             raise LayoutError(f"tensor {name!r}: negative dimension in {shape}")
-        by_dtype.setdefault(dtype, []).append(len(names))
-        names.append(name)
-        dtypes.append(dtype)
-        shapes.append(shape)
-    if not names:
+        by_dtype.setdefault(dtype, []).append(len(rows))
+        rows.append((name, dtype, shape))
+    if not rows:
         raise LayoutError("no tensors to lay out")
+    names, dtypes, shapes = map(list, zip(*rows))
     if len(set(names)) != len(names):
         raise LayoutError(f"duplicate tensor names: {sorted({n for n in names if names.count(n) > 1})[:5]}")
     buckets: list[Bucket] = []
@@ -83,11 +82,7 @@ def layout_hash(header: WeightUpdateHeader) -> bytes:
 
 def bucket_starts(header: WeightUpdateHeader) -> list[int]:
     """Byte offset of each bucket inside the flat buffer of a whole update."""
-    starts, pos = [], 0
-    for b in header.buckets:
-        starts.append(pos)
-        pos += b.nbytes
-    return starts
+    return list(itertools.accumulate([b.nbytes for b in header.buckets[:-1]], initial=0))
 
 
 def total_nbytes(header: WeightUpdateHeader) -> int:
@@ -128,10 +123,8 @@ def views(header: WeightUpdateHeader, flat: torch.Tensor, bucket: int | None = N
     that bucket's tensors back to back with no padding (what a server's flattened-bucket buffer holds)."""
     if flat.dtype != torch.uint8 or flat.dim() != 1:
         raise LayoutError(f"flat buffer must be 1-D uint8, got {flat.dtype} {tuple(flat.shape)}")
-    if packed:
-        need = packed_nbytes(header, bucket)
-    else:
-        need = header.buckets[bucket].nbytes if bucket is not None else total_nbytes(header)
+    need = (packed_nbytes(header, bucket) if packed
+            else header.buckets[bucket].nbytes if bucket is not None else total_nbytes(header))
     if flat.numel() < need:
         raise LayoutError(f"flat buffer has {flat.numel()} bytes, layout needs {need}")
     index = {n: i for i, n in enumerate(header.names)}

@@ -253,10 +253,8 @@ class NcclPublisher(Publisher):
     def _new_comm(self, device: torch.device | None = None):
         """Send every peer its CollectiveInit and make rank 0's communicator (torch_dist: a fresh
         store, its port chosen by the OS, and group; the servers connect once they have the inits)."""
-        if self.backend == "nccl":
-            uid = _NcclComm.new_id()
-        else:
-            store, uid = _GlooComm.new_store(self._host, self.world_size, self.collective_timeout_s)
+        store, uid = ((None, _NcclComm.new_id()) if self.backend == "nccl"
+                      else _GlooComm.new_store(self._host, self.world_size, self.collective_timeout_s))
         for rank, peer in enumerate(self._peers, start=1):
             self._sock.send_multipart([peer, encode(CollectiveInit(rank, self.world_size, self.backend, uid,
                                                                    self.header))])
@@ -273,13 +271,12 @@ class NcclPublisher(Publisher):
         while self._sock.poll(0):
             frames = self._sock.recv_multipart()
             join = _decode_join(frames, True)
-            if join is not None and frames[0] in self._peers:
-                again = True
-            elif join is not None and join[0].id in self._ids:
-                self._peers[self._ids.index(join[0].id)] = frames[0]
-                again = True
-            else:
+            known = join is not None and (frames[0] in self._peers or join[0].id in self._ids)
+            if not known:
                 self.bad_frames += 1  # a stranger, or a newcomer while every rank is taken
+            elif frames[0] not in self._peers:
+                self._peers[self._ids.index(join[0].id)] = frames[0]
+            again = again or known
         if again:
             self._comm.close()
             self._comm = self._new_comm()
@@ -333,10 +330,9 @@ class NcclSubscriber(Subscriber):
             self._hash, self._payload = layout.layout_hash(self.header), layout.payload_nbytes(self.header)
             self.buffer_device = rank_buffer_device(init.backend, device)
             self._bufs, self._views = _buffers(self.header, self.buffer_device, packed=False)
-            if init.backend == "nccl":
-                self._comm = _NcclComm(init.world_size, init.unique_id, init.rank, self.buffer_device)
-            else:
-                self._comm = _GlooComm(init.world_size, init.unique_id, init.rank, collective_timeout_s)
+            self._comm = (_NcclComm(init.world_size, init.unique_id, init.rank, self.buffer_device)
+                          if init.backend == "nccl" else
+                          _GlooComm(init.world_size, init.unique_id, init.rank, collective_timeout_s))
         except BaseException:
             self._link.close()
             raise
@@ -379,11 +375,10 @@ class NcclSubscriber(Subscriber):
 
 
 class GroupLink(_Closable):
-    """A peer's side of the rendezvous and its header queue, moving no bytes: inside an
-    :class:`NcclSubscriber`, or (``torch_dist``) an engine's whose server receives the broadcasts
-    itself. :meth:`join` says Hello and returns the group to join; headers queue in ``pending``.
-    When a peer's server restarts the publisher rebuilds the group and sends every peer a new
-    ``CollectiveInit``: ``rejoin`` holds it until the engine's server left the old group."""
+    """A peer's side of the rendezvous and its header queue (``pending``), moving no bytes: inside an
+    :class:`NcclSubscriber`, or (``torch_dist``) an engine's whose server receives the broadcasts itself. When a
+    peer's server restarts the publisher rebuilds the group and sends every peer a new ``CollectiveInit``:
+    ``rejoin`` holds it until the engine's server left the old group."""
 
     transport = "torch_dist"
 
@@ -440,11 +435,8 @@ class GroupLink(_Closable):
             pass
         return self.pending[-1].version if self.pending else -1
 
-    def metrics(self) -> dict[str, float]:
-        s = self.stats
-        return {"weightsync/apply_s": s.apply_s, "weightsync/apply_s_total": s.apply_s_total,
-                "weightsync/versions_skipped": 0.0, "weightsync/bytes": 0.0,
-                "actor/engine_restarts": float(self.restarts)}
+    def metrics(self) -> dict[str, float]:  # no bytes and no skipped versions: the engine's pushes set only the times
+        return {**Subscriber.metrics(self), "actor/engine_restarts": float(self.restarts)}
 
     def _close(self) -> None:
         self._sock.close()

@@ -1,9 +1,8 @@
-"""The SGLang engine: generation in an SGLang 0.5.23 server run from its own venv (it pins its own
-torch; ``actor.sglang.python``), weights pushed into it over NCCL; ``.ci/sglang-contract`` checks the
-bodies against SGLang's structs. With top-k/top-p on, the behaviour log-probs are those of the
-renormalised support the token was drawn from (``output_token_sampling_logprobs``). A failed weight
-update poisons the engine until it has restarted its server and re-pulled a whole version.
-``update_weights_from_tensor`` is not used: it pickles.
+"""The SGLang engine (ARCHITECTURE.md, Seams), its server run from its own venv as SGLang pins its own torch
+(``actor.sglang.python``); ``.ci/sglang-contract`` checks the bodies against SGLang's structs. With top-k/top-p on,
+the behaviour log-probs are those of the renormalised support the token was drawn from
+(``output_token_sampling_logprobs``). A failed weight update poisons the engine until it has restarted its server
+and re-pulled a whole version. ``update_weights_from_tensor`` is not used: it pickles.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""The embedded PyTorch engine: continuous batching over a preallocated KV cache (ARCHITECTURE.md).
-
-Each turn runs one forward: a prefill of newly admitted prompts, else one decode step for every
-running sequence (packed at the front of the cache, so a decode step reads it as a view). Weights may
-change between two forwards; running sequences keep their KV cache across an update (as PipelineRL).
+"""The embedded PyTorch engine: continuous batching over a preallocated KV cache (ARCHITECTURE.md, Seams).
+Running sequences are packed at the front of the cache, so a decode step reads it as a view; they keep their
+KV cache across a weight update (as PipelineRL).
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""The ``Task`` seam: where prompts come from and how a completion is scored.
-
-A task tokenises through the model's own tokenizer (``model.tokenizer``), so special ids are the
-checkpoint's. A new task is a :class:`Task` subclass (``sample``, ``reward``) in its own file and
-one line in :data:`TASKS` (``task.name`` selects it).
+"""The ``Task`` seam: where prompts come from and how a completion is scored. A task tokenises
+through the model's own tokenizer (``model.tokenizer``), so special ids are the checkpoint's.
 """
 
 from __future__ import annotations

@@ -93,9 +93,8 @@ def _drop_absent_biases(model: GPTModel, arch: ArchConfig) -> None:
 
 
 class IslandDotProductAttention(DotProductAttention):
-    """megatron's attention with the FP32 island (ARCHITECTURE.md: Precision and the ratio) when
-    ``attention_softmax_in_fp32``: q, k, v enter upcast (exact) with autocast off, so QK^T, softmax
-    and PV are FP32, rounded to the body dtype once on the way out, as ``model/decoder.py``."""
+    """megatron's attention with ``model/decoder.py``'s FP32 island (ARCHITECTURE.md: Precision and the ratio) when
+    ``attention_softmax_in_fp32``: q, k, v enter upcast (exact) with autocast off, the output is rounded once."""
 
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)

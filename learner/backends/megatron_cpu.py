@@ -66,12 +66,9 @@ class HostRotaryEmbedding(RotaryEmbedding):
         return torch.cat((freqs, freqs), dim=-1)[:, None, None, :]  # [s, 1, 1, dim], as megatron's
 
 
-def _plain_linear(input, weight, bias=None, *args, **kwargs):
-    return F.linear(input, weight, bias)
-
-
 def host_linears(model: torch.nn.Module) -> None:
     """Route every tensor-parallel linear of a CPU ``model`` through ``F.linear``."""
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-            module._forward_impl = _plain_linear  # the instance's, not the class's
+            # the instance's, not the class's
+            module._forward_impl = lambda input, weight, bias=None, *args, **kwargs: F.linear(input, weight, bias)

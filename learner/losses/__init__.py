@@ -1,12 +1,10 @@
 """Policy losses: one pure function per file, ``(LossInputs, params) -> (loss, metrics)``; shared
 here: the inputs, masking, the two normalisations and the KL-to-reference term. Metrics:
 ``learner/loss``, ``learner/kl_ref``, ``loss/clip_frac`` (each loss's own), never a ``ratio/*`` name.
-
-* ``"token"``: the per-token sum over a **constant** ``token_norm_divisor`` (the trainer's
-  ``groups_per_step * group_size * max_new_tokens``): every token weighs the same whatever else is
-  in the batch, and micro-batch gradients add up to the full-batch one (None: ``mask.sum()``).
-* ``"sample"``: each row's mean over its own length, then the mean over rows; a micro-batching
-  trainer scales each micro-batch's loss by ``B_micro / B_step``.
+``"token"``: the per-token sum over a **constant** ``token_norm_divisor`` (the trainer's ``groups_per_step *
+group_size * max_new_tokens``; None: ``mask.sum()``), so every token weighs the same whatever else is in the
+batch; ``"sample"``: each row's mean over its own length, then the mean over rows (how micro-batches add up to
+the step's gradient under either: ARCHITECTURE.md, Precision and the ratio).
 """
 
 from __future__ import annotations

@@ -24,14 +24,14 @@ def _cfg(*overrides):
 ])
 def test_auto_placement(n_gpus, learner, actors):
     cfg = _cfg("actor.num_actors=3", "learner.groups_per_step=3")
-    assert placement.place(cfg, n_gpus) == (learner, actors)
+    assert placement.check(cfg, n_gpus) == (learner, actors)
 
 
 def test_explicit_values_and_per_actor_lists():
     cfg = _cfg("actor.num_actors=2", "learner.groups_per_step=2", 'learner.device="cuda"',
                'actor.device=["cuda:3", "cpu"]')
-    assert placement.place(cfg, 4) == ("cuda:0", ["cuda:3", "cpu"])
-    assert placement.place(_cfg('learner.device="cpu"', 'actor.device="cpu"'), 8) == ("cpu", ["cpu"])
+    assert placement.check(cfg, 4) == ("cuda:0", ["cuda:3", "cpu"])
+    assert placement.check(_cfg('learner.device="cpu"', 'actor.device="cpu"'), 8) == ("cpu", ["cpu"])
 
 
 @pytest.mark.parametrize("overrides, match", [
@@ -44,12 +44,12 @@ def test_explicit_values_and_per_actor_lists():
 ])
 def test_bad_values_name_the_field(overrides, match):
     with pytest.raises(ConfigError, match=match):
-        placement.place(_cfg(*overrides), 2)
+        placement.check(_cfg(*overrides), 2)
 
 
 def test_cuda_without_cuda_says_why():
     with pytest.raises(ConfigError, match=r"learner.device='cuda:0' but this machine has no CUDA \(torch "):
-        placement.place(_cfg('learner.device="cuda:0"'), 0)
+        placement.check(_cfg('learner.device="cuda:0"'), 0)
     if not torch.cuda.is_available():  # this machine's own answer, as every role start checks it
         with pytest.raises(ConfigError, match=r"actor.device='cuda' but this machine has no CUDA"):
             placement.actor_device(_cfg('actor.device="cuda"'), 0)
