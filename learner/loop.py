@@ -25,7 +25,7 @@ from core import messages as M
 from core.metrics import MetricsWriter
 from core.proc import EXIT_CORRUPT_LOG, EXIT_WRITE_FAILED, die_with_parent, setup_logging, stop_event
 from core.stats import dense_histogram
-from learner import audit, checkpoint, tail
+from learner import audit, checkpoint, cp_group, tail
 from learner.backends import NonFiniteError, make_backend
 from learner.batching import collate
 from learner.control import Control, Poisoned
@@ -41,7 +41,7 @@ class LearnerLoop:
     def __init__(self, cfg: C.Config, run_dir: str, stop=None, client=None, metrics=None):
         self.cfg, self.run_dir, self.stop = cfg, run_dir, stop
         check_devices(cfg)  # as run.py checks it, so a learner started by hand fails the same way
-        self.backend = make_backend(cfg, cfg.model.path)
+        self.backend = _backend(cfg)
         self.ckpt_root = os.path.join(run_dir, "checkpoints")
         self.counts = collections.Counter()  # dropped_stale, skipped_batches, ... (see _emit)
         self._recover()
@@ -66,7 +66,7 @@ class LearnerLoop:
         if path is None and checkpoint.complete_checkpoints(self.ckpt_root):
             raise checkpoint.DamagedCheckpoint(
                 f"every checkpoint in {self.ckpt_root} is damaged (see the warnings above): the learner "
-                "does not start over from the initial weights unasked; move that directory aside to")
+                "does not start over from the initial weights unasked; move that directory aside to start over")
         if path:
             meta = checkpoint.load(path, self.backend)
             self.step, self._ckpt_version = meta["step"], meta["version"]
@@ -86,11 +86,8 @@ class LearnerLoop:
 
     def budget_left(self, t_start: float) -> bool:
         r = self.cfg.run
-        if r.max_steps and self.step >= r.max_steps:
-            return False
-        if r.max_time_s and time.time() - t_start >= r.max_time_s:
-            return False
-        return not (self.stop is not None and self.stop.is_set())
+        return not ((r.max_steps and self.step >= r.max_steps) or (self.stop is not None and self.stop.is_set())
+                    or (r.max_time_s and time.time() - t_start >= r.max_time_s))
 
     def run(self, t_start: float | None = None) -> None:
         """Train until the budget is spent, counted from ``t_start`` (the launch: a restart gets no fresh budget)."""
@@ -107,9 +104,8 @@ class LearnerLoop:
             m, batch = self.train_step(groups)
             if m is None:
                 continue
-            t2 = time.time()
-            self.window.append((t1 - t0, t2 - t1))
-            self._emit(m, batch, t1 - t0, t2 - t1, t_start)
+            self.window.append((t1 - t0, time.time() - t1))
+            self._emit(m, batch, *self.window[-1], t_start)
             r = self.cfg.run
             if (r.ckpt_every and self.step % r.ckpt_every == 0) or (
                     r.ckpt_every_s and time.time() - self._ckpt_at >= r.ckpt_every_s):
@@ -224,7 +220,7 @@ class LearnerLoop:
                              [{"step": self.step, "after": after, "upto": upto, "time": time.time()}])
         self.poisoned.add(after, upto)
         if path is None:  # no checkpoint yet: the initial weights, rebuilt as at the start
-            self.backend = make_backend(self.cfg, self.cfg.model.path)
+            self.backend = _backend(self.cfg)
         self._recover()
         # above every version published, trained or not (a second rollback before any step: the first's)
         self.version = max(self.version, upto + 1)
@@ -300,6 +296,13 @@ class LearnerLoop:
                 log.exception("close failed")
 
 
+def _backend(cfg: C.Config):
+    """The backend of the initial weights; with context parallelism, rank 0's (learner/cp_group.py)."""
+    if cfg.learner.context_parallel > 1:
+        return cp_group.leader(cfg, cfg.model.path)
+    return make_backend(cfg, cfg.model.path)
+
+
 def read_rollbacks(run_dir: str) -> list[tuple[int, int]]:
     """``(after, upto)`` version intervals of every rollback so far (a line torn by a crash: none)."""
     return [(rec["after"], rec["upto"]) for rec in audit.read(os.path.join(run_dir, ROLLBACKS))]
@@ -321,6 +324,9 @@ def main(argv=None) -> None:
     try:
         loop = LearnerLoop(cfg, args.run_dir, stop)
         loop.run(args.t0)
+    except cp_group.RankLost as e:  # one line, not a traceback: the launcher restarts the group
+        log.error("%s", e)
+        sys.exit(1)
     except (checkpoint.WriteError, checkpoint.DamagedCheckpoint) as e:
         code = EXIT_WRITE_FAILED if isinstance(e, checkpoint.WriteError) else EXIT_CORRUPT_LOG
         log.error("%s (exit %d)", e, code)

@@ -106,11 +106,6 @@ def test_a_signal_after_the_command_line_decided_its_exit_is_recorded_not_raised
             signal.signal(s, h)
 
 
-def test_context_parallel_is_refused_before_anything_starts_until_a_launcher_starts_its_ranks():
-    with pytest.raises(C.ConfigError, match=r"context_parallel` = 2: .* use 1"):
-        jobs.check_seams(C.load(None, ["learner.context_parallel=2"]))
-
-
 @pytest.mark.parametrize("override, module, extra", [("run.launcher=ray", "ray", "ray"),
                                                      ("metrics.tensorboard=true", "tensorboardX", "tensorboard")])
 def test_a_chosen_optional_stack_that_is_not_installed_fails_before_anything_starts(monkeypatch, override,
