@@ -34,9 +34,15 @@ from weightsync import check_devices
 from weightsync.base import Stopped
 
 log = logging.getLogger("driftrl.actor")
+# groups in a row whose rewards were all equal, left out (skip_uniform_groups); past it they are sent
+# anyway: a task out of the model's reach (or mastered) must not leave the learner waiting forever
+MAX_UNIFORM_IN_A_ROW = 64
 
 
 class RolloutWorker:
+    uniform = 0  # groups left out for equal rewards (skip_uniform_groups), this incarnation
+    _uniform_streak = 0
+
     def __init__(self, cfg: C.Config, run_dir: str, index: int, stop: threading.Event | None = None):
         self.cfg, self.run_dir, self.index = cfg, run_dir, index
         self.actor_id = f"actor{index}"
@@ -106,12 +112,32 @@ class RolloutWorker:
             self.admission.start(n)
             t0, sending, groups = time.time(), 0.0, []
             for group in self.generate_groups(n):  # each sent as soon as its last sample is done
-                t_send = time.time()
-                self.client.send_many([group])  # may wait for the buffer's window: not generation
-                sending += time.time() - t_send
                 groups.append(group)
+                t_send = time.time()
+                self._hand_over(group)  # may wait for the buffer's window: not generation
+                sending += time.time() - t_send
             self._emit(groups, time.time() - t0 - sending, waited)
         self.client.flush(timeout_s=5.0)
+
+    def _hand_over(self, group: M.RolloutGroup) -> None:
+        """Send ``group``; one without a seq (:meth:`_no_signal`) is left out and its admission slot given back."""
+        if group.seq >= 0:
+            self.client.send_many([group])
+        else:
+            self.uniform += 1
+            self.admission.give_back()
+
+    def _no_signal(self, rewards) -> bool:
+        """All rewards equal: the group-normalised advantages are 0 and, without a KL term, the group trains
+        nothing (DAPO's dynamic sampling leaves it out) -- up to MAX_UNIFORM_IN_A_ROW in a row."""
+        if not (self.cfg.actor.skip_uniform_groups and self.cfg.learner.kl_beta == 0) or len(set(rewards)) > 1:
+            self._uniform_streak = 0
+            return False
+        self._uniform_streak += 1
+        if self._uniform_streak == MAX_UNIFORM_IN_A_ROW + 1:
+            log.warning("%d groups in a row had equal rewards: sending them until one does not (is the task "
+                        "out of the model's reach, or mastered?)", MAX_UNIFORM_IN_A_ROW)
+        return self._uniform_streak <= MAX_UNIFORM_IN_A_ROW
 
     def generate_groups(self, n: int):
         """Yield ``n`` RolloutGroups in completion order, each as soon as its last sample finishes."""
@@ -129,8 +155,9 @@ class RolloutWorker:
             if None not in done[i]:
                 prompt, samples = prompts[i], done.pop(i)
                 rewards = self.task.rewards([(prompt, s.tokens) for s in samples])
+                seq = -1 if self._no_signal(rewards) else self.client.next_seq()  # -1: not to be sent
                 yield M.group_from_samples(
-                    samples, rewards, actor_id=self.actor_id, seq=self.client.next_seq(),
+                    samples, rewards, actor_id=self.actor_id, seq=seq,
                     group_id=f"{self.actor_id}-{prompt.id}", task=self.task.name, tier=prompt.tier,
                     prompt=prompt.tokens, start_version=start_version, created_at=time.time())
 
@@ -148,6 +175,8 @@ class RolloutWorker:
             "actor/tokens_per_s": sum(lengths) / max(gen_s, 1e-9),
             "actor/groups_per_s": len(groups) / max(gen_s + waited, 1e-9),
             "actor/admission_wait_s": waited,
+            "actor/uniform_groups": float(self.uniform),  # left out for equal rewards, so far
+            "actor/uniform_frac": float(np.mean([g.seq < 0 for g in groups])),
             "actor/buffer_wait_s": float(self.client.admission_wait_s),
             "actor/version": float(v),
             "reward/mean": float(np.mean([c.reward for c in done])),

@@ -102,6 +102,8 @@ class ActorSection(_Section):
     engine: str = "torch"  # actor/engines/ ENGINES: "torch" (embedded) or "sglang" (a server, GPU)
     group_size: Annotated[int, Meta(ge=2)] = 8
     groups_per_batch: PosInt = 16  # prompts decoded together by one engine batch
+    # a group whose rewards are all equal is not sent when learner.kl_beta = 0: its advantages are 0
+    skip_uniform_groups: bool = True
     max_new_tokens: PosInt = 8
     max_batch: PosInt = 256  # continuous batching: sequences decoded at once
     # length curriculum (actor/curriculum.py): length_start, + length_grow every length_every versions

@@ -70,7 +70,7 @@ def test_groups_leave_in_completion_order_before_the_batch_ends():
     real = engine.model.forward
     engine.model.forward = lambda *a, **k: forwards.append(1) or real(*a, **k)
     w = RolloutWorker.__new__(RolloutWorker)
-    w.cfg = tiny_cfg("actor.group_size=2")
+    w.cfg = tiny_cfg("actor.group_size=2", "actor.skip_uniform_groups=false")  # every group gets a seq
     w.engine, w.client, w.task, w.rng, w.actor_id = engine, Seq(), tiny_task(), random.Random(0), "actor0"
     w.run_dir, w.curriculum = "", LengthCurriculum(w.cfg.actor)
     seen_at = []
@@ -82,3 +82,38 @@ def test_groups_leave_in_completion_order_before_the_batch_ends():
     assert all(len(g.completions) == 2 for g in groups)
     assert seen_at[0] < len(forwards)  # the first group left while the engine was still decoding
     assert sorted(g.seq for g in groups) == [g.seq for g in groups]  # seqs in sending order
+
+
+def test_a_group_with_equal_rewards_is_left_out_and_gives_its_admission_slot_back():
+    """DAPO's dynamic sampling: equal rewards give zero advantages, so without a KL term such a group
+    trains nothing; it is not sent (no seq is spent on it) and its admission slot comes back at once.
+    After MAX_UNIFORM_IN_A_ROW of them in a row they are sent anyway, so the learner is never starved."""
+    import msgspec
+
+    from actor.worker import MAX_UNIFORM_IN_A_ROW
+    from core.admission import Admission
+    from tests.support.synth import make_group
+
+    class Sink:
+        def __init__(self):
+            self.sent = []
+
+        def send_many(self, groups):
+            self.sent += groups
+
+    w = RolloutWorker.__new__(RolloutWorker)
+    w.cfg, w.client, w.admission = tiny_cfg(resolved=False), Sink(), Admission(share=2, max_staleness=1)
+    w.admission.start(4)
+    assert w._no_signal([1.0, 0.0, 1.0]) is False and w._no_signal([0.0, 0.0, 0.0]) is True
+    keep = make_group("actor0", 5)
+    w._hand_over(msgspec.structs.replace(keep, seq=-1))
+    w._hand_over(keep)
+    assert w.client.sent == [keep] and w.uniform == 1 and w.admission.returned == 1
+    assert w.admission.allowed(0) == (1 + 0 + 1) * 2 - 3  # 4 started, 1 given back
+
+    streak = [w._no_signal([1.0, 1.0]) for _ in range(MAX_UNIFORM_IN_A_ROW + 1)]  # one already in the row
+    assert streak == [True] * (MAX_UNIFORM_IN_A_ROW - 1) + [False, False]
+    assert w._no_signal([0.0, 1.0]) is False and w._no_signal([1.0, 1.0]) is True  # a new row starts
+    for off in ("actor.skip_uniform_groups=false", "learner.kl_beta=0.01"):  # a KL term trains on them
+        w.cfg, w._uniform_streak = tiny_cfg(off, resolved=False), 0
+        assert w._no_signal([0.0, 0.0]) is False
