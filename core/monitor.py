@@ -223,7 +223,8 @@ class Monitor:
             ctl is not None and f"ctl {ctl}",
             g("buffer/depth") is not None
             and f"buf {fmt(g('buffer/depth'), 0)}" + (f" (drop {drops})" if drops else ""),
-            tok is not None and f"act {fmt(tok, 0)} tok/s",
+            tok is not None and f"act {fmt(tok, 0)} tok/s" + (f" ({fmt(100 * u, 0)}% no signal)" if
+                                                              (u := g("actor/uniform_frac")) else ""),
             g("learner/tokens_per_s") is not None and f"lrn {fmt(g('learner/tokens_per_s'), 0)} tok/s{idle}",
             rst is not None and f"restarts {rst}",
             self.note,
@@ -338,7 +339,8 @@ class Monitor:
             ("actors", Text(fmt(self.actor_tokens_per_s(), 0), style="bold"), f"tok/s ×{n_act}"),
             ("learner", Text(fmt(self.get("learner/tokens_per_s"), 0), style="bold"), "tok/s"),
             ("idle", self._scaled("learner/idle_frac", 100, "{}%", 1), "learner"),
-            ("groups", fmt(self.get("actor/groups_per_s"), 2), "/s"))
+            ("groups", fmt(self.get("actor/groups_per_s"), 2), "/s"),
+            ("no signal", self._scaled("actor/uniform_frac", 100, "{}%", 0), "left out"))
 
     def _buffer_panel(self):
         drops = [(name, self.get(f"buffer/{key}")) for name, key in _DROPS]

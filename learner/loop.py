@@ -274,6 +274,8 @@ class LearnerLoop:
             "learner/idle_frac": waits / max(total, 1e-9),
             "learner/step_s": busy_s,
             "learner/wait_s": wait_s,
+            # groups of the batch with zero advantages (all rewards equal): 0 while the actors leave them out
+            "learner/uniform_groups": float((batch.rewards == batch.rewards[:, :1]).all(dim=1).sum()),
             **{f"learner/{k}": float(self.counts[k]) for k in
                ("dropped_stale", "dropped_rolled_back", "dropped_invalid", "skipped_batches")},
             "learner/skipped_nonfinite": float(self.backend.skipped_nonfinite),
