@@ -16,7 +16,7 @@ from learner import audit
 from tests.support import books
 from tests.support.runs import TINY_RUN, alive, lines, read_json, wait_until
 
-STEPS = 30
+STEPS = 20
 KILL_AFTER = 6  # trained steps
 RESUMED = re.compile(r"resumed from (\S+) at step (\d+) version (\d+) \(checkpoint version (\d+)\)")
 

@@ -52,6 +52,9 @@ def test_run_end_to_end(tmp_path, cache_dir, staleness):
     actor = [r for r in recs if r["role"] == "actor" and "reward/mean" in r]
     assert actor and all(0.0 <= r["reward/mean"] <= 1.0 for r in actor)
     assert all(r["reward/by_tier/default"] == r["reward/mean"] for r in actor)  # arith has one tier
+    # actor.skip_uniform_groups (default): this barely trained model gives many groups equal rewards;
+    # the actor leaves them out (counted) and the learner reports each step's zero-advantage groups
+    assert max(r["actor/uniform_groups"] for r in actor) > 0 and all("learner/uniform_groups" in r for r in learner)
     assert any("eval/reward" in r for r in recs)
     if staleness:
         assert any(r["staleness/max"] >= 1 for r in learner), "async run never ran ahead"
