@@ -73,8 +73,8 @@ def _stop_followers() -> None:
     if dist.is_initialized() and all(p.poll() is None for p in _followers):
         try:
             _command(STOP)
-        except Exception:  # noqa: BLE001 -- a rank already gone: it ends with this process anyway
-            pass
+        except Exception as e:  # noqa: BLE001 -- a rank already gone: the rest end with this process
+            log.info("context-parallel ranks not told to stop (%s): they end with this process", e)
     for p in _followers:
         try:
             p.wait(10)
