@@ -60,7 +60,7 @@ MAX_VERSION_LEAD = 16
 MAX_ACTORS = 4096  # authenticated actor connections remembered (each actor id keeps only its latest)
 ZERO_COPY_BYTES = 64 << 10  # below this, pyzmq's zero-copy bookkeeping costs more than a copy
 METRICS_EVERY_S = 1.0
-# an idle turn's period: arrivals and stop (wake(), a signal) end the poll at once; on a 2-core VM a
+# an idle turn's period: arrivals and a signal (its wakeup fd) end the poll at once; on a 2-core VM a
 # wake-up costs ~0.1 ms of CPU, and ten a second were a tenth of the buffer's CPU per learner step
 POLL_MS = int(METRICS_EVERY_S * 1000)
 # ZMTP heartbeats on the learner port: a learner host that vanishes without closing its TCP
