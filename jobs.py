@@ -122,6 +122,14 @@ def train(cfg: C.Config, run_dir: str | None = None, monitor=None, on_ready=None
         remove_dead_region(run_dir)
 
 
+def funnel_of(run_dir: str):
+    """The run's discard funnel (core/funnel.py) from its merged metrics."""
+    from core import funnel
+    from core.metrics import MERGED_FILE, FileTail, read_all
+
+    return funnel.from_records(read_all(FileTail(os.path.join(run_dir, MERGED_FILE))))
+
+
 def first_eval(run_dir: str) -> float | None:
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         evals = (r for r in map(json.loads, f) if r.get("eval/reward") is not None and not r.get("eval/final"))

@@ -30,7 +30,7 @@ import msgspec
 
 from core import config as C
 from core import launchers
-from jobs import check_seams, first_eval, load_config, resolve_checkpoint, train
+from jobs import check_seams, first_eval, funnel_of, load_config, resolve_checkpoint, train
 from learner import checkpoint
 
 # `driftrl` (the installed command) or `run.py`: usage lines name what the user typed
@@ -152,6 +152,8 @@ def train_main(args) -> int:
     start = first_eval(result.run_dir)
     print(f"done in {result.wall_s:.0f}s: held-out reward {start if start is not None else float('nan'):.3f} "
           f"-> {final['eval/reward']:.3f}; run dir {result.run_dir}")
+    books = funnel_of(result.run_dir)
+    print("\n".join(line for line in (books.line(), books.length_line()) if line))
     return 0
 
 

@@ -8,6 +8,7 @@ every ``run.eval_every`` versions.
 from __future__ import annotations
 
 import argparse
+import collections
 import logging
 import os
 import random
@@ -24,7 +25,7 @@ from actor.evaluate import evaluate
 from actor.tasks import make_task
 from buffer.client import ActorClient, Stopped as BufferStopped
 from core import config as C
-from core import heartbeat, placement
+from core import funnel, heartbeat, placement
 from core import messages as M
 from core.admission import Admission
 from core.metrics import MetricsWriter
@@ -37,11 +38,14 @@ log = logging.getLogger("driftrl.actor")
 # groups in a row whose rewards were all equal, left out (skip_uniform_groups); past it they are sent
 # anyway: a task out of the model's reach (or mastered) must not leave the learner waiting forever
 MAX_UNIFORM_IN_A_ROW = 64
+SETTLE_S = 2.0  # at exit, how long the acks of the groups in flight are awaited (the launcher stops actors first)
 
 
 class RolloutWorker:
     uniform = 0  # groups left out for equal rewards (skip_uniform_groups), this incarnation
+    generated = 0  # groups finished by the engine, this incarnation (the funnel's top: core/funnel.py)
     _uniform_streak = 0
+    _uniform_by_len: collections.Counter | None = None
 
     def __init__(self, cfg: C.Config, run_dir: str, index: int, stop: threading.Event | None = None):
         self.cfg, self.run_dir, self.index = cfg, run_dir, index
@@ -121,11 +125,19 @@ class RolloutWorker:
 
     def _hand_over(self, group: M.RolloutGroup) -> None:
         """Send ``group``; one without a seq (:meth:`_no_signal`) is left out and its admission slot given back."""
+        self.generated += 1
         if group.seq >= 0:
             self.client.send_many([group])
         else:
             self.uniform += 1
+            self._uniform_by_len = self._uniform_by_len or collections.Counter()
+            self._uniform_by_len[funnel.length_bucket(group.length())] += 1
             self.admission.give_back()
+
+    def funnel_metrics(self) -> dict[str, float]:
+        """The discard funnel's actor counts; ``in_flight``: handed to the client, not acknowledged yet."""
+        return {"funnel/generated": float(self.generated), "funnel/in_flight": float(self.client.outstanding),
+                **funnel.lost_metrics({"no_signal": self.uniform}, self._uniform_by_len or {})}
 
     def _no_signal(self, rewards) -> bool:
         """All rewards equal: the group-normalised advantages are 0 and, without a KL term, the group trains
@@ -189,6 +201,7 @@ class RolloutWorker:
             **{f"length/by_tier/{t}": float(np.mean([c.num_tokens for c in cs])) for t, cs in by_tier.items()},
             **{k: float(x) for k, x in self.engine.weights.metrics().items()},
             **self.task.metrics(),
+            **self.funnel_metrics(),
         })
 
     def _maybe_eval(self) -> None:
@@ -225,6 +238,8 @@ def main(argv=None) -> None:
     except EngineStopped:  # SIGTERM mid-batch: finished groups were sent, the rest never started
         log.info("actor %d stopped mid-generation", args.index)
     finally:
+        worker.client.settle(SETTLE_S)  # the buffer is still up: the last acks make the funnel's books close
+        worker.metrics.emit(worker.engine.version, worker.funnel_metrics())
         worker.client.close()
         worker.engine.close()
         worker.task.close()

@@ -262,6 +262,13 @@ class ActorClient:
         """Wait until every group sent so far is acked; False on timeout or stop."""
         return self._wait_until(lambda: not self._pending, time.monotonic() + timeout_s)
 
+    def settle(self, timeout_s: float) -> int:
+        """At exit, stopped or not: up to ``timeout_s`` for the acks of the groups in flight; returns how many are left."""
+        deadline = time.monotonic() + timeout_s
+        while self._pending and time.monotonic() < deadline:
+            self.poll(50)
+        return len(self._pending)
+
     def close(self) -> None:
         if not self._sock.closed:
             self._sock.close(linger=0)

@@ -34,10 +34,11 @@ from buffer.store import Entry, Store, entry_from_group
 from core import config as C
 from core import heartbeat, net
 from core.files import atomic_write
+from core.funnel import length_bucket
 from core.proc import EXIT_CORRUPT_LOG, EXIT_WRITE_FAILED
-from core.messages import (LEARNER_TO_BUFFER, MAX_GROUPS_PER_MSG, SCHEMA_VERSION, Ack, Acks, Consumed, Control,
-                           Hello, InvalidMessage, Limits, RolloutGroup, SampleBatch, SampleRequest, decode_reason,
-                           decoder, encode, group_decoder, group_key, validate_group)
+from core.messages import (LEARNER_TO_BUFFER, MAX_GROUPS_PER_MSG, SCHEMA_VERSION, Ack, Acks, Consumed,
+                           Control, Hello, InvalidMessage, Limits, RolloutGroup, SampleBatch, SampleRequest,
+                           decode_reason, decoder, encode, group_decoder, group_key, validate_group)
 
 log = logging.getLogger("driftrl.buffer")
 
@@ -301,6 +302,7 @@ class BufferServer:
             defer = self._too_new(newest)
         except InvalidMessage as e:
             self.invalid[e.reason] += 1
+            self.store.reject(g.length(), "invalid")
             self._ack(ident, Ack(g.actor_id[:MAX_ID_CHARS], g.seq, "rejected", e.reason))
             return
         if defer:
@@ -368,9 +370,10 @@ class BufferServer:
         """Serve again what the learner trained after ``step``; drop the groups every token of which
         is newer than ``version``: they were sampled by weights that no longer exist."""
         entries = [entry_from_group(self._group_dec.decode(raw), raw) for raw in self.db.requeue(step)]
-        gone = [e.key for e in entries if e.min_version > version]
-        self.db.done(gone)
+        gone = [e for e in entries if e.min_version > version]
+        self.db.done([e.key for e in gone])
         self.rolled_back += len(gone)
+        self.store.counters.lost_by_len.update(length_bucket(e.length) for e in gone)
         for e in entries:
             if e.min_version <= version:
                 self.store.restore(e)
@@ -538,7 +541,7 @@ class BufferServer:
         out["buffer/actors_paused"] = float(self.paused)
         for reason, n in self.invalid.items():
             out[f"buffer/dropped_invalid/{reason}"] = float(n)
-        out["buffer/dropped_rolled_back"] = float(self.rolled_back)
+        out["buffer/dropped_rolled_back"] = out["funnel/rolled_back"] = float(self.rolled_back)
         out["buffer/disk_bytes"] = float(self.db.disk_bytes())
         return out
 

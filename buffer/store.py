@@ -22,20 +22,10 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from buffer import policies
-from core.messages import TOKEN_DTYPE, staleness
+from core.funnel import length_bucket, lost_metrics
+from core.messages import staleness
 
 Key = tuple[str, int]
-
-# response-length buckets (tokens of the longest completion) for drop counts: a staleness
-# bound that mostly drops long rollouts biases training toward short answers, visibly so here
-LEN_BUCKETS = (64, 256, 1024, 4096)
-
-
-def length_bucket(n_tokens: int) -> str:
-    for b in LEN_BUCKETS:
-        if n_tokens <= b:
-            return f"<={b}"
-    return f">{LEN_BUCKETS[-1]}"
 
 
 @dataclass(slots=True, eq=False)
@@ -53,8 +43,7 @@ def entry_from_group(group, raw=None, min_version: int | None = None) -> Entry:
     """The store's view of a validated group; ``min_version`` if the caller has it, else ``group.min_version()``."""
     if min_version is None:
         min_version = group.min_version()
-    length = max([len(c.tokens) for c in group.completions], default=0) // TOKEN_DTYPE.itemsize
-    return Entry(group.key, min_version, len(raw) if raw is not None else group.nbytes(), length, raw)
+    return Entry(group.key, min_version, len(raw) if raw is not None else group.nbytes(), group.length(), raw)
 
 
 class SeenKeys:
@@ -109,7 +98,9 @@ class Counters:
     consumed_not_leased: int = 0  # Consumed for resident keys not leased to that learner
     rejected: Counter = field(default_factory=Counter)  # at arrival, by reason
     dropped: Counter = field(default_factory=Counter)  # after acceptance, by reason
-    stale_by_len: Counter = field(default_factory=Counter)  # stale rejects + drops, by bucket
+    # rejects and drops by the response-length bucket (core/funnel.py): a staleness bound that mostly
+    # drops long rollouts biases training toward short answers, visibly so here
+    lost_by_len: Counter = field(default_factory=Counter)
 
 
 class Store:
@@ -138,14 +129,11 @@ class Store:
         if entry.key in self.seen:
             c.duplicates += 1
             return "duplicate", ""
-        if entry.nbytes > self.capacity_bytes:
-            c.rejected["too_large"] += 1
-            return "rejected", "too_large"
-        if learner_version is not None and \
-                staleness(learner_version, entry.min_version) > self.max_staleness:
-            c.rejected["stale"] += 1
-            c.stale_by_len[length_bucket(entry.length)] += 1
-            return "rejected", "stale"
+        reason = "too_large" if entry.nbytes > self.capacity_bytes else "stale" if learner_version is not None \
+            and staleness(learner_version, entry.min_version) > self.max_staleness else None
+        if reason is not None:
+            self.reject(entry.length, reason)
+            return "rejected", reason
         if len(self.resident) >= self.capacity_groups or \
                 self.depth_bytes + entry.nbytes > self.capacity_bytes:
             c.busy += 1
@@ -154,6 +142,11 @@ class Store:
         self._insert(entry)
         c.accepted += 1
         return "ok", ""
+
+    def reject(self, length: int, reason: str) -> None:
+        """A group refused at arrival (here, or by the server's validation: ``invalid``)."""
+        self.counters.rejected[reason] += 1
+        self.counters.lost_by_len[length_bucket(length)] += 1
 
     def restore(self, entry: Entry) -> None:
         """Re-insert a group recovered from disk (it was accepted by an earlier incarnation)."""
@@ -183,7 +176,7 @@ class Store:
         for e in drops:
             self._remove(e)
             self.counters.dropped["stale"] += 1
-            self.counters.stale_by_len[length_bucket(e.length)] += 1
+            self.counters.lost_by_len[length_bucket(e.length)] += 1
         take = take[:n]
         if len(take) < max(at_least, 1):
             return [], drops
@@ -248,6 +241,9 @@ class Store:
             "buffer/rejected": float(sum(c.rejected.values())),
             "buffer/invariant_ok": 1.0 if self.invariant_ok() else 0.0,
         }
-        for b, k in c.stale_by_len.items():
-            out[f"buffer/dropped_stale_len/{b}"] = float(k)
+        out.update(lost_metrics({"stale_at_admission": c.rejected["stale"], "stale_in_buffer": c.dropped["stale"],
+                                 "too_large": c.rejected["too_large"], "invalid": c.rejected["invalid"]},
+                                c.lost_by_len))
+        out["funnel/accepted"] = float(c.accepted - c.recovered)
+        out["funnel/resident"] = float(len(self.resident))
         return out

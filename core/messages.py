@@ -91,6 +91,10 @@ class RolloutGroup(_Msg, tag="group"):
         versions = b"".join([c.versions for c in self.completions])
         return np.frombuffer(versions, VERSION_DTYPE, len(versions) // VERSION_DTYPE.itemsize)
 
+    def length(self) -> int:
+        """Tokens of the longest completion (the response-length bucket's measure)."""
+        return max([len(c.tokens) for c in self.completions], default=0) // TOKEN_DTYPE.itemsize
+
     def min_version(self) -> int:
         """Oldest policy version among the tokens (the staleness anchor); the start version without any."""
         v = self._versions()

@@ -17,6 +17,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from core.funnel import Funnel
 from core.messages import MetricRecords
 
 SPARK_KEYS = ("eval/reward", "reward/mean", "length/mean", "ratio/p99")
@@ -112,6 +113,7 @@ class Monitor:
         self.last_guard = self.last_action = None
         self.last_restart: tuple[str, float] | None = None  # (role, wall-clock time of the record)
         self.note: str | None = None  # a status an embedding command sets, shown in the header
+        self.funnel = Funnel()  # where the generated groups went (core/funnel.py)
 
     def update(self, records: list[MetricRecords]) -> None:
         for rec in records:
@@ -124,6 +126,7 @@ class Monitor:
                 self.last_restart = (role, rec.time)
             self.latest.update(values)
             self._by_source.setdefault(f"{rec.role}/{rec.id}", {}).update(values)
+            self.funnel.update(f"{rec.role}/{rec.id}", values)
             for k in SPARK_KEYS:
                 if isinstance(values.get(k), float):
                     self._history[k].append(values[k])
@@ -227,6 +230,7 @@ class Monitor:
                                                               (u := g("actor/uniform_frac")) else ""),
             g("learner/tokens_per_s") is not None and f"lrn {fmt(g('learner/tokens_per_s'), 0)} tok/s{idle}",
             rst is not None and f"restarts {rst}",
+            (fl := self.funnel.line()) is not None and f"funnel {fl}",
             self.note,
         ]
         return " | ".join(p for p in parts if p)
@@ -242,6 +246,8 @@ class Monitor:
             grid.add_row(*(Panel(body, title=title, title_align="left", height=height, box=box.ROUNDED)
                            for title, body in row))
             grids.append(grid)
+        if (line := self.funnel.line()) is not None:
+            grids.append(Text.assemble(("funnel ", "bold"), line, no_wrap=True, overflow="ellipsis"))
         return Group(*grids)
 
     def _header(self):

@@ -21,6 +21,7 @@ import torch
 from buffer.client import LearnerClient
 from core import config as C
 from core import heartbeat
+from core import funnel
 from core import messages as M
 from core.metrics import MetricsWriter
 from core.proc import EXIT_CORRUPT_LOG, EXIT_WRITE_FAILED, die_with_parent, setup_logging, stop_event
@@ -44,6 +45,8 @@ class LearnerLoop:
         self.backend = _backend(cfg)
         self.ckpt_root = os.path.join(run_dir, "checkpoints")
         self.counts = collections.Counter()  # dropped_stale, skipped_batches, ... (see _emit)
+        self.lost_by_len = collections.Counter()  # groups dropped or skipped, by response length
+        self._funnel_sent: dict | None = None
         self._recover()
         self.control = Control(cfg.control, cfg.buffer.max_staleness, start_step=self.step)
         self.poisoned = Poisoned(read_rollbacks(run_dir))
@@ -112,6 +115,9 @@ class LearnerLoop:
                 self.save()
         if self._ckpt_step != self.step:
             self.save()
+        if self._funnel() != self._funnel_sent:  # the last fetch's drops too: the books close
+            self.metrics.emit(self.step, {"learner/step": float(self.step), "learner/version": float(self.version),
+                                          **self._funnel()})
         checkpoint.save_model(self.backend, os.path.join(self.run_dir, "final_model"))
         log.info("learner finished at step %d version %d", self.step, self.version)
 
@@ -149,16 +155,28 @@ class LearnerLoop:
         if lag < 0:  # a token from a version not yet published: corrupt, never train on it
             log.warning("group %s has tokens of version %d > learner version %d: dropped",
                         g.key, g.min_version(), self.version)
-            self.counts["dropped_invalid"] += 1
-            return False
+            return self._lost([g], "dropped_invalid")
         if lag > self.control.max_staleness:
-            self.counts["dropped_stale"] += 1  # the buffer should have caught it; never train on it
-            return False
+            return self._lost([g], "dropped_stale")  # the buffer should have caught it; never train on it
         if self.poisoned.intervals and self.poisoned.hit(
                 np.frombuffer(b"".join([c.versions for c in g.completions]), M.VERSION_DTYPE)):
-            self.counts["dropped_rolled_back"] += 1  # sampled by weights a rollback discarded
-            return False
+            return self._lost([g], "dropped_rolled_back")  # sampled by weights a rollback discarded
         return True
+
+    def _lost(self, groups: list[M.RolloutGroup], reason: str) -> bool:
+        """Count groups that will not be trained (the discard funnel, core/funnel.py); False."""
+        self.counts[reason] += len(groups)
+        self.lost_by_len.update(funnel.length_bucket(g.length()) for g in groups)
+        return False
+
+    def _funnel(self, sent: bool = False) -> dict[str, float]:
+        """The discard funnel's learner counts (``sent``: as emitted now)."""
+        c = self.counts
+        out = {"funnel/trained": float(self.consumed_groups), **funnel.lost_metrics(
+            {"stale_at_learner": c["dropped_stale"], "invalid": c["dropped_invalid"],
+             "rolled_back": c["dropped_rolled_back"], "skipped": c["skipped_groups"]}, self.lost_by_len)}
+        self._funnel_sent = out if sent else self._funnel_sent
+        return out
 
     def train_step(self, groups: list[M.RolloutGroup]):
         """One optimiser step on ``groups`` -> ``(metrics, batch)``; ``(None, None)`` if skipped."""
@@ -206,6 +224,7 @@ class LearnerLoop:
         if verdict.action == "pause_actors":
             self.control.pause()
         elif verdict.action == "skip_step":
+            self._lost(groups, "skipped_groups")
             self._retire([g.key for g in groups])
         elif verdict.action == "rollback":
             self._rollback(groups)
@@ -213,7 +232,7 @@ class LearnerLoop:
     def _rollback(self, groups: list[M.RolloutGroup]) -> None:
         """Back to the newest checkpoint (or the initial weights); see the module docstring."""
         self._retire([g.key for g in groups])  # the batch that fired: never trained
-        self.counts["dropped_rolled_back"] += len(groups)
+        self._lost(groups, "dropped_rolled_back")
         upto, path = self.version, checkpoint.latest(self.ckpt_root)
         after = int(checkpoint.read_meta(path)["version"]) if path else 0
         audit.append_durable(os.path.join(self.run_dir, ROLLBACKS), "the rollback record",  # durable first
@@ -233,11 +252,13 @@ class LearnerLoop:
         """A step that trained nothing still reports the control state and its counts."""
         self.metrics.emit(self.step, {"learner/step": float(self.step), "learner/version": float(self.version),
                                       **{f"learner/{k}": float(self.counts[k]) for k in
-                                         ("dropped_rolled_back", "skipped_batches")}, **self.control.metrics()})
+                                         ("dropped_rolled_back", "skipped_batches")}, **self.control.metrics(),
+                                      **self._funnel(sent=True)})
 
     def _skip(self, groups: list[M.RolloutGroup], err: Exception) -> None:
         self._skips_in_a_row += 1
         self.counts["skipped_batches"] += 1
+        self._lost(groups, "skipped_groups")
         kind = "non-finite" if isinstance(err, NonFiniteError) else type(err).__name__
         log.warning("batch of %d groups skipped at version %d (%s): %s", len(groups), self.version, kind, err)
         self._emit_control()  # seen now, not with the next step that trains
@@ -279,6 +300,7 @@ class LearnerLoop:
             **{f"learner/{k}": float(self.counts[k]) for k in
                ("dropped_stale", "dropped_rolled_back", "dropped_invalid", "skipped_batches")},
             "learner/skipped_nonfinite": float(self.backend.skipped_nonfinite),
+            **self._funnel(sent=True),
             **self.control.metrics(),
             "staleness/mean": sum(st) / len(st),
             "staleness/max": float(max(st)),

@@ -124,7 +124,7 @@ def test_stale_on_arrival_rejected_and_accepted_then_dropped_both_reach_the_acto
         wait_for(lambda: notices.extend(actor.poll(50)) or notices)
         assert [(a.seq, a.status, a.reason) for a in notices] == [(1, "rejected", "stale")]
         s = srv.stats()
-        assert s["buffer/dropped_stale"] == 2 and s["buffer/dropped_stale_len/<=64"] == 2
+        assert s["buffer/dropped_stale"] == 2 and s["funnel/len/<=64"] == 2
         assert s["buffer/invariant_ok"] == 1.0
         actor.close()
         learner.close()

@@ -55,6 +55,10 @@ def test_run_end_to_end(tmp_path, cache_dir, staleness):
     # actor.skip_uniform_groups (default): this barely trained model gives many groups equal rewards;
     # the actor leaves them out (counted) and the learner reports each step's zero-advantage groups
     assert max(r["actor/uniform_groups"] for r in actor) > 0 and all("learner/uniform_groups" in r for r in learner)
+    # the discard funnel's books close: every generated group was trained, lost for a counted reason, or is held
+    books = jobs.funnel_of(result.run_dir)
+    assert books.total("generated") > books.total("trained") == 8 * 4 and books.lost()["no_signal"] > 0
+    assert books.balance() == 0, books.line()
     assert any("eval/reward" in r for r in recs)
     if staleness:
         assert any(r["staleness/max"] >= 1 for r in learner), "async run never ran ahead"

@@ -5,7 +5,8 @@ import random
 import pytest
 
 from buffer import policies
-from buffer.store import Entry, SeenKeys, Store, entry_from_group, length_bucket
+from buffer.store import Entry, SeenKeys, Store, entry_from_group
+from core.funnel import length_bucket
 from tests.support.synth import make_group
 
 
@@ -89,7 +90,7 @@ def test_stale_on_arrival_is_rejected_and_bucketed_by_length():
     assert st.offer(entry(seq=1, version=2), learner_version=4) == ("ok", "")
     assert ("a", 0) not in st.seen  # never accepted, so not a duplicate if it comes back
     s = st.stats()
-    assert s["buffer/dropped_stale"] == 1 and s["buffer/dropped_stale_len/<=4096"] == 1
+    assert s["buffer/dropped_stale"] == 1 and s["funnel/len/<=4096"] == 1
     assert s["buffer/accepted"] == 1 and s["buffer/invariant_ok"] == 1.0
 
 

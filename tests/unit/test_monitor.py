@@ -288,3 +288,15 @@ def test_a_pipeline_stage_leads_the_step_counter_and_the_length_limit_shows():
     m.console.print(m.renderable())
     text = m.console.export_text()
     assert "3/4 rl2 · sustain · step 14/150" in text and "limit 20" in text
+
+
+def test_the_discard_funnel_shows_in_the_line_and_the_dashboard(monitor):
+    assert "funnel" not in monitor.format_line()  # nothing counted yet: no funnel shown
+    monitor.update([rec("actor", "0", 15, {"funnel/generated": 30.0, "funnel/no_signal": 5.0}),
+                    rec("buffer", "0", 15, {"funnel/accepted": 25.0, "funnel/stale_in_buffer": 2.0}),
+                    rec("learner", "0", 15, {"funnel/trained": 20.0})])
+    want = "generated 30 → accepted 25 → trained 20 · lost 7 (no signal 5, stale in buffer 2) · held 0"
+    assert f"funnel {want}" in monitor.format_line()
+    con = recording_console(width=140)
+    con.print(monitor.renderable())
+    assert want in con.export_text()

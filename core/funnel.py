@@ -1,0 +1,94 @@
+"""The discard funnel: where every generated group went, from the roles' ``funnel/*`` metrics. Pure: no I/O.
+
+Each role counts what it disposes of: the actors what they generate, leave out (``no_signal``) and still
+hold unacknowledged (``in_flight``); the buffer what it accepts, rejects or drops and holds (``resident``);
+the learner what it trains and discards. When the books close, ``generated = trained + lost + resident +
+in_flight``, reason by reason (tests/unit/test_funnel.py walks through an example; ``balance()`` is the
+difference). A counter that goes down belongs to a restarted role and is added to what it had counted;
+the gauges (``GAUGES``) are taken as last reported, ``trained`` included: a learner resumes it from its
+checkpoint, so groups trained after that checkpoint and lost in a crash count once, when trained again.
+"""
+
+from __future__ import annotations
+
+import math
+
+PREFIX = "funnel/"
+LEN_PREFIX = "funnel/len/"
+LEN_BUCKETS = (64, 256, 1024, 4096)  # tokens of a group's longest completion
+# every reason a group is not trained, in the order the funnel line shows them
+REASONS = ("no_signal", "stale_at_admission", "stale_in_buffer", "stale_at_learner", "invalid", "too_large",
+           "rolled_back", "skipped")
+GAUGES = ("in_flight", "resident", "trained")
+_LABELS = {"no_signal": "no signal", "stale_at_admission": "stale at admission", "stale_in_buffer": "stale in buffer",
+           "stale_at_learner": "stale at learner", "too_large": "too large", "rolled_back": "rolled back",
+           "skipped": "skipped by guard"}
+
+
+def length_bucket(n_tokens: int) -> str:
+    for b in LEN_BUCKETS:
+        if n_tokens <= b:
+            return f"<={b}"
+    return f">{LEN_BUCKETS[-1]}"
+
+
+def lost_metrics(reasons: dict, by_len: dict) -> dict[str, float]:
+    """A role's ``funnel/<reason>`` and ``funnel/len/<bucket>`` counters (cumulative, this incarnation)."""
+    return {**{PREFIX + r: float(n) for r, n in reasons.items()},
+            **{LEN_PREFIX + b: float(n) for b, n in by_len.items()}}
+
+
+class Funnel:
+    def __init__(self):
+        self._last: dict[tuple[str, str], float] = {}  # (source, key) -> last value reported
+        self._base: dict[tuple[str, str], float] = {}  # what earlier incarnations of the source counted
+
+    def update(self, source: str, values: dict) -> None:
+        """A record's values from ``source`` (``role/id``); keys outside ``funnel/`` are ignored."""
+        for key, v in values.items():
+            if not key.startswith(PREFIX) or not isinstance(v, float) or not math.isfinite(v):
+                continue
+            sk = (source, key)
+            last = self._last.get(sk, 0.0)
+            if v < last and key[len(PREFIX):] not in GAUGES:  # a restarted role counts from 0 again
+                self._base[sk] = self._base.get(sk, 0.0) + last
+            self._last[sk] = v
+
+    def total(self, name: str) -> float:
+        key = PREFIX + name
+        return sum(v + self._base.get(sk, 0.0) for sk, v in self._last.items() if sk[1] == key)
+
+    def lost(self) -> dict[str, float]:
+        return {r: n for r in REASONS if (n := self.total(r))}
+
+    def by_length(self) -> dict[str, float]:
+        buckets = [f"<={b}" for b in LEN_BUCKETS] + [f">{LEN_BUCKETS[-1]}"]
+        return {b: n for b in buckets if (n := self.total("len/" + b))}
+
+    def balance(self) -> float:
+        """generated - (trained + lost + resident + in flight): 0 when every role's last counts are in."""
+        return self.total("generated") - self.total("trained") - sum(self.lost().values()) \
+            - self.total("resident") - self.total("in_flight")
+
+    def line(self) -> str | None:
+        """``generated 480 → accepted 440 → trained 400 · lost 56 (no signal 30, ...) · held 24``; None before any count."""
+        if not any(k[1].startswith(PREFIX) for k in self._last):
+            return None
+        lost, held = self.lost(), self.total("resident") + self.total("in_flight")
+        out = " → ".join(f"{name} {self.total(name):.0f}" for name in ("generated", "accepted", "trained"))
+        if lost:
+            out += f" · lost {sum(lost.values()):.0f} (" + ", ".join(
+                f"{_LABELS.get(r, r)} {n:.0f}" for r, n in lost.items()) + ")"
+        return out + f" · held {held:.0f}"
+
+    def length_line(self) -> str | None:
+        """``lost by response length: <=64 40, <=256 16``; None with nothing lost."""
+        by_len = self.by_length()
+        return "lost by response length: " + ", ".join(f"{b} {n:.0f}" for b, n in by_len.items()) if by_len else None
+
+
+def from_records(records) -> Funnel:
+    f = Funnel()
+    for rec in records:
+        f.update(f"{rec.role}/{rec.id}", rec.values)
+    return f
