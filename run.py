@@ -153,7 +153,7 @@ def train_main(args) -> int:
     print(f"done in {result.wall_s:.0f}s: held-out reward {start if start is not None else float('nan'):.3f} "
           f"-> {final['eval/reward']:.3f}; run dir {result.run_dir}")
     books = funnel_of(result.run_dir)
-    print("\n".join(line for line in (books.line(), books.length_line()) if line))
+    print("\n".join(line for line in (books.line() and f"funnel: {books.line()}", books.length_line()) if line))
     return 0
 
 

@@ -114,12 +114,14 @@ class RolloutWorker:
             if n == 0:
                 break
             self.admission.start(n)
+            self.client.in_flight(self.engine.version)  # buffer.stale_strategy = wait holds the learner for them
             t0, sending, groups = time.time(), 0.0, []
             for group in self.generate_groups(n):  # each sent as soon as its last sample is done
                 groups.append(group)
                 t_send = time.time()
                 self._hand_over(group)  # may wait for the buffer's window: not generation
                 sending += time.time() - t_send
+            self.client.in_flight(-1)
             self._emit(groups, time.time() - t0 - sending, waited)
         self.client.flush(timeout_s=5.0)
 

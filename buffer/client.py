@@ -22,8 +22,8 @@ import msgspec
 import zmq
 
 from core import net
-from core.messages import (BUFFER_TO_ACTOR, BUFFER_TO_LEARNER, MAX_GROUPS_PER_MSG, Ack, Acks, Consumed, Control, Hello, RolloutGroup,
-                           SampleBatch, SampleRequest, decoder, encode)
+from core.messages import (BUFFER_TO_ACTOR, BUFFER_TO_LEARNER, MAX_GROUPS_PER_MSG, Ack, Acks, Consumed, Control,
+                           Hello, InFlight, RolloutGroup, SampleBatch, SampleRequest, decoder, encode)
 
 log = logging.getLogger("driftrl.buffer.client")
 
@@ -187,6 +187,7 @@ class ActorClient:
         self.control: tuple[int, bool] | None = None  # (max_staleness, paused): see the docstring
         self._hello = encode(Hello("actor", actor_id, token=run_token(cfg, run_dir, token)))
         self._hello_at: float | None = None
+        self._report, self._report_due = None, False  # the latest InFlight, and whether to (re)send it
         self._dec = decoder(BUFFER_TO_ACTOR)
         self._own_ctx = ctx is None
         self._ctx = zmq.Context() if ctx is None else ctx
@@ -262,8 +263,14 @@ class ActorClient:
         """Wait until every group sent so far is acked; False on timeout or stop."""
         return self._wait_until(lambda: not self._pending, time.monotonic() + timeout_s)
 
+    def in_flight(self, oldest: int) -> None:
+        """Tell the buffer the start version of the oldest group being generated (-1: none); again after a reconnect."""
+        self._report = encode(InFlight(oldest))
+        self._report_due = True
+        self._pump()
+
     def settle(self, timeout_s: float) -> int:
-        """At exit, stopped or not: up to ``timeout_s`` for the acks of the groups in flight; returns how many are left."""
+        """At exit, stopped or not: up to ``timeout_s`` for the acks of the groups in flight; how many are left."""
         deadline = time.monotonic() + timeout_s
         while self._pending and time.monotonic() < deadline:
             self.poll(50)
@@ -320,6 +327,8 @@ class ActorClient:
         if not self._authed and (self._hello_at is None or now - self._hello_at >= self.resend_s):
             if _try_send(self._sock, self._hello):
                 self._hello_at = now
+        if self._report_due and self._authed:
+            self._report_due = not _try_send(self._sock, self._report)
         if now < self._due:  # nothing is unsent or due for a resend: skip the scan
             return
         due, out = float("inf"), []
@@ -355,6 +364,7 @@ class ActorClient:
         if st == "hello":
             self._server_next, self._authed = ack.seq, True
             self._next = max(self._next, ack.seq)
+            self._report_due = self._report is not None  # a new connection (or buffer) has not heard it
             return
         p = self._pending.get(ack.seq)
         if st == "unauthenticated":  # a restarted buffer: say Hello again at once, p right behind it

@@ -29,6 +29,7 @@ from typing import Callable
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from buffer import policies
 from buffer.durable import CorruptStore, DurableStore, StoreWriteFailed
 from buffer.store import Entry, Store, entry_from_group
 from core import config as C
@@ -37,8 +38,8 @@ from core.files import atomic_write
 from core.funnel import length_bucket
 from core.proc import EXIT_CORRUPT_LOG, EXIT_WRITE_FAILED
 from core.messages import (LEARNER_TO_BUFFER, MAX_GROUPS_PER_MSG, SCHEMA_VERSION, Ack, Acks, Consumed,
-                           Control, Hello, InvalidMessage, Limits, RolloutGroup, SampleBatch, SampleRequest,
-                           decode_reason, decoder, encode, group_decoder, group_key, validate_group)
+                           Control, Hello, InFlight, InvalidMessage, Limits, RolloutGroup, SampleBatch,
+                           SampleRequest, decode_reason, decoder, encode, group_decoder, group_key, validate_group)
 
 log = logging.getLogger("driftrl.buffer")
 
@@ -97,9 +98,10 @@ class BufferServer:
         self.leases_expired = 0  # groups released because the learner's connection dropped
         self.paused = False  # the learner asked the actors to start no new group
         self._control: Control | None = None  # set once the learner's limit or pause departs from the config
+        self.stale_wait = policies.StaleWait(b.stale_wait_s) if b.stale_strategy == "wait" else None
         self.token = _load_token(run_dir, cfg.net.host)
         self.run_dir = run_dir  # for the heartbeat (core/heartbeat.py)
-        self._actor_dec = group_decoder(self.limits, Hello)
+        self._actor_dec = group_decoder(self.limits, Hello, InFlight)
         self._learner_dec = decoder(LEARNER_TO_BUFFER)
         self._hello_dec = decoder(Hello)
         self._group_dec = decoder(RolloutGroup)
@@ -192,6 +194,8 @@ class BufferServer:
         if self.actor_sock in ready:
             self._drain(self.actor_sock, self._on_actor, max_parts=MAX_GROUPS_PER_MSG)
             self._serve_requests()
+        if self.stale_wait is not None and not ready:  # an idle turn: a wait may have timed out
+            self._serve_requests()
         self._flush_outbox()
         now = time.monotonic()
         if now >= self._next_metrics:
@@ -259,6 +263,8 @@ class BufferServer:
         msg = self._decode(self._actor_dec, data, ident, actor=True)
         if isinstance(msg, RolloutGroup):
             self._on_group(ident, peer[0], msg, data)
+        elif isinstance(msg, InFlight):
+            self._on_in_flight(peer[0], msg.oldest)
         elif isinstance(msg, Hello):
             self._on_actor_hello(ident, fd, msg)
 
@@ -287,6 +293,8 @@ class BufferServer:
             self._actor_of.pop(old, None)
         self._actor_of[ident] = (msg.id, fd)
         self._actor_ident[msg.id] = ident
+        if self.stale_wait is not None:
+            self.stale_wait.report(msg.id, -1)  # a new incarnation reports its own
         # tells an actor that lost its local counter where its seq numbering resumes
         self._ack(ident, Ack(msg.id, self.store.seen.next_seq(msg.id), "hello"))
         if self._control is not None:
@@ -314,6 +322,12 @@ class BufferServer:
         if status == "ok":
             self.db.add(entry.key, raw)
         self._ack(ident, Ack(g.actor_id, g.seq, status, reason))
+
+    def _on_in_flight(self, actor: str, oldest: int) -> None:
+        if oldest > MAX_VERSION:
+            self.invalid["version_out_of_range"] += 1
+        elif self.stale_wait is not None:
+            self.stale_wait.report(actor, oldest)
 
     def _too_new(self, newest: int) -> bool:
         """True when a group's newest version is above the bound while no learner version is known
@@ -469,6 +483,9 @@ class BufferServer:
         req = st.pending if st is not None else None
         if req is None:
             return
+        if self.stale_wait is not None and not store.saturated and \
+                self.stale_wait.holds(req.request_id, st.version - store.max_staleness, time.monotonic()):
+            return  # stale_strategy = wait, and there is room for the groups waited for
         n = min(req.num_groups, store.capacity_groups)
         avail = store.available()
         # full buffer: serve what there is rather than wait for groups that cannot fit
@@ -537,6 +554,9 @@ class BufferServer:
         out["buffer/send_failed"] = float(self.send_failed)  # peers gone or not reading
         out["buffer/deferred_future"] = float(self.deferred)
         out["buffer/leases_expired"] = float(self.leases_expired)
+        waits = self.stale_wait or policies.StaleWait(0)
+        out["buffer/stale_waits"] = float(waits.held)  # requests held by stale_strategy = wait
+        out["buffer/stale_wait_timeouts"] = float(waits.timeouts)
         out["buffer/max_staleness"] = float(self.store.max_staleness)
         out["buffer/actors_paused"] = float(self.paused)
         for reason, n in self.invalid.items():

@@ -133,6 +133,10 @@ class BufferSection(_Section):
     persist: bool = True  # buffer/durable.py: SQLite in run_dir/buffer/ (false: in memory)
     fsync: Literal["always", "batch", "never"] = "batch"  # commit per group / per loop turn / no fsync
     max_prompt_tokens: PosInt = 4096  # nor empty (completions: actor.max_new_tokens, group_size, vocab_size)
+    # drop: train on what has arrived, groups still being generated may go stale; wait: hold the learner
+    # (up to stale_wait_s per actor) for groups in generation that its next step would make stale
+    stale_strategy: Literal["drop", "wait"] = "drop"
+    stale_wait_s: PosFloat = 30.0
 
 
 class LearnerSection(_Section):

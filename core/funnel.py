@@ -71,7 +71,8 @@ class Funnel:
             - self.total("resident") - self.total("in_flight")
 
     def line(self) -> str | None:
-        """``generated 480 → accepted 440 → trained 400 · lost 56 (no signal 30, ...) · held 24``; None before any count."""
+        """``generated 480 → accepted 440 → trained 400 · lost 56 (no signal 30, ...) · held 24``; None before
+        any count. Mid-run each role's part is its last report (the buffer's: at most a second old)."""
         if not any(k[1].startswith(PREFIX) for k in self._last):
             return None
         lost, held = self.lost(), self.total("resident") + self.total("in_flight")

@@ -120,6 +120,12 @@ class Acks(_Msg, tag="acks"):
     acks: list[Ack]  # one actor's acks of one group commit, in order
 
 
+class InFlight(_Msg, tag="in_flight"):
+    # actor -> buffer, when it changes: the start version of the actor's oldest group still being
+    # generated (-1: none); buffer.stale_strategy = "wait" holds the learner for such groups
+    oldest: int
+
+
 class Control(_Msg, tag="control"):
     # the learner's control state, passed on by the buffer to every actor when it changes (and to
     # an actor that says Hello once it departed from the config): the staleness limit admission
@@ -227,7 +233,7 @@ class MetricRecords(_Msg, tag="metrics"):
     values: dict[str, float | list[float]]
 
 
-ACTOR_TO_BUFFER = Union[Hello, RolloutGroup]
+ACTOR_TO_BUFFER = Union[Hello, InFlight, RolloutGroup]
 BUFFER_TO_ACTOR = Union[Ack, Acks, Control]
 LEARNER_TO_BUFFER = Union[Hello, SampleRequest, Consumed]
 BUFFER_TO_LEARNER = Union[SampleBatch, Ack]  # Ack: "unauthenticated", or "rejected" for a Hello

@@ -17,7 +17,7 @@ import pytest
 
 from buffer.client import WINDOW, ActorClient, LearnerClient, spool_path
 from core import config as C
-from core.messages import RolloutGroup, decoder, encode
+from core.messages import RolloutGroup, decoder
 from tests.support.buffer import ROOT, ServerProcess, ServerThread, make_config, wait_for
 from tests.support.synth import make_group
 
@@ -166,11 +166,12 @@ def start_actor(tmp_path, cfg_path, incarnation, count, log, run_dir):
 
 
 def spooled_seqs(run):
-    """Seqs the actor's spool holds, read without touching it (the actor may be writing)."""
+    """Seqs the actor's spool holds, read without touching it. A file still being written (or cut short by
+    a kill) fails to decode and is left out, as ``Spool.pending`` discards it: its groups were never sent."""
     d, seqs = spool_path(run, "a0"), []
     for name in os.listdir(d) if os.path.isdir(d) else []:
-        if name.endswith(".groups"):  # complete: spool files appear by rename
-            with contextlib.suppress(FileNotFoundError), open(os.path.join(d, name), "rb") as f:
+        if name.endswith(".groups"):
+            with contextlib.suppress(FileNotFoundError, msgspec.DecodeError), open(os.path.join(d, name), "rb") as f:
                 seqs += [GROUP.decode(p).seq for p in msgspec.msgpack.decode(f.read(), type=list[bytes])]
     return sorted(seqs)
 

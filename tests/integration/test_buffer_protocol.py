@@ -146,6 +146,39 @@ def test_request_is_held_until_enough_groups_then_answered_once(tmp_path):
         learner.close()
 
 
+@pytest.mark.parametrize("strategy", ["drop", "wait"])
+def test_stale_strategy_wait_holds_the_learner_for_groups_its_next_step_would_make_stale(tmp_path, strategy):
+    cfg = make_config(run_dir=tmp_path, max_staleness=1, stale_strategy=strategy, stale_wait_s=1.5)
+    with ServerThread(cfg, str(tmp_path)) as srv:
+        actor, learner = ActorClient(cfg, "a0"), LearnerClient(cfg)
+        assert learner.sample(1, 1, timeout_s=0.3) is None  # the buffer learns the learner's version
+        for _ in range(2):
+            actor.send(small("a0", actor.next_seq(), version=1))
+        assert actor.flush(10)
+        actor.in_flight(1)  # a batch started at version 1 is being generated
+        wait_for(lambda: strategy == "drop" or "a0" in srv.stale_wait._oldest)
+        # at version 1 the next step makes version-1 groups 1 stale: within the bound, nothing to wait for
+        assert len(learner.sample(1, 1, timeout_s=10).groups) == 1
+        # at version 2 it makes them 2 stale: wait holds the learner until they are in
+        got = learner.sample(1, 2, timeout_s=0.6)
+        assert (got is None) == (strategy == "wait")
+        if strategy == "drop":
+            return
+        actor.in_flight(-1)
+        assert len(learner.sample(1, 2, timeout_s=10).groups) == 1
+        # an actor that never finishes is waited for stale_wait_s, then forgotten (counted)
+        actor.send(small("a0", actor.next_seq(), version=2))
+        actor.in_flight(2)
+        assert actor.flush(10)
+        wait_for(lambda: srv.stale_wait._oldest.get("a0", [None])[0] == 2)  # (the learner's socket is read first)
+        t0 = time.monotonic()
+        assert len(learner.sample(1, 3, timeout_s=10).groups) == 1
+        assert time.monotonic() - t0 >= 1.4
+        assert (srv.stale_wait.held, srv.stale_wait.timeouts) == (2, 1)
+        actor.close()
+        learner.close()
+
+
 def test_full_buffer_serves_a_partial_batch_instead_of_deadlocking(tmp_path):
     one = len(encode(small("a0", 0)))
     cfg = make_config(run_dir=tmp_path, capacity_bytes=int(2.5 * one))

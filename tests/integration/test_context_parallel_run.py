@@ -14,7 +14,7 @@ import jobs
 from core import config as C
 from learner import audit
 from tests.support import books
-from tests.support.runs import TINY_RUN, alive, lines, read_json, wait_until
+from tests.support.runs import TINY_RUN, alive, lines, models_dir, read_json, wait_until
 
 STEPS = 20
 KILL_AFTER = 6  # trained steps
@@ -55,7 +55,7 @@ def _kill_rank1(run_dir: str, killed: dict) -> None:
 def test_a_two_rank_learner_trains_and_restarts_whole_when_a_rank_dies(tmp_path, launcher):
     if launcher == "ray":
         pytest.importorskip("ray")
-    cfg = C.load(None, TINY_RUN + [f"model.cache_dir={tmp_path / 'models'}", "learner.context_parallel=2",
+    cfg = C.load(None, TINY_RUN + [f"model.cache_dir={models_dir()}", "learner.context_parallel=2",
                                    f"run.launcher={launcher}",
                                    "buffer.max_staleness=1", "run.ckpt_every=3", f"run.max_steps={STEPS}",
                                    "run.max_time_s=300", "run.restart_backoff_s=0.2"])

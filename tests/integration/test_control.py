@@ -16,15 +16,15 @@ import pytest
 from core import config as C
 import jobs
 from tests.support import patched_actor
-from tests.support.runs import TINY_RUN, alive, lines
+from tests.support.runs import TINY_RUN, alive, lines, models_dir
 
 pytestmark = pytest.mark.slow
 GUARDS = ["control.guard_ratio_p99=1.5", "control.guard_ratio_min=0.5"]
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("models"))
+def cache_dir():
+    return models_dir()  # the tiny model, built once for all the whole-run tests
 
 
 def _train(tmp_path, cache_dir, monkeypatch, skew: str, *overrides):

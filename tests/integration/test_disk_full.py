@@ -15,6 +15,7 @@ import pytest
 from core.proc import EXIT_WRITE_FAILED
 from learner import audit
 from tests.support import books
+from tests.support.runs import models_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1",
@@ -40,7 +41,7 @@ def _run(*args):
 
 def test_full_disk_is_one_line_and_the_run_resumes(tmp_path, small_disk):
     run_dir = tmp_path / "run"
-    cache = f"model.cache_dir={tmp_path / 'models'}"
+    cache = f"model.cache_dir={models_dir()}"  # the tiny model, built once for all the whole-run tests
     out = _run(*TINY, cache, "run.max_steps=6", f"run.run_dir={run_dir}")
     text = out.stdout + out.stderr
     assert out.returncode == EXIT_WRITE_FAILED, text[-3000:]  # the exit status says "could not write"

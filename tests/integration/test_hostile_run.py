@@ -18,12 +18,12 @@ import pytest
 from buffer import durable
 from core import config as C
 import jobs
-from tests.support.runs import TINY_RUN, alive, lines, read_json, wait_until
+from tests.support.runs import TINY_RUN, alive, lines, models_dir, read_json, wait_until
 
 CONNECTIONS = 1000  # per port, both ports at once
 PORTS = ("actor", "learner")  # buffer/ports.json
 WARMUP = 3  # trained steps before the hammering starts
-STEPS = 80  # the run's step budget: the hammering (~1.5 s, ~20 steps on 2 busy cores) ends well before it
+STEPS = 40  # the run's step budget: the hammering (~1.5 s, ~15-20 steps on 2 busy cores) ends well before it
 GREETING = b"\xff" + b"\0" * 8 + b"\x7f"  # ZMTP/3 signature
 HALF_GREETING = GREETING + b"\x03\x00NULL"  # cut off within the mechanism
 FULL_GREETING = GREETING + b"\x03\x00" + b"NULL".ljust(20, b"\0") + b"\0" + b"\0" * 31  # 64 bytes
@@ -31,8 +31,8 @@ ZMTP1_FRAME = bytes.fromhex("01000600") + b"hello"  # empty identity, then a 5-b
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("models"))
+def cache_dir():
+    return models_dir()  # the tiny model, built once for all the whole-run tests
 
 
 def _payload(i: int, rng: random.Random) -> bytes:

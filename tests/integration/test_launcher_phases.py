@@ -14,14 +14,14 @@ import pytest
 
 from core import config as C
 from core import launchers
-from tests.support.runs import ROOT, TINY_RUN
+from tests.support.runs import ROOT, TINY_RUN, models_dir
 
 BOUND_S = 30.0  # from SIGTERM to the launcher's exit, whatever it was doing
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("models"))
+def cache_dir():
+    return models_dir()  # the tiny model, built once for all the whole-run tests
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ import uuid
 
 import pytest
 
-from tests.support.runs import ROOT, TINY_RUN, alive, lines
+from tests.support.runs import ROOT, TINY_RUN, alive, lines, models_dir
 
 STEPS = 60  # long enough (~15 s of learner steps here) to watch it move and detach mid-run
 try:
@@ -32,7 +32,7 @@ except ImportError:
 class Job:
     def __init__(self, tmp):
         self.run_dir = str(tmp / "run")
-        overrides = TINY_RUN + [f"model.cache_dir={tmp / 'models'}", f"run.max_steps={STEPS}", "run.max_time_s=150",
+        overrides = TINY_RUN + [f"model.cache_dir={models_dir()}", f"run.max_steps={STEPS}", "run.max_time_s=150",
                                 f"run.run_dir={self.run_dir}", f"metrics.tensorboard={str(TENSORBOARD).lower()}"]
         self.log = open(tmp / "job.log", "wb")
         self.proc = subprocess.Popen([sys.executable, "run.py", *overrides], cwd=ROOT, stdout=self.log,

@@ -10,12 +10,12 @@ import time
 
 import pytest
 
-from tests.support.runs import ROOT, TINY_RUN, alive, lines
+from tests.support.runs import ROOT, TINY_RUN, alive, lines, models_dir
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("models"))
+def cache_dir():
+    return models_dir()  # the tiny model, built once for all the whole-run tests
 
 
 @pytest.mark.parametrize("launcher", ["local", "ray"])

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from tests.support.runs import alive, lines
+from tests.support.runs import alive, lines, models_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1",
@@ -24,7 +24,7 @@ def test_resume_after_a_crash_of_everything_never_repeats_a_version(tmp_path):
     import time
 
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "run.py", *TINY, f"model.cache_dir={tmp_path / 'models'}", "run.ckpt_every=2",
+    cmd = [sys.executable, "run.py", *TINY, f"model.cache_dir={models_dir()}", "run.ckpt_every=2",
            "run.max_steps=100000", "run.max_time_s=300", f"run.run_dir={run_dir}"]
     p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

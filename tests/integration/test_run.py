@@ -11,7 +11,7 @@ import pytest
 
 from core import config as C
 import jobs
-from tests.support.runs import alive
+from tests.support.runs import alive, models_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1",
@@ -21,8 +21,8 @@ TINY = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=2", "mode
 
 
 @pytest.fixture(scope="session")
-def cache_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("models"))
+def cache_dir():
+    return models_dir()  # the tiny model, built once for all the whole-run tests
 
 
 def _records(run_dir):
@@ -32,10 +32,10 @@ def _records(run_dir):
 
 
 
-@pytest.mark.parametrize("staleness", [0, 2])
-def test_run_end_to_end(tmp_path, cache_dir, staleness):
+@pytest.mark.parametrize("staleness,strategy", [(0, "drop"), (2, "wait")])
+def test_run_end_to_end(tmp_path, cache_dir, staleness, strategy):
     cfg = C.load(None, TINY + [f"model.cache_dir={cache_dir}", f"buffer.max_staleness={staleness}",
-                               "run.max_steps=8", "run.max_time_s=120"])
+                               f'buffer.stale_strategy="{strategy}"', "run.max_steps=8", "run.max_time_s=120"])
     result = jobs.train(cfg, str(tmp_path / "run"))
     assert not result.interrupted
     recs = _records(result.run_dir)
@@ -59,6 +59,8 @@ def test_run_end_to_end(tmp_path, cache_dir, staleness):
     books = jobs.funnel_of(result.run_dir)
     assert books.total("generated") > books.total("trained") == 8 * 4 and books.lost()["no_signal"] > 0
     assert books.balance() == 0, books.line()
+    if strategy == "wait":  # the learner waited for the groups in generation: none went stale
+        assert not [r for r in books.lost() if r.startswith("stale")], books.line()
     assert any("eval/reward" in r for r in recs)
     if staleness:
         assert any(r["staleness/max"] >= 1 for r in learner), "async run never ran ahead"

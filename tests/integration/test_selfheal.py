@@ -22,18 +22,18 @@ from core import heartbeat
 import jobs
 from learner import audit
 from tests.support import books
-from tests.support.runs import TINY_RUN, alive, lines, read_json, wait_until
+from tests.support.runs import TINY_RUN, alive, lines, models_dir, read_json, wait_until
 
 KILLS = ("actor0", "buffer", "learner")  # in this order, each after PROGRESS more trained steps
 PROGRESS = 3
-STEPS = 40  # the kill-in-turn run's step budget
+STEPS = 25  # the kill runs' step budget: their last kill lands near step 10, the rest is trained after it
 BACK_S = 60.0  # a killed role must be running (new pid) and beating again within this
 RESUMED = re.compile(r"resumed from (\S+) at step (\d+) version (\d+) \(checkpoint version (\d+)\)")
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("models"))
+def cache_dir():
+    return models_dir()  # the tiny model, built once for all the whole-run tests
 
 
 def _pid(run_dir: str, name: str) -> int | None:

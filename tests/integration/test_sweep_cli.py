@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.support.runs import ROOT, TINY_RUN, lines
+from tests.support.runs import ROOT, TINY_RUN, lines, models_dir
 
 pytestmark = pytest.mark.slow
 FAST = [t for t in TINY_RUN if not t.startswith("run.eval_every=")] + [
@@ -57,7 +57,7 @@ def _check_against_metrics(run: dict):
 
 def test_sweep_interrupted_then_resumed_reports_every_run(tmp_path):
     out = tmp_path / "sweep"
-    args = ["buffer.max_staleness=0,1", "--seeds", "1", *FAST, f"model.cache_dir={tmp_path / 'models'}",
+    args = ["buffer.max_staleness=0,1", "--seeds", "1", *FAST, f"model.cache_dir={models_dir()}",
             "--out", str(out)]
     second = out / "01-max_staleness=1-seed0"
     rc, stdout, stderr = _sweep(args, tmp_path, interrupt_when=second / "pids.json")

@@ -12,7 +12,7 @@ import pytest
 import jobs
 from core import config as C
 from learner.tail import RECORD_FIELDS, TAIL_FILE
-from tests.support.runs import ROOT, TINY_RUN, lines
+from tests.support.runs import ROOT, TINY_RUN, lines, models_dir
 
 STEPS, K = 4, 3
 
@@ -20,7 +20,7 @@ STEPS, K = 4, 3
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tail")
-    cfg = C.load(None, TINY_RUN + [f"model.cache_dir={tmp / 'models'}", "buffer.max_staleness=1",
+    cfg = C.load(None, TINY_RUN + [f"model.cache_dir={models_dir()}", "buffer.max_staleness=1",
                                    f"run.max_steps={STEPS}", "run.max_time_s=60", f"learner.tail_k={K}"])
     result = jobs.train(cfg, str(tmp / "run"))
     assert not result.interrupted

@@ -1,10 +1,14 @@
-"""Helpers of the tests that run whole jobs: the tiny run's overrides, reading a run directory,
-and telling whether a role process is still there."""
+"""Helpers of the tests that run whole jobs: the tiny run's overrides, the model cache they
+share, reading a run directory, and telling whether a role process is still there."""
 
 from __future__ import annotations
 
+import atexit
+import functools
 import json
 import os
+import shutil
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -14,6 +18,17 @@ TINY_RUN = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=2", "
             # this model scores 0 on every group: each actor (re)start would first leave 64 out
             # (actor/worker.py MAX_UNIFORM_IN_A_ROW); test_run.py runs the default with it on
             "actor.skip_uniform_groups=false"]
+
+
+@functools.lru_cache(maxsize=None)
+def models_dir() -> str:
+    """The ``model.cache_dir`` of the whole-run tests: one per pytest process, so the tiny base model
+    (cached under a hash of its recipe: the same in TINY_RUN's runs) is built by the first run that
+    needs it and reused by the others instead of built again in every test. A private temporary
+    directory removed at exit, like tests/support/tiny.py's: the tests never touch ``.cache``."""
+    path = tempfile.mkdtemp(prefix="driftrl-models-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 def lines(path) -> list[dict]:

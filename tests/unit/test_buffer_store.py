@@ -1,5 +1,6 @@
 """Pure logic of the buffer: dedup memory, admission, accounting, staleness policies."""
 
+import doctest
 import random
 
 import pytest
@@ -193,3 +194,16 @@ def test_no_policy_ever_serves_a_group_beyond_the_bound(name):
 def test_unknown_policy_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown buffer policy"):
         Store(1, 1, policy="lifo")
+
+
+def test_stale_wait_holds_for_groups_in_generation_until_they_are_in_or_waited_for_too_long():
+    assert doctest.testmod(policies).failed == 0  # the worked example in StaleWait's docstring
+    w = policies.StaleWait(wait_s=10)
+    w.report("a0", 3)
+    w.report("a1", 5)
+    assert w.holds(7, 4, now=0.0) and w.holds(7, 4, now=1.0) and w.held == 1  # one request, counted once
+    w.report("a0", 3)  # a repeated report keeps its clock
+    assert not w.holds(8, 4, now=10.5) and w.timeouts == 1  # a0 waited for too long: forgotten
+    assert w.holds(9, 5, now=11.0)  # a1's groups are now at risk
+    w.report("a1", -1)  # in: nothing to wait for
+    assert not w.holds(10, 5, now=11.0) and w.held == 2

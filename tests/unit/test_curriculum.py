@@ -119,7 +119,7 @@ def _worker(*extra: str) -> RolloutWorker:
 
 
 class _Seqs:
-    n, admission_wait_s = 0, 0.0
+    n, admission_wait_s, outstanding = 0, 0.0, 0
 
     def next_seq(self):
         self.n += 1
