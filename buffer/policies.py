@@ -69,11 +69,12 @@ class StaleWait:
         self._last_held = -1
 
     def report(self, actor: str, oldest: int) -> None:
-        """-1: none in generation; a repeated report keeps its wait's clock."""
+        """-1: none in generation. Until then, a new report keeps the wait's clock (whatever version it
+        names), so no sequence of reports holds a request past ``wait_s`` without the actor finishing."""
         if oldest < 0:
             self._oldest.pop(actor, None)
-        elif self._oldest.get(actor, [None])[0] != oldest:
-            self._oldest[actor] = [oldest, None]
+        else:
+            self._oldest.setdefault(actor, [oldest, None])[0] = oldest
 
     def holds(self, request_id: int, stale_from: int, now: float) -> bool:
         """Whether a group started at or before version ``stale_from`` is still in generation."""

@@ -554,9 +554,9 @@ class BufferServer:
         out["buffer/send_failed"] = float(self.send_failed)  # peers gone or not reading
         out["buffer/deferred_future"] = float(self.deferred)
         out["buffer/leases_expired"] = float(self.leases_expired)
-        waits = self.stale_wait or policies.StaleWait(0)
-        out["buffer/stale_waits"] = float(waits.held)  # requests held by stale_strategy = wait
-        out["buffer/stale_wait_timeouts"] = float(waits.timeouts)
+        w = self.stale_wait
+        out["buffer/stale_waits"] = float(w.held if w else 0)  # requests held by stale_strategy = wait
+        out["buffer/stale_wait_timeouts"] = float(w.timeouts if w else 0)
         out["buffer/max_staleness"] = float(self.store.max_staleness)
         out["buffer/actors_paused"] = float(self.paused)
         for reason, n in self.invalid.items():
