@@ -19,10 +19,11 @@ import msgspec
 import numpy as np
 import torch
 
+from actor import partial
 from actor.curriculum import LengthCurriculum, prompt_limit, state_path
-from actor.engines import EngineStopped, engine_class, make_engine
+from actor.engines import EngineStopped, Sample, engine_class, make_engine
 from actor.evaluate import evaluate
-from actor.tasks import make_task
+from actor.tasks import Prompt, make_task
 from buffer.client import ActorClient, Stopped as BufferStopped
 from core import config as C
 from core import funnel, heartbeat, placement
@@ -41,11 +42,47 @@ MAX_UNIFORM_IN_A_ROW = 64
 SETTLE_S = 2.0  # at exit, how long the acks of the groups in flight are awaited (the launcher stops actors first)
 
 
+class _Batch:
+    """The groups being generated: their prompts, limits, samples so far, and the seqs of those handed over."""
+
+    def __init__(self, start_version: int, prompts: list[Prompt], limits: list[int], size: int):
+        self.start_version, self.prompts, self.limits = start_version, prompts, limits
+        self.done: list[list[Sample | None]] = [[None] * size for _ in prompts]
+        self.seqs: dict[int, int] = {}  # group -> the seq it was handed over with (-1: left out, no signal)
+        self.saved = False  # whether the partial file lists this batch
+
+    @classmethod
+    def resumed(cls, saved: partial.SavedBatch, groups: list[partial.SavedGroup]) -> "_Batch":
+        prompts = [Prompt(g.prompt_id, tuple(g.prompt), g.tier, g.difficulty, g.answer) for g in groups]
+        b = cls(saved.start_version, prompts, [g.limit for g in groups], len(groups[0].samples))
+        b.done = [[None if s is None else Sample(list(s.tokens), list(s.logprobs), list(s.versions), s.finish_reason)
+                   for s in g.samples] for g in groups]
+        b.seqs = {i: g.seq for i, g in enumerate(groups) if g.seq >= 0}
+        return b
+
+    def saved_form(self, actor_id: str, running: dict[tuple[int, int], Sample]) -> partial.SavedBatch:
+        """What to save: the groups not handed over (and those handed over while the file listed them)."""
+        groups = [partial.SavedGroup(p.id, list(p.tokens), p.tier, p.difficulty, p.answer, self.limits[i], [
+            _saved(s if s is not None and s.finish_reason else running.get((i, j))) for j, s in enumerate(done)],
+            self.seqs.get(i, -1)) for i, (p, done) in enumerate(zip(self.prompts, self.done))
+            if self.seqs.get(i, -1) >= 0 or i not in self.seqs]
+        return partial.SavedBatch(actor_id, self.start_version, groups)
+
+
+def _saved(s: Sample | None) -> partial.SavedSample | None:
+    return None if s is None else partial.SavedSample(s.tokens, s.logprobs, s.versions, s.finish_reason)
+
+
 class RolloutWorker:
     uniform = 0  # groups left out for equal rewards (skip_uniform_groups), this incarnation
     generated = 0  # groups finished by the engine, this incarnation (the funnel's top: core/funnel.py)
     _uniform_streak = 0
-    _uniform_by_len: collections.Counter | None = None
+    _lost_by_len: collections.Counter | None = None  # groups left out or dropped at a restart, by length
+    dropped_at_restart = 0  # saved groups too stale to continue (actor/partial.py): generated, then lost
+    _batch: _Batch | None = None  # the batch in generation
+    _saved_at = 0.0
+    _where: list[tuple[int, int]] = []  # the stream's prompt index -> (group, sample)
+    restart: dict[str, int] = {}  # what a resume continued and dropped (actor/partial.py), once resumed
 
     def __init__(self, cfg: C.Config, run_dir: str, index: int, stop: threading.Event | None = None):
         self.cfg, self.run_dir, self.index = cfg, run_dir, index
@@ -59,7 +96,8 @@ class RolloutWorker:
         weights = engine_class(a.engine).weight_source(cfg, run_dir, self.actor_id, stop=self.stop, device=self.device)
         self.engine = make_engine(a, cfg.model.path, weights, seed=cfg.run.seed * 1000 + index)
         self.engine.stop = self.stop
-        self.engine.on_step = self._beat
+        self.engine.on_step = self._on_step
+        self.partial_path = partial.path(run_dir, self.actor_id)
         self.client = ActorClient(cfg, self.actor_id, run_dir=run_dir, stop=self.stop)
         self.admission: Admission | None = None  # set by the first weights applied (_wait_for_weights)
         self.rng: random.Random | None = None  # seeded by the first weights' version
@@ -88,6 +126,49 @@ class RolloutWorker:
     def _beat(self) -> None:  # core/heartbeat.py: a role silent for too long is hung
         heartbeat.beat(self.run_dir, self.actor_id)
 
+    def _on_step(self) -> None:
+        """Once per engine step: the heartbeat, and the batch saved every ``actor.partial_save_s``."""
+        self._beat()
+        every = self.cfg.actor.partial_save_s
+        if every and self._batch is not None and time.monotonic() - self._saved_at >= every:
+            self.save_partial()
+
+    def save_partial(self) -> None:
+        """Save the batch in generation with each running sample's prefix (actor/partial.py)."""
+        b, progress = self._batch, self.engine.progress()
+        running = {self._where[k]: s for k, s in progress.items() if k < len(self._where)}
+        partial.save(self.partial_path, b.saved_form(self.actor_id, running))
+        b.saved, self._saved_at = True, time.monotonic()
+
+    def _resume(self) -> _Batch | None:
+        """The batch an earlier incarnation saved, without its groups already too stale (dropped, counted) and
+        those the client still holds; groups it had handed over are sent again under their seqs."""
+        saved = partial.load(self.partial_path, self.actor_id, self.cfg.actor.group_size)
+        if saved is None:
+            return None
+        kept, dropped = partial.split(saved, self.engine.version, self.cfg.buffer.max_staleness)
+        handed = [g for g in kept if g.seq >= 0]
+        kept = [g for g in kept if g.seq < 0]
+        self.generated, self.dropped_at_restart = self.generated + len(dropped), len(dropped)
+        self._lost_by_len = self._lost_by_len or collections.Counter()
+        self._lost_by_len.update(funnel.length_bucket(max((len(s.tokens) for s in g.samples if s), default=0))
+                                 for g in dropped)
+        r = self.restart = {"actor/restart_dropped_groups": len(dropped), "actor/restart_dropped_tokens":
+                            partial.tokens(dropped), "actor/resumed_groups": len(kept), "actor/resumed_tokens":
+                            partial.tokens(kept)}
+        log.info("resuming %d groups of a batch started at version %d (%d saved tokens); %d dropped as stale "
+                 "(%d tokens), %d handed over before", len(kept), saved.start_version, r["actor/resumed_tokens"],
+                 len(dropped), r["actor/restart_dropped_tokens"], len(handed))
+        if handed:
+            b = _Batch.resumed(saved, handed)
+            self.admission.start(self.client.resend([self._group(b, i, seq) for i, seq in b.seqs.items()]))
+        if not kept:
+            partial.clear(self.partial_path)
+            return None
+        b = _Batch.resumed(saved, kept)
+        b.saved = True  # the file lists it
+        return b
+
     def _wait_for_admission(self) -> tuple[int, float]:
         t0 = time.time()
         while True:
@@ -108,22 +189,42 @@ class RolloutWorker:
     def run(self) -> None:
         if not self._wait_for_weights():
             return
+        resumed = self._resume()
+        if resumed is not None:
+            self.admission.start(len(resumed.prompts))  # admitted before the restart: they count again
+            self._generate(resumed, 0.0)
         while not self.stop.is_set():
             self._maybe_eval()
             n, waited = self._wait_for_admission()
             if n == 0:
                 break
             self.admission.start(n)
-            self.client.in_flight(self.engine.version)  # buffer.stale_strategy = wait holds the learner for them
-            t0, sending, groups = time.time(), 0.0, []
-            for group in self.generate_groups(n):  # each sent as soon as its last sample is done
+            self._generate(self.new_batch(n), waited)
+        self.client.flush(timeout_s=5.0)
+
+    def new_batch(self, n: int) -> _Batch:
+        prompts, v = [self.task.sample(self.rng, "train") for _ in range(n)], self.engine.version
+        return _Batch(v, prompts, self.limits(prompts, v), self.cfg.actor.group_size)
+
+    def _generate(self, batch: _Batch, waited: float) -> None:
+        # buffer.stale_strategy = wait holds the learner for the groups in generation
+        self.client.in_flight(batch.start_version)
+        t0, sending, groups = time.time(), 0.0, []
+        try:
+            for group in self.generate_groups(batch):  # each sent as soon as its last sample is done
                 groups.append(group)
                 t_send = time.time()
                 self._hand_over(group)  # may wait for the buffer's window: not generation
                 sending += time.time() - t_send
-            self.client.in_flight(-1)
-            self._emit(groups, time.time() - t0 - sending, waited)
-        self.client.flush(timeout_s=5.0)
+        except (EngineStopped, BufferStopped):  # a graceful stop: the next incarnation continues the batch
+            if self.cfg.actor.partial_save_s and self._batch is not None:
+                self.save_partial()
+            raise
+        self._batch = None
+        if batch.saved:
+            partial.clear(self.partial_path)
+        self.client.in_flight(-1)
+        self._emit(groups, time.time() - t0 - sending, waited)
 
     def _hand_over(self, group: M.RolloutGroup) -> None:
         """Send ``group``; one without a seq (:meth:`_no_signal`) is left out and its admission slot given back."""
@@ -132,14 +233,15 @@ class RolloutWorker:
             self.client.send_many([group])
         else:
             self.uniform += 1
-            self._uniform_by_len = self._uniform_by_len or collections.Counter()
-            self._uniform_by_len[funnel.length_bucket(group.length())] += 1
+            self._lost_by_len = self._lost_by_len or collections.Counter()
+            self._lost_by_len[funnel.length_bucket(group.length())] += 1
             self.admission.give_back()
 
     def funnel_metrics(self) -> dict[str, float]:
         """The discard funnel's actor counts; ``in_flight``: handed to the client, not acknowledged yet."""
         return {"funnel/generated": float(self.generated), "funnel/in_flight": float(self.client.outstanding),
-                **funnel.lost_metrics({"no_signal": self.uniform}, self._uniform_by_len or {})}
+                **funnel.lost_metrics({"no_signal": self.uniform, "restart": self.dropped_at_restart},
+                                      self._lost_by_len or {})}
 
     def _no_signal(self, rewards) -> bool:
         """All rewards equal: the group-normalised advantages are 0 and, without a KL term, the group trains
@@ -153,27 +255,42 @@ class RolloutWorker:
                         "out of the model's reach, or mastered?)", MAX_UNIFORM_IN_A_ROW)
         return self._uniform_streak <= MAX_UNIFORM_IN_A_ROW
 
-    def generate_groups(self, n: int):
-        """Yield ``n`` RolloutGroups in completion order, each as soon as its last sample finishes."""
-        start_version = self.engine.version
-        prompts = [self.task.sample(self.rng, "train") for _ in range(n)]
-        size = self.cfg.actor.group_size
-        limits = self.limits(prompts, start_version)
-        done: dict[int, list] = {}  # prompt -> its samples so far, by position in the group
-        for index, sample in self.engine.stream([list(p.tokens) for p in prompts for _ in range(size)],
-                                                max_new_tokens=[b for b in limits for _ in range(size)]):
+    def generate_groups(self, batch: _Batch):
+        """Yield the batch's RolloutGroups in completion order, each as soon as its last sample finishes
+        (a resumed batch's unfinished samples continue from their prefixes)."""
+        self._batch, fin = batch, lambda s: s is not None and s.finish_reason
+        for i, done in enumerate(batch.done):  # resumed with every sample finished
+            if all(map(fin, done)):
+                yield self._finish(batch, i)
+        self._where = [(i, j) for i, done in enumerate(batch.done) for j, s in enumerate(done) if not fin(s)]
+        for index, sample in self.engine.stream(
+                [list(batch.prompts[i].tokens) for i, _ in self._where],
+                max_new_tokens=[batch.limits[i] for i, _ in self._where],
+                prefixes=[batch.done[i][j] for i, j in self._where]):
             self._beat()  # a long batch is not a hang
-            i, j = divmod(index, size)
-            self.curriculum.observe(sample.finish_reason, limits[i])
-            done.setdefault(i, [None] * size)[j] = sample
-            if None not in done[i]:
-                prompt, samples = prompts[i], done.pop(i)
-                rewards = self.task.rewards([(prompt, s.tokens) for s in samples])
-                seq = -1 if self._no_signal(rewards) else self.client.next_seq()  # -1: not to be sent
-                yield M.group_from_samples(
-                    samples, rewards, actor_id=self.actor_id, seq=seq,
-                    group_id=f"{self.actor_id}-{prompt.id}", task=self.task.name, tier=prompt.tier,
-                    prompt=prompt.tokens, start_version=start_version, created_at=time.time())
+            i, j = self._where[index]
+            self.curriculum.observe(sample.finish_reason, batch.limits[i])
+            batch.done[i][j] = sample
+            if all(map(fin, batch.done[i])):
+                yield self._finish(batch, i)
+
+    def _finish(self, batch: _Batch, i: int) -> M.RolloutGroup:
+        """Score group ``i``; its seq goes into the partial file (when that lists the batch) before the
+        group reaches the client, so a restart in between sends it again under the same seq."""
+        prompt, samples = batch.prompts[i], batch.done[i]
+        rewards = self.task.rewards([(prompt, s.tokens) for s in samples])
+        seq = batch.seqs[i] = -1 if self._no_signal(rewards) else self.client.next_seq()  # -1: not to be sent
+        if batch.saved:
+            self.save_partial()
+        return self._group(batch, i, seq, rewards)
+
+    def _group(self, batch: _Batch, i: int, seq: int, rewards=None) -> M.RolloutGroup:
+        prompt, samples = batch.prompts[i], batch.done[i]
+        rewards = rewards if rewards is not None else self.task.rewards([(prompt, s.tokens) for s in samples])
+        return M.group_from_samples(
+            samples, rewards, actor_id=self.actor_id, seq=seq, group_id=f"{self.actor_id}-{prompt.id}",
+            task=self.task.name, tier=prompt.tier, prompt=prompt.tokens, start_version=batch.start_version,
+            created_at=time.time())
 
     def limits(self, prompts, version: int) -> list[int]:
         cur = self.curriculum.limit(version)
@@ -204,6 +321,7 @@ class RolloutWorker:
             **{k: float(x) for k, x in self.engine.weights.metrics().items()},
             **self.task.metrics(),
             **self.funnel_metrics(),
+            **{k: float(v) for k, v in self.restart.items()},
         })
 
     def _maybe_eval(self) -> None:

@@ -20,7 +20,15 @@ interleaved rep by rep so every figure sees the same machine load:
 target is <= 1.2. ``ratio_copy_mode`` is the same for copy mode, two copies, so ~2 at best.
 Medians over ``--reps``. Last line: one JSON object with the figures.
 
+``--delta`` measures delta publishing instead (weightsync/delta.py): a ~100M-parameter decoder (HF-style
+init, std 0.02) takes real AdamW steps at an RL learning rate (``--lr``, 1e-6) on FP32 master weights, and
+each step publishes a BF16 version through shm with ``weightsync.delta`` on. Three subscribers: one applies
+every version, one only every 7th (it walks the deltas it missed), one joins at 3/5 of the versions. After
+``--versions`` (50) each must hold, bit for bit, what a full publish of the master weights in BF16 gives.
+``sent_frac`` = bytes published per version / a full version's bytes (target <= 0.1).
+
     python bench/weightsync.py [--reps 9] [--threads 1]
+    python bench/weightsync.py --delta [--versions 50] [--lr 1e-6] [--threads 2]
 """
 
 from __future__ import annotations
@@ -37,6 +45,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from core.config import WeightSyncSection  # noqa: E402
+from model.arch import ArchConfig  # noqa: E402
+from model.decoder import Decoder  # noqa: E402
 from weightsync.files import ShmPublisher, ShmSubscriber  # noqa: E402
 
 MODELS = {
@@ -139,12 +150,104 @@ def _deferred_cost(pub, sub, params, mapped, version: int) -> dict:
     return {"first_touch_ms": _median_ms(faults), "apply_after_touch_ms": _median_ms(unmaps[1:])}
 
 
+def _decoder_100m() -> Decoder:
+    cfg = ArchConfig(vocab_size=32000, hidden_size=640, intermediate_size=2560, num_hidden_layers=12,
+                     num_attention_heads=10, num_key_value_heads=5, head_dim=64, max_position_embeddings=256,
+                     model_type="llama")
+    model = Decoder(cfg)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:  # a checkpoint's scale: an element's BF16 step is ~0.4 % of it, an Adam step ~lr
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    return model
+
+
+def _train_step(model: Decoder, opt, gen) -> None:
+    ids = torch.randint(0, model.cfg.vocab_size, (2, 65), generator=gen)
+    pos = torch.arange(64).expand(2, 64)
+    hidden = model(ids[:, :-1], pos, torch.ones(2, 64, dtype=torch.bool))
+    loss = torch.nn.functional.cross_entropy(model.logits(hidden).flatten(0, 1), ids[:, 1:].flatten())
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+
+
+def bench_delta(versions: int, lr: float) -> dict:
+    model = _decoder_100m()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    named = lambda: {k: v.detach() for k, v in model.state_dict().items()}  # noqa: E731
+    bf16 = lambda: {k: v.to(torch.bfloat16) for k, v in named().items()}  # noqa: E731
+    gen, pub_s, apply_s, step_s = torch.Generator().manual_seed(1), [], [], []
+    with tempfile.TemporaryDirectory() as run_dir:
+        pub = ShmPublisher(run_dir, bf16())
+        pub.use_delta(WeightSyncSection().full_every, torch.bfloat16)
+        subs = {"every": ShmSubscriber(run_dir, 5, zero_copy=False), "missed": ShmSubscriber(run_dir, 5, zero_copy=False)}
+        held = {k: bf16() for k in ("every", "missed", "late")}
+        changed, delta_bytes = [], []
+        for v in range(versions):
+            if v:
+                t0 = time.perf_counter()
+                _train_step(model, opt, gen)
+                step_s.append(time.perf_counter() - t0)
+            stats = pub.publish(v, named())
+            pub_s.append(stats.seconds)
+            if v:
+                changed.append(pub.delta.changed_frac)
+                delta_bytes.append(stats.bytes)
+            if v == versions * 3 // 5:
+                subs["late"] = ShmSubscriber(run_dir, 5, zero_copy=False)
+            t0 = time.perf_counter()
+            assert subs["every"].apply(held["every"]) == v
+            apply_s.append(time.perf_counter() - t0)
+            if v % 7 == 6:
+                subs["missed"].apply(held["missed"])
+            if "late" in subs and v % 3 == 0:
+                subs["late"].apply(held["late"])
+        for name, sub in subs.items():
+            sub.apply(held[name])
+        want = bf16()
+        exact = {k: all(torch.equal(h[n].view(torch.int16), want[n].view(torch.int16)) for n in want)
+                 for k, h in held.items()}
+        versions_held = {k: s.stats.last_version for k, s in subs.items()}
+        full = layout_bytes = sum(t.numel() * t.element_size() for t in want.values())
+        out = {"params": sum(t.numel() for t in want.values()), "versions": versions, "lr": lr,
+               "full_bytes": layout_bytes, "full_versions": pub.fulls, "sent_frac": pub.sent / (pub.versions * full),
+               "delta_frac_median": statistics.median(b / full for b in delta_bytes if b < full),
+               "changed_frac_median": statistics.median(changed), "changed_frac_max": max(changed),
+               "publish_ms_median": _median_ms(pub_s[1:]), "apply_ms_median": _median_ms(apply_s[1:]),
+               "train_step_ms_median": _median_ms(step_s), "exact": exact, "versions_held": versions_held}
+        for sub in subs.values():
+            sub.close()
+        pub.close()
+    return out
+
+
+def main_delta(args) -> None:
+    r = bench_delta(args.versions, args.lr)
+    print(f"delta publishing: {r['params'] / 1e6:.0f}M parameters, BF16 versions, AdamW lr={r['lr']:g}, "
+          f"{r['versions']} versions ({r['full_versions']} full)")
+    print(f"changed per step: median {r['changed_frac_median']:.2%} of elements (max {r['changed_frac_max']:.2%}); "
+          f"a delta is {r['delta_frac_median']:.2%} of a full version; sent per version {r['sent_frac']:.2%} "
+          "(target <= 10%)")
+    print(f"publish {r['publish_ms_median']:.0f} ms (cast, compare, write), apply {r['apply_ms_median']:.1f} ms, "
+          f"train step {r['train_step_ms_median']:.0f} ms")
+    print("bit-exact against a full publish: " + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in r["exact"].items()))
+    print(json.dumps({"bench": "weightsync_delta", **{k: round(v, 5) if isinstance(v, float) and k != "lr" else v
+                                                      for k, v in r.items()}, "target": 0.1}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads for every copy")
+    ap.add_argument("--delta", action="store_true", help="measure delta publishing (see the module docstring)")
+    ap.add_argument("--versions", type=int, default=50)
+    ap.add_argument("--lr", type=float, default=1e-6)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.delta:
+        return main_delta(args)
 
     load = os.getloadavg()[0]
     results = {name: bench_size(model_shapes(**cfg), args.reps) for name, cfg in MODELS.items()}

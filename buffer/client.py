@@ -220,6 +220,15 @@ class ActorClient:
         buffer has been silent for ``timeout_s`` (:class:`BufferUnavailable`)."""
         self.send_many([group])
 
+    def resend(self, groups: list[RolloutGroup]) -> int:
+        """Send again groups an earlier incarnation handed over under these seqs (actor/partial.py) unless the
+        spool holds them (how many went); the buffer answers "duplicate" for one it has: exactly once either way."""
+        groups = [g for g in groups if g.seq not in self._pending]
+        if groups:
+            self._next = max(self._next, 1 + max(g.seq for g in groups))  # never issued again
+            self.send_many(groups)
+        return len(groups)
+
     def send_many(self, groups: list[RolloutGroup]) -> None:
         """:meth:`send` for groups finished together."""
         seqs = {g.seq for g in groups}

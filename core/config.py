@@ -120,6 +120,9 @@ class ActorSection(_Section):
     dtype: Dtype = "auto"  # the engine's numerics (FP32 softmax and LM head either way)
     fp32_attn_softmax: bool = True
     threads: PosInt = 1
+    # the batch in generation, unfinished prefixes included, saved at most this often (actor/partial.py): a
+    # restarted actor continues it; 0 = off. Short batches finish before the first save and cost nothing
+    partial_save_s: NonNegFloat = 10.0
     device: Device | list[Device] = "auto"  # one for every actor, or a list with one per actor
     sglang: SGLangSection = msgspec.field(default_factory=lambda: SGLangSection())  # [actor.sglang]
 
@@ -171,6 +174,10 @@ class WeightSyncSection(_Section):
     transport: str = "shm"  # weightsync.PUBLISHERS (ARCHITECTURE.md's seam table)
     bucket_mb: PosInt = 64
     join_timeout_s: PosFloat = 900.0  # nccl / torch_dist: every actor joining, a server's start included
+    # a version as the elements that changed, in the actors' dtype (weightsync/delta.py); auto: on for 16-bit
+    # actors over filesystem or nccl. A full version goes first, every full_every versions and when smaller
+    delta: Literal["auto", "on", "off"] = "auto"
+    full_every: PosInt = 50
 
 
 class NetSection(_Section):

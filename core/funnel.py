@@ -18,11 +18,11 @@ LEN_PREFIX = "funnel/len/"
 LEN_BUCKETS = (64, 256, 1024, 4096)  # tokens of a group's longest completion
 # every reason a group is not trained, in the order the funnel line shows them
 REASONS = ("no_signal", "stale_at_admission", "stale_in_buffer", "stale_at_learner", "invalid", "too_large",
-           "rolled_back", "skipped")
+           "rolled_back", "skipped", "restart")
 GAUGES = ("in_flight", "resident", "trained")
 _LABELS = {"no_signal": "no signal", "stale_at_admission": "stale at admission", "stale_in_buffer": "stale in buffer",
            "stale_at_learner": "stale at learner", "too_large": "too large", "rolled_back": "rolled back",
-           "skipped": "skipped by guard"}
+           "skipped": "skipped by guard", "restart": "too stale to resume"}
 
 
 def length_bucket(n_tokens: int) -> str:

@@ -180,6 +180,16 @@ class FileHeader(_Msg, tag="ws_file"):
     layout: WeightUpdateHeader  # version -1
     payload_at: int  # where the payload starts: a multiple of PAGE
     file_bytes: int
+    epoch: str = ""  # the publisher's (weightsync/delta.py): which deltas may follow this full version
+
+
+class DeltaHeader(_Msg, tag="ws_delta"):
+    # a version as the elements that changed (weightsync/delta.py): a delta file's header, an nccl frame
+    version: int
+    base: int  # the version it applies to
+    full: int  # the full version its chain of deltas starts from
+    epoch: str  # the publisher's: a reader holding another publisher's weights reads the full version
+    counts: list[int]  # changed elements per tensor, in layout order
 
 
 class IpcSlot(_Msg, tag="ws_ipc"):

@@ -364,7 +364,16 @@ class Monitor:
             ("actors", shown) if av else None,
             ("publish", self._scaled("weightsync/publish_s", 1e3, "{} ms", 1)),
             ("apply", self._scaled("weightsync/apply_s", 1e3, "{} ms", 1)),
-            ("bytes", fmt(b / 2**20, 1) + " MiB") if b is not None else None)
+            ("bytes", fmt(b / 2**20, 1) + " MiB") if b is not None else None,
+            *self._delta_rows())
+
+    def _delta_rows(self) -> list:
+        """With deltas (weightsync/delta.py): the mean sent per version against a full one, and the last change."""
+        per, frac = self.get("weightsync/bytes_per_version"), self.get("weightsync/sent_frac")
+        if per is None or frac is None:
+            return []
+        return [("sent/version", f"{fmt(per / 2**20, 2)} MiB"), ("of a full", f"{fmt(frac * 100, 1)}%"),
+                ("changed", self._scaled("weightsync/changed_frac", 100, "{}%", 2))]
 
     def refresh(self, force: bool = False) -> None:
         now = time.monotonic()

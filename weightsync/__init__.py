@@ -22,6 +22,20 @@ SUBSCRIBERS = {
 # that deliver it: "tensors" (a subscriber copies or maps into the engine's own tensors) or "group" (a
 # server joins a torch.distributed group and receives the broadcasts itself; its subscriber is a GroupLink)
 DELIVERS = {"tensors": ("shm", "filesystem", "nccl", "cuda_ipc"), "group": ("torch_dist",)}
+# the transports that can send a version as its changed elements (weightsync/delta.py); cuda_ipc moves no bytes
+# between hosts, and torch_dist's servers receive whole tensors through their own update API
+DELTA = ("shm", "filesystem", "nccl")
+
+
+def delta_plan(cfg) -> tuple[bool, str | None]:
+    """``(deltas on, the dtype published)`` for ``weightsync.delta``: ``auto`` is on for 16-bit actors on the
+    transports that move bytes between hosts (filesystem, nccl), where few elements change per step; ``on``
+    publishes in the actors' dtype when they share one (else the learner's)."""
+    mode, transport, dtype = cfg.weightsync.delta, cfg.weightsync.transport, cfg.actor.dtype
+    dtype = None if dtype == "auto" else dtype  # actors on differing devices resolve their own
+    if mode == "auto":
+        return transport in ("filesystem", "nccl") and dtype in ("bfloat16", "float16"), dtype
+    return mode == "on", dtype
 
 
 def check_devices(cfg, n_gpus: int | None = None) -> tuple[str, list[str]]:
@@ -38,6 +52,9 @@ def check_devices(cfg, n_gpus: int | None = None) -> tuple[str, list[str]]:
         raise ConfigError(f"weightsync.transport={transport!r} moves CUDA tensors, but {', '.join(cpu)} "
                           f"resolved to 'cpu' {where}: set learner.device/actor.device to CUDA devices"
                           + (", or use shm" if transport == "nccl" else ""))
+    if cfg.weightsync.delta == "on" and transport not in DELTA:
+        raise ConfigError(f"weightsync.delta='on' with weightsync.transport={transport!r}: deltas go over "
+                          f"{', '.join(DELTA)} only (cuda_ipc moves no bytes; torch_dist's servers take whole tensors)")
     ranks = [learner, *actors]
     shared = sorted({d for d in ranks if ranks.count(d) > 1})
     if transport == "nccl" and shared:  # torch_dist servers pick their own GPU

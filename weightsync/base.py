@@ -12,9 +12,9 @@ from typing import Mapping
 
 import torch
 
-from core.messages import WeightUpdateHeader
+from core.messages import DeltaHeader, WeightUpdateHeader
 from core.registry import resolve
-from weightsync import PUBLISHERS, SUBSCRIBERS, layout
+from weightsync import PUBLISHERS, SUBSCRIBERS, delta, delta_plan, layout
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,15 @@ class Publisher(_Closable):
         self.last_stats: PublishStats | None = None
         self._last_version = -1
         self.skipped = 0
+        self.delta: delta.Encoder | None = None  # use_delta()
+        self.cast: torch.dtype | None = None  # the dtype published (the actors'), where it differs from the learner's
+        self.sent = self.versions = self.fulls = 0  # bytes and versions published, how many of them full
+
+    def use_delta(self, full_every: int, cast: torch.dtype | None = None) -> None:
+        """Publish versions as deltas (weightsync/delta.py), in ``cast`` where given (the layout was made in it)."""
+        if type(self)._write_delta is Publisher._write_delta:
+            raise ValueError(f"the {self.transport} transport sends no deltas")
+        self.delta, self.cast = delta.Encoder(full_every), cast
 
     def publish(self, version: int, named: Mapping[str, torch.Tensor]) -> PublishStats | None:
         if self._closed:
@@ -73,14 +82,21 @@ class Publisher(_Closable):
         if version < 0 or version <= self._last_version:
             raise ValueError(f"versions must increase: got {version} after {self._last_version} (ARCHITECTURE.md, "
                              "Versions and staleness: a version is published once, after the step that made it)")
-        layout.check_targets(self.header, named, role=f"{self.transport} publisher", same_dtype=True)
         t0 = time.perf_counter()
+        if self.cast is not None:
+            named = {k: v.to(self.cast) if v.is_floating_point() else v for k, v in named.items()}
+        layout.check_targets(self.header, named, role=f"{self.transport} publisher", same_dtype=True)
         with torch.no_grad():
-            nbytes = self._write(version, named)
+            tensors = [named[n] for n in self.header.names] if self.delta else []
+            d = self.delta.encode(version, tensors) if self.delta else None
+            nbytes = self._write(version, named) if d is None else self._write_delta(*d)
+            if nbytes is not None and self.delta:
+                self.delta.commit(version, tensors, full=d is None)
         self._last_version = version
         if nbytes is None:
             self.skipped += 1
             return None
+        self.sent, self.versions, self.fulls = self.sent + nbytes, self.versions + 1, self.fulls + (d is None)
         self.last_stats = PublishStats(version, nbytes, time.perf_counter() - t0)
         return self.last_stats
 
@@ -93,10 +109,19 @@ class Publisher(_Closable):
     def _write(self, version: int, named: Mapping[str, torch.Tensor]) -> int | None:
         ...
 
+    def _write_delta(self, header: DeltaHeader, payload: torch.Tensor) -> int | None:
+        """Send a delta (1-D uint8 ``payload``, laid out by weightsync/delta.py); its bytes, or None if dropped."""
+        raise ValueError(f"the {self.transport} transport sends no deltas")
+
     def metrics(self) -> dict[str, float]:
-        s = self.last_stats
-        return {"weightsync/publish_s": s.seconds if s else 0.0, "weightsync/bytes": float(s.bytes) if s else 0.0,
-                "weightsync/publishes_skipped": float(self.skipped)}
+        s, full = self.last_stats, layout.payload_nbytes(self.header)
+        out = {"weightsync/publish_s": s.seconds if s else 0.0, "weightsync/bytes": float(s.bytes) if s else 0.0,
+               "weightsync/publishes_skipped": float(self.skipped),
+               "weightsync/bytes_per_version": self.sent / max(1, self.versions)}
+        if self.delta is not None:  # the mean against a full publish, and what the last step changed
+            out |= {"weightsync/sent_frac": self.sent / max(1, self.versions * full),
+                    "weightsync/changed_frac": self.delta.changed_frac, "weightsync/full_versions": float(self.fulls)}
+        return out
 
 
 class Subscriber(_Closable):
@@ -166,9 +191,17 @@ def wait_until(ready, timeout_s: float, what: str, poll_s: float = 0.05, stop=No
 
 
 def make_publisher(cfg, run_dir: str, template: Mapping[str, torch.Tensor], *, stop=None) -> Publisher:
-    """The learner's publisher for ``cfg.weightsync.transport``; ``template`` fixes the layout."""
-    return resolve(PUBLISHERS, cfg.weightsync.transport, "weightsync transport").from_config(
+    """The learner's publisher for ``cfg.weightsync.transport``; ``template`` fixes the layout (in the
+    actors' dtype when versions go as deltas: ``weightsync.delta``)."""
+    on, dtype = delta_plan(cfg)
+    cast = layout.torch_dtype(dtype) if on and dtype else None
+    if cast is not None:
+        template = {k: v.to(cast) if v.is_floating_point() else v for k, v in template.items()}
+    pub = resolve(PUBLISHERS, cfg.weightsync.transport, "weightsync transport").from_config(
         cfg, run_dir, template, stop=stop)
+    if on:
+        pub.use_delta(cfg.weightsync.full_every, cast)
+    return pub
 
 
 def make_subscriber(cfg, run_dir: str, timeout_s: float = 60, *, stop=None, device=None, actor_id: str = ""):

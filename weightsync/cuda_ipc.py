@@ -144,9 +144,10 @@ class CudaIpcSubscriber(Subscriber):
         return self._control.latest_version()
 
     def _apply(self, named: Mapping[str, torch.Tensor], after: int) -> tuple[int, int] | None:
-        got = self._control.open_newest(after)
-        if got is None:
+        files = self._control.open_newest(after)
+        if files is None:
             return None
+        (got,) = files  # the control publisher sends full versions only
         with got:  # the record's file stays open, so its device slot is not reused, until the copy is done
             _, off, nbytes, *_ = got.plan.tensors[0]
             rec = decode_record(os.pread(got.fd, nbytes, off))

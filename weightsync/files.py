@@ -26,27 +26,28 @@ import msgspec
 import torch
 
 from core.files import atomic_write
-from core.messages import FileHeader, WeightUpdateHeader
-from weightsync import layout
+from core.messages import DeltaHeader, FileHeader, WeightUpdateHeader
+from weightsync import delta, delta_plan, layout
 from weightsync.base import Publisher, Subscriber, _Closable, wait_until
 
 log = logging.getLogger(__name__)
 
 PAGE = 4096
-MAGIC = b"DRFTWV01"
+MAGIC, DELTA_MAGIC = b"DRFTWV01", b"DRFTWD01"  # a full version ``v<N>``, a delta ``d<N>`` (weightsync/delta.py)
 # magic, version, payload crc32c (-1: none; filesystem computes it), header length, crc32c of
 # the four fields before it and the header
 _PREFIX = struct.Struct("<8sqqII")
 LATEST = "LATEST"
 RECORD = "weights.shm"  # in run_dir: the path of the shm transport's directory
 _SHM_NAME = re.compile(r"driftrl-weights-[0-9a-f]{32}")
-_OURS = re.compile(r"v\d+|\.?LATEST(-new|\.tmp\d+)?|\.(spare|new)-\d+")  # what a publisher may remove
-_VERSION = re.compile(r"v(\d+)")
+_OURS = re.compile(r"v\d+|d\d+(\.tmp\d+)?|\.?LATEST(-new|\.tmp\d+)?|\.(spare|new)-\d+")  # what a publisher may remove
+_VERSION = re.compile(r"([vd])(\d+)")
 _VANISHED_S = 30  # a reader gives up on versions retired between reading LATEST and opening them
 
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(FileHeader)
+_delta_decoder = msgspec.msgpack.Decoder(DeltaHeader)
 
 
 class DamagedFile(ValueError):
@@ -194,6 +195,30 @@ def _unshared(fd: int) -> bool | None:
     return True
 
 
+def _head(magic: bytes, version: int, payload_crc: int, raw: bytes) -> bytes:
+    """A file's prefix (its own checksum over the fields and ``raw``) and the msgpack header ``raw``."""
+    fields = _PREFIX.pack(magic, version, payload_crc, len(raw), 0)[8:-4]
+    return magic + fields + struct.pack("<I", crc32c.crc32c(raw, crc32c.crc32c(fields))) + raw
+
+
+def _read_head(fd: int, path: str, magic: bytes, version: int) -> tuple[int, bytes, int, int]:
+    """Check a file's prefix and header checksum: ``(payload crc, raw header, where it ends, file size)``."""
+    size = os.fstat(fd).st_size
+    first = os.pread(fd, min(size, 1 << 16), 0)  # prefix and header at once, mostly
+    if len(first) < _PREFIX.size:
+        raise DamagedFile(f"{path}: truncated to {size} bytes, not even a header")
+    got_magic, got_version, payload_crc, n, crc = _PREFIX.unpack_from(first)
+    if got_magic != magic:
+        raise DamagedFile(f"{path}: not a driftrl weights file of this kind (magic {got_magic!r})")
+    end = _PREFIX.size + n
+    raw = first[_PREFIX.size:end] if end <= len(first) else os.pread(fd, min(n, size), _PREFIX.size)
+    if len(raw) != n or crc32c.crc32c(raw, crc32c.crc32c(first[8:_PREFIX.size - 4])) != crc:
+        raise DamagedFile(f"{path}: damaged header (checksum mismatch)")
+    if got_version != version:
+        raise DamagedFile(f"{path}: holds version {got_version}, not {version}")
+    return payload_crc, raw, end, size
+
+
 class _File:
     """A file the publisher made: fd, writable mapping, a view per tensor, its name, ``index`` (kept when reused)."""
 
@@ -250,9 +275,10 @@ class FilePublisher(Publisher):
         # the header of every version; the payload starts at the first page after it
         widest = len(_encoder.encode(FileHeader(self.header, 2**62, 2**62)))
         self.payload_at = (_PREFIX.size + widest + PAGE - 1) // PAGE * PAGE
-        self._raw_header = _encoder.encode(FileHeader(self.header, self.payload_at,
-                                                      self.payload_at + layout.total_nbytes(self.header)))
+        self.epoch = ""  # set by use_delta: every full version names the publisher its deltas build on
+        self._raw_header = self._file_header()
         self.visible: list[_File] = []  # oldest first
+        self.deltas: list[str] = []  # the delta files since the newest full version
         self.spares: list[_File] = []
         self._made = 0
         self.dir = self._make_dir(run_dir)
@@ -266,6 +292,26 @@ class FilePublisher(Publisher):
     def from_config(cls, cfg, run_dir: str, template: Mapping[str, torch.Tensor], *, stop=None) -> "FilePublisher":
         return cls(run_dir, template, cfg.weightsync.bucket_mb << 20)
 
+    def _file_header(self) -> bytes:
+        return _encoder.encode(FileHeader(self.header, self.payload_at,
+                                          self.payload_at + layout.total_nbytes(self.header), self.epoch))
+
+    def use_delta(self, full_every: int, cast: torch.dtype | None = None) -> None:
+        super().use_delta(full_every, cast)
+        self.epoch = self.delta.epoch
+        self._raw_header = self._file_header()
+
+    def _write_delta(self, header: DeltaHeader, payload: torch.Tensor) -> int:
+        """``d<version>``: a prefix, the msgpack header and the checksummed payload, written aside and renamed."""
+        body = payload.cpu().numpy()
+        name = f"d{header.version}"
+        atomic_write(os.path.join(self.dir, name), _head(DELTA_MAGIC, header.version, crc32c.crc32c(body),
+                                                         _encoder.encode(header)) + body.tobytes(),
+                     durable=self.durable, mode=0o600)
+        self.deltas.append(name)
+        self._point(name)
+        return body.nbytes
+
     def _write(self, version: int, named: Mapping[str, torch.Tensor]) -> int | None:
         f = self._take()
         if f is None:
@@ -276,9 +322,7 @@ class FilePublisher(Publisher):
         if self.checksum:
             with memoryview(f.mm) as mv:
                 crc = crc32c.crc32c(mv[self.payload_at:])
-        raw = self._raw_header
-        fields = _PREFIX.pack(MAGIC, version, crc, len(raw), 0)[8:-4]
-        head = MAGIC + fields + struct.pack("<I", crc32c.crc32c(raw, crc32c.crc32c(fields))) + raw
+        head = _head(MAGIC, version, crc, self._raw_header)
         f.mm[: len(head)] = head
         if self.durable:
             f.mm.flush()
@@ -286,9 +330,13 @@ class FilePublisher(Publisher):
         os.rename(os.path.join(self.dir, f.name), os.path.join(self.dir, f"v{version}"))
         f.name = f"v{version}"
         self.visible.append(f)
-        self._point(version)
+        self._point(f.name)
         while len(self.visible) > self.keep:
             self._retire(self.visible.pop(0))
+        for name in self.deltas:  # a full version ends their chain (a reader that opened one keeps it)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(self.dir, name))
+        self.deltas.clear()
         return layout.payload_nbytes(self.header)
 
     def _take(self) -> _File | None:
@@ -317,12 +365,12 @@ class FilePublisher(Publisher):
         """Copy the update into ``f``, which no reader can reach (cuda_ipc writes its record here)."""
         _copy_all(f.views, [named[n] for n in self.names])
 
-    def _point(self, version: int) -> None:
-        """``LATEST`` -> ``v<version>``: a symlink made aside and renamed over it (atomic)."""
+    def _point(self, name: str) -> None:
+        """``LATEST`` -> ``name`` (``v<N>`` or ``d<N>``): a symlink made aside and renamed over it (atomic)."""
         tmp = os.path.join(self.dir, ".LATEST-new")
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)  # a crashed publisher's
-        os.symlink(f"v{version}", tmp)
+        os.symlink(name, tmp)
         os.replace(tmp, os.path.join(self.dir, LATEST))
 
     def _retire(self, f: _File) -> None:
@@ -380,10 +428,10 @@ class FsPublisher(FilePublisher):
             os.chmod(path, 0o700)  # also one made before this rule (or by the nccl transport)
         return path
 
-    def _point(self, version: int) -> None:
+    def _point(self, name: str) -> None:
         # a file, not a symlink: over NFS only an open revalidates a name another host replaced
         # (close-to-open); a readlink may see the old one for the attribute cache's 30-60 s
-        atomic_write(os.path.join(self.dir, LATEST), f"v{version}\n".encode(), mode=0o600)  # fsynced
+        atomic_write(os.path.join(self.dir, LATEST), f"{name}\n".encode(), mode=0o600)  # fsynced
 
 
 class _Plan:
@@ -439,19 +487,7 @@ class Version(_Closable):
         except FileNotFoundError:
             return None
         try:
-            size = os.fstat(fd).st_size
-            first = os.pread(fd, min(size, 1 << 16), 0)  # prefix and header at once, mostly
-            if len(first) < _PREFIX.size:
-                raise DamagedFile(f"{path}: truncated to {size} bytes, not even a header")
-            magic, got_version, payload_crc, n, crc = _PREFIX.unpack_from(first)
-            if magic != MAGIC:
-                raise DamagedFile(f"{path}: not a driftrl weights file (magic {magic!r})")
-            end = _PREFIX.size + n
-            raw = first[_PREFIX.size:end] if end <= len(first) else os.pread(fd, min(n, size), _PREFIX.size)
-            if len(raw) != n or crc32c.crc32c(raw, crc32c.crc32c(first[8:_PREFIX.size - 4])) != crc:
-                raise DamagedFile(f"{path}: damaged header (checksum mismatch)")
-            if got_version != version:
-                raise DamagedFile(f"{path}: holds version {got_version}, not {version}")
+            payload_crc, raw, end, size = _read_head(fd, path, MAGIC, version)
             plan = plans.get(raw)
             if plan is None:
                 plans.clear()  # one publisher's at a time
@@ -510,6 +546,44 @@ class Version(_Closable):
         os.close(self.fd)  # a mapping made by apply() keeps the file on its own
 
 
+class DeltaFile(_Closable):
+    """One opened, checked delta file ``d<N>`` (read whole: a delta is small)."""
+
+    def __init__(self, path: str, head: DeltaHeader, payload: torch.Tensor):
+        self.path, self.head, self.version, self.payload = path, head, head.version, payload
+
+    @classmethod
+    def open(cls, path: str, version: int) -> "DeltaFile | None":
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None  # retired: a full version followed
+        try:
+            payload_crc, raw, end, size = _read_head(fd, path, DELTA_MAGIC, version)
+            body = bytearray(size - end)
+            if os.preadv(fd, [body], end) != len(body) or crc32c.crc32c(body) != payload_crc:
+                raise DamagedFile(f"{path}: payload checksum mismatch (damaged)")
+        finally:
+            os.close(fd)
+        try:
+            head = _delta_decoder.decode(raw)
+        except msgspec.DecodeError as e:
+            raise DamagedFile(f"{path}: unreadable header: {e}") from None
+        return cls(path, head, torch.frombuffer(body, dtype=torch.uint8) if body else torch.empty(0, dtype=torch.uint8))
+
+    def apply(self, bound: _Binding) -> int:
+        """Write the changed elements into the reader's own tensors (never into a mapped file); payload bytes."""
+        if any(bound.maps):
+            raise ValueError(f"{self.path}: the publisher sends deltas, but this subscriber maps versions read-only "
+                             "(zero_copy); make it copy (weightsync.delta decides both sides)")
+        names = bound.plan.layout.names  # the publisher's order, not the payload's buckets
+        try:
+            delta.apply(self.head, self.payload, [bound.named[n] for n in names], [bound.plan.dtypes[n] for n in names])
+        except ValueError as e:
+            raise DamagedFile(f"{self.path}: {e}") from None
+        return self.payload.numel()
+
+
 class FileSubscriber(Subscriber):
     """``zero_copy``: map same-dtype CPU targets (rebinding the given tensor objects: pass the model's own
     Parameters, not ``state_dict()`` aliases); ``poll_s``: how often at most ``latest_version()`` reads
@@ -528,13 +602,14 @@ class FileSubscriber(Subscriber):
         self._staging = torch.empty(0, dtype=torch.uint8)
         self._plans: dict[bytes, _Plan] = {}
         self._bound: _Binding | None = None
+        self._kind, self._epoch = "v", ""  # LATEST's kind of file; the publisher whose weights this reader holds
         self.dir = wait_until(self._find, timeout_s, f"the weight publisher of run_dir {run_dir!r} "
                               f"({self.where}); is the learner up?", stop=stop)
 
     @classmethod
     def from_config(cls, cfg, run_dir: str, timeout_s: float = 60, *, stop=None, device=None,
                     actor_id: str = "") -> "FileSubscriber":
-        return cls(run_dir, timeout_s, stop=stop)
+        return cls(run_dir, timeout_s, stop=stop, zero_copy=False if delta_plan(cfg)[0] else None)
 
     def _moved(self) -> bool:
         """``LATEST`` missing: whether ``self.dir`` moved to a successor's (shm: a restarted learner's directory)."""
@@ -571,21 +646,46 @@ class FileSubscriber(Subscriber):
         m = _VERSION.fullmatch(target.strip())
         if m is None:
             raise DamagedFile(f"{path}: points at {target[:60]!r}, not a version file")
-        return int(m.group(1))
+        self._kind = m.group(1)
+        return int(m.group(2))
 
-    def open_newest(self, after: int) -> Version | None:
-        """The newest version if newer than ``after``, opened and checked; None if there is none."""
+    def open_newest(self, after: int) -> list | None:
+        """What takes this reader from ``after`` to the newest version, opened and checked, oldest first: that
+        version's file, the deltas since the version it holds, or a full version and the deltas after it."""
         deadline = time.monotonic() + _VANISHED_S
         while True:
             version = self._read_latest()
             if version is None or version <= after:
                 return None
             self._latest = version
-            got = Version.open(os.path.join(self.dir, f"v{version}"), version, self._plans)
+            if self._kind == "d":
+                got = self._chain(version, after)
+            else:
+                got = Version.open(os.path.join(self.dir, f"v{version}"), version, self._plans)
+                got = None if got is None else [got]
             if got is not None:
                 return got
             if time.monotonic() > deadline:  # retired between reading LATEST and opening it, again and again
                 raise TimeoutError(f"{self.transport} subscriber: v{version} in {self.dir} vanished repeatedly")
+
+    def _chain(self, version: int, after: int) -> list | None:
+        """Deltas back from ``version`` to the one this reader holds, else to their full version; None if one
+        vanished (a newer full version retired them) or belongs to another publisher (a restart)."""
+        files, cur = [], DeltaFile.open(os.path.join(self.dir, f"d{version}"), version)
+        while cur is not None and cur.head.epoch == (files[-1].head.epoch if files else cur.head.epoch):
+            files.append(cur)
+            h = cur.head
+            if h.base == after and h.epoch == self._epoch:
+                return files[::-1]
+            if h.base == h.full:
+                full = Version.open(os.path.join(self.dir, f"v{h.full}"), h.full, self._plans)
+                if full is not None and full.plan.head.epoch == h.epoch:
+                    return [full, *files[::-1]]
+                if full is not None:
+                    full.close()
+                return None
+            cur = DeltaFile.open(os.path.join(self.dir, f"d{h.base}"), h.base)
+        return None
 
     def _scratch(self, nbytes: int) -> torch.Tensor:
         if self._staging.numel() < nbytes:
@@ -593,16 +693,24 @@ class FileSubscriber(Subscriber):
         return self._staging
 
     def _apply(self, named: Mapping[str, torch.Tensor], after: int) -> tuple[int, int] | None:
-        got = self.open_newest(after)
-        if got is None:
+        files = self.open_newest(after)
+        if files is None:
             if self._plans:  # nothing newer, but tensors that cannot take the layout are an error now
                 self._bind(next(iter(self._plans.values())), named)
             return None
-        with got:
-            bound = self._bind(got.plan, named)
-            got.verify(self._scratch)
-            self.stats.mapped = got.apply(bound, self._scratch)
-        return got.version, layout.payload_nbytes(got.plan.layout)
+        nbytes = 0
+        with contextlib.ExitStack() as opened:
+            for f in files:
+                opened.enter_context(f)
+            for f in files:
+                if isinstance(f, DeltaFile):  # over what this reader holds: its binding's layout
+                    nbytes += f.apply(self._bind(self._bound.plan, named))
+                    continue
+                bound = self._bind(f.plan, named)
+                f.verify(self._scratch)
+                self.stats.mapped = f.apply(bound, self._scratch)
+                self._epoch, nbytes = f.plan.head.epoch, nbytes + layout.payload_nbytes(f.plan.layout)
+        return files[-1].version, nbytes
 
     def _bind(self, plan: _Plan, named: Mapping[str, torch.Tensor]) -> _Binding:
         if self._bound is None or not self._bound.fits(plan, named):

@@ -23,8 +23,9 @@ import zmq
 
 from core import net
 from core.files import atomic_write, read_json
-from core.messages import SCHEMA_VERSION, CollectiveInit, Hello, RankDevice, Shutdown, WeightUpdateHeader, decoder, encode
-from weightsync import layout
+from core.messages import (SCHEMA_VERSION, CollectiveInit, DeltaHeader, Hello, RankDevice, Shutdown, WeightUpdateHeader,
+                           decoder, encode)
+from weightsync import delta, layout
 from weightsync.base import Publisher, Stopped, Subscriber, SubscriberStats, _Closable, wait_until
 from weightsync.files import weights_dir
 
@@ -35,7 +36,7 @@ GROUP_NAME = "driftrl_weights"  # the torch_dist group (and PrefixStore) name bo
 BACKENDS = ("nccl", "gloo", "torch_dist")
 
 
-_to_subscriber = decoder(Union[CollectiveInit, WeightUpdateHeader, Shutdown])
+_to_subscriber = decoder(Union[CollectiveInit, WeightUpdateHeader, DeltaHeader, Shutdown])
 _hello = decoder(Hello)
 _rank_device = decoder(RankDevice)
 
@@ -297,6 +298,22 @@ class NcclPublisher(Publisher):
         self._comm.end(self.collective_timeout_s, f"version {version}", self._stop)
         return self._payload
 
+    def use_delta(self, full_every: int, cast: torch.dtype | None = None) -> None:
+        if self.backend == "torch_dist":
+            raise ValueError("torch_dist servers receive whole tensors through their own update API: no deltas")
+        super().use_delta(full_every, cast)
+
+    def _write_delta(self, header: DeltaHeader, payload: torch.Tensor) -> int:
+        """The header to every peer, then one broadcast of the payload (none when nothing changed)."""
+        frame = encode(header)
+        for peer in self._peers:
+            self._sock.send_multipart([peer, frame])
+        if payload.numel():
+            self._comm.begin()
+            self._comm.bcast(payload)
+            self._comm.end(self.collective_timeout_s, f"delta {header.version}", self._stop)
+        return payload.numel()
+
     def _close_sockets(self) -> None:
         for peer in self._peers:
             with contextlib.suppress(zmq.ZMQError):
@@ -352,22 +369,47 @@ class NcclSubscriber(Subscriber):
         if not pending:
             return None
         for header in pending:  # checked before any byte is received into a buffer
-            if layout.layout_hash(header) != self._hash:
+            if isinstance(header, WeightUpdateHeader) and layout.layout_hash(header) != self._hash:
                 raise layout.LayoutError(f"nccl subscriber: version {header.version} changed the layout")
         layout.check_targets(self.header, named, role="nccl subscriber")
-        self._comm.begin()
-        for _ in pending:
-            for buf in self._bufs:
-                self._comm.bcast(buf)
+        if all(isinstance(h, WeightUpdateHeader) for h in pending):  # full versions: keep the newest only
+            self._receive(len(pending), pending[-1].version)
+            self._unpack(named)
+            nbytes = self._payload
+        else:  # every rank takes part in every broadcast, so no delta is ever missed: apply each in order
+            nbytes = sum(self._one(h, named) for h in pending)
         version = pending[-1].version
         pending.clear()
-        self._comm.end(self.collective_timeout_s, f"version {version}", self._stop)
+        if self._bufs[0].is_cuda:
+            torch.cuda.current_stream(self._bufs[0].device).synchronize()  # honest apply_s
+        return version, nbytes
+
+    def _receive(self, versions: int, last: int) -> None:
+        self._comm.begin()
+        for _ in range(versions):
+            for buf in self._bufs:
+                self._comm.bcast(buf)
+        self._comm.end(self.collective_timeout_s, f"version {last}", self._stop)
+
+    def _unpack(self, named: Mapping[str, torch.Tensor]) -> None:
         for views in self._views:
             for name, view in views:
                 named[name].copy_(view)
-        if self._bufs[0].is_cuda:
-            torch.cuda.current_stream(self._bufs[0].device).synchronize()  # honest apply_s
-        return version, self._payload
+
+    def _one(self, header, named: Mapping[str, torch.Tensor]) -> int:
+        if isinstance(header, WeightUpdateHeader):
+            self._receive(1, header.version)
+            self._unpack(named)
+            return self._payload
+        dtypes = [layout.torch_dtype(d) for d in self.header.dtypes]
+        _, total = delta.segments(header.counts, [layout.ITEMSIZE[d] for d in self.header.dtypes])
+        payload = torch.empty(total, dtype=torch.uint8, device=self._bufs[0].device)
+        if total:
+            self._comm.begin()
+            self._comm.bcast(payload)
+            self._comm.end(self.collective_timeout_s, f"delta {header.version}", self._stop)
+        delta.apply(header, payload, [named[n] for n in self.header.names], dtypes)
+        return total
 
     def _close(self) -> None:
         self._comm.close()
@@ -389,7 +431,7 @@ class GroupLink(_Closable):
         self.actor_id = actor_id or f"{_socket.gethostname()}:{os.getpid()}"
         self.init: CollectiveInit | None = None
         self.rejoin: CollectiveInit | None = None
-        self.pending: list[WeightUpdateHeader] = []
+        self.pending: list[WeightUpdateHeader | DeltaHeader] = []
         self.stats = SubscriberStats()  # the engine times its pushes here
         self.restarts = 0  # the engine's server restarts
 
@@ -418,7 +460,7 @@ class GroupLink(_Closable):
         if not self._sock.poll(0):
             return None
         msg = _to_subscriber.decode(self._sock.recv())
-        if isinstance(msg, WeightUpdateHeader):
+        if isinstance(msg, (WeightUpdateHeader, DeltaHeader)):
             self.pending.append(msg)
         elif isinstance(msg, CollectiveInit) and self.init is not None and msg != self.init:
             # a rebuilt group: headers queued before it were broadcast in the old one, which

@@ -30,6 +30,8 @@ class Engine(abc.ABC):
     name = ""
     receives = "tensors"  # weightsync.DELIVERS; or "group": a server joining a torch.distributed group
     stop = None  # a threading.Event the worker sets on SIGTERM; a long generate checks it per step
+    # stream(prefixes=...): continue sequences from saved prefixes (actor/partial.py); _stream takes ``prefixes``
+    supports_prefixes = False
     on_step = None  # the worker's heartbeat, once per decode step if the engine has steps (no hang)
 
     def __init__(self, weights=None):
@@ -49,10 +51,12 @@ class Engine(abc.ABC):
         return make_subscriber(cfg, run_dir, stop=stop, device=device, actor_id=actor_id)
 
     def stream(self, prompts: list[list[int]], *, max_new_tokens: int | Sequence[int] | None = None,
-               greedy: bool = False) -> Iterator[tuple[int, Sample]]:
+               greedy: bool = False, prefixes: Sequence[Sample | None] | None = None) -> Iterator[tuple[int, Sample]]:
         """``(index, Sample)`` for every prompt, once each, as its sequence finishes (completion order).
         ``max_new_tokens``: None (the engine's own), one limit for all, or one per prompt (tier limits,
-        the length curriculum); a sequence that reaches its limit without EOS finishes "length"."""
+        the length curriculum); a sequence that reaches its limit without EOS finishes "length".
+        ``prefixes``: per prompt, None or an unfinished Sample to continue (its tokens, log-probs and
+        versions start the result; the limit counts them)."""
         if not all(prompts):
             raise ValueError(f"prompt {list(map(bool, prompts)).index(False)} is empty: nothing to condition on")
         n, limit = len(prompts), self.max_new_tokens if max_new_tokens is None else max_new_tokens
@@ -63,15 +67,36 @@ class Engine(abc.ABC):
         for i, b in enumerate(limits):
             if isinstance(b, bool) or not isinstance(b, Integral) or b < 1:
                 raise ValueError(f"max_new_tokens{'' if one else f'[{i}]'} = {b!r}: a limit is an integer >= 1")
-        return self._stream(prompts, [int(b) for b in limits], greedy) if prompts else iter(())
+        if not prompts:
+            return iter(())
+        if prefixes is None or not any(prefixes):
+            return self._stream(prompts, [int(b) for b in limits], greedy)
+        self._check_prefixes(prefixes, limits)
+        return self._stream(prompts, [int(b) for b in limits], greedy, prefixes=list(prefixes))
+
+    def _check_prefixes(self, prefixes, limits) -> None:
+        if not self.supports_prefixes:
+            raise ValueError(f"the {self.name} engine cannot continue a saved prefix")
+        if len(prefixes) != len(limits):
+            raise ValueError(f"{len(prefixes)} prefixes for {len(limits)} prompts: give one (or None) per prompt")
+        for i, (p, b) in enumerate(zip(prefixes, limits)):
+            if p is not None and (p.finish_reason or len(p.tokens) >= b
+                                  or not len(p.tokens) == len(p.logprobs) == len(p.versions)):
+                raise ValueError(f"prefix {i}: finished, at its limit ({b}), or tokens, log-probs and versions of "
+                                 "different lengths")
+
+    def progress(self) -> dict[int, Sample]:
+        """The current stream's unfinished samples by prompt index, their tokens so far (read, never changed,
+        between two steps: the ``on_step`` hook); those not started are absent."""
+        return {}
 
     @abc.abstractmethod
     def _stream(self, prompts: list[list[int]], limits: list[int], greedy: bool) -> Iterator[tuple[int, Sample]]:
         """:meth:`stream` of at least one prompt, each with its limit."""
 
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int | Sequence[int] | None = None,
-                 greedy: bool = False) -> list[Sample]:
-        done = dict(self.stream(prompts, max_new_tokens=max_new_tokens, greedy=greedy))
+                 greedy: bool = False, prefixes: Sequence[Sample | None] | None = None) -> list[Sample]:
+        done = dict(self.stream(prompts, max_new_tokens=max_new_tokens, greedy=greedy, prefixes=prefixes))
         return [done[i] for i in range(len(prompts))]
 
     def sampling(self) -> SamplingSpec:

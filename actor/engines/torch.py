@@ -33,6 +33,14 @@ class _Seq:
     budget: int
     out: Sample = field(default_factory=lambda: Sample([], [], [], ""))  # finish_reason "" while running
 
+    @classmethod
+    def of(cls, index: int, prompt: list[int], budget: int, prefix: Sample | None) -> "_Seq":
+        """A saved prefix is prefilled with the prompt; the next token is sampled after it."""
+        if prefix is None:
+            return cls(index, list(prompt), budget)
+        out = Sample(list(prefix.tokens), list(prefix.logprobs), list(prefix.versions), "")
+        return cls(index, list(prompt) + out.tokens, budget, out)
+
 
 def _grown(need: int, have: int, factor: float, cap: int | None = None) -> int:
     """``have`` if enough, else the larger of ``need`` and ``have * factor`` (at most ``cap``)."""
@@ -66,6 +74,7 @@ class TorchEngine(Engine):
     the generator live on ``device`` too (a host round trip per token costs more than the step)."""
 
     name = "torch"
+    supports_prefixes = True
 
     def __init__(self, model, spec: SamplingSpec, *, eos_ids, pad_id: int, max_new_tokens: int = 16,
                  max_batch: int = 256, dtype: str = "bfloat16", fp32_attn_softmax: bool = True, seed: int = 0,
@@ -80,6 +89,7 @@ class TorchEngine(Engine):
         self.gen = torch.Generator(device=self.device).manual_seed(seed)
         self._params = self.params()
         self._cache: KVCache | None = None
+        self._running: list[_Seq | None] = []  # the current stream's slots (progress)
 
     @classmethod
     def from_config(cls, actor_cfg, model_dir: str, weights=None, seed: int = 0) -> "TorchEngine":
@@ -101,11 +111,14 @@ class TorchEngine(Engine):
         return self.weights.apply(self._params)
 
     @torch.inference_mode()
-    def _stream(self, prompts: list[list[int]], limits: list[int], greedy: bool) -> Iterator[tuple[int, Sample]]:
+    def _stream(self, prompts: list[list[int]], limits: list[int], greedy: bool,
+                prefixes: list[Sample | None] | None = None) -> Iterator[tuple[int, Sample]]:
         longest = max(len(p) + b for p, b in zip(prompts, limits))
         cache = self._cache_for(min(self.max_batch, len(prompts)), longest)
-        waiting = deque(_Seq(i, list(p), b) for i, (p, b) in enumerate(zip(prompts, limits)))
+        waiting = deque(_Seq.of(i, p, b, q) for i, (p, b, q) in enumerate(zip(prompts, limits, prefixes or
+                                                                                 [None] * len(prompts))))
         running: list[_Seq | None] = []  # running[i] lives in cache slot i
+        self._running = running
         while True:
             if self.stop is not None and self.stop.is_set():
                 raise EngineStopped("stopped mid-generation")
@@ -122,6 +135,9 @@ class TorchEngine(Engine):
                 if seq.out.finish_reason:
                     running[slot] = None
                     yield seq.index, seq.out
+
+    def progress(self) -> dict[int, Sample]:
+        return {s.index: s.out for s in self._running if s is not None and s.out.tokens and not s.out.finish_reason}
 
     def _cache_for(self, slots: int, max_len: int) -> KVCache:
         """The engine's one cache, grown (and reallocated: nothing runs between calls) if needed."""

@@ -32,10 +32,14 @@ def _records(run_dir):
 
 
 
-@pytest.mark.parametrize("staleness,strategy", [(0, "drop"), (2, "wait")])
-def test_run_end_to_end(tmp_path, cache_dir, staleness, strategy):
+# the second run also sends its weights as deltas (weightsync.delta: filesystem, BF16 actors, an RL learning rate)
+DELTAS = ['weightsync.transport="filesystem"', "actor.dtype=bfloat16", "learner.lr=1e-6", "weightsync.full_every=4"]
+
+
+@pytest.mark.parametrize("staleness,strategy,extra", [(0, "drop", []), (2, "wait", DELTAS)])
+def test_run_end_to_end(tmp_path, cache_dir, staleness, strategy, extra):
     cfg = C.load(None, TINY + [f"model.cache_dir={cache_dir}", f"buffer.max_staleness={staleness}",
-                               f'buffer.stale_strategy="{strategy}"', "run.max_steps=8", "run.max_time_s=120"])
+                               f'buffer.stale_strategy="{strategy}"', "run.max_steps=8", "run.max_time_s=120", *extra])
     result = jobs.train(cfg, str(tmp_path / "run"))
     assert not result.interrupted
     recs = _records(result.run_dir)
@@ -62,6 +66,10 @@ def test_run_end_to_end(tmp_path, cache_dir, staleness, strategy):
     if strategy == "wait":  # the learner waited for the groups in generation: none went stale
         assert not [r for r in books.lost() if r.startswith("stale")], books.line()
     assert any("eval/reward" in r for r in recs)
+    if extra:  # versions 0, 4, 8 full, the others deltas, every actor up to date at the end
+        sync = [r for r in learner if "weightsync/full_versions" in r][-1]
+        assert sync["weightsync/full_versions"] == 3 and sync["weightsync/sent_frac"] < 0.8, sync
+        assert max(r["actor/version"] for r in recs if r["role"] == "actor" and "actor/version" in r) == 8
     if staleness:
         assert any(r["staleness/max"] >= 1 for r in learner), "async run never ran ahead"
     assert os.path.exists(os.path.join(result.run_dir, "final_model", "model.safetensors"))

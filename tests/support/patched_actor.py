@@ -8,6 +8,9 @@ configured temperature while the learner's numerator keeps the configured one --
 engine/learner mismatch (tests/integration/test_control.py); each skewed group is logged.
 ``--scorer``: every reward pool checks its answers with this scorer instead of its task's
 (tests/integration/test_external_tasks.py plants a hanging checker so).
+``--long PATH``: the engine never samples EOS (every sequence runs to its limit: long generations from a tiny
+model) and each group handed over is appended to the JSON lines file PATH with this process's pid
+(tests/integration/test_partial_resume.py).
 """
 
 from __future__ import annotations
@@ -43,12 +46,12 @@ def skew(spec: str) -> None:
     lo, hi, factor = spec.split(":")
     generate = RolloutWorker.generate_groups
 
-    def skewed(self, n):
+    def skewed(self, batch):
         configured = self.__dict__.setdefault("configured_spec", self.engine.spec)
         on = int(lo) <= self.engine.version <= int(hi)
         temperature = configured.temperature * (float(factor) if on else 1.0)
         self.engine.spec = dataclasses.replace(configured, temperature=temperature)
-        for group in generate(self, n):
+        for group in generate(self, batch):
             if on:
                 log.warning("group %s sampled at temperature x%s (test hook)", list(group.key), factor)
             yield group
@@ -67,16 +70,45 @@ def scorer(spec: str) -> None:
     RewardPool.__init__ = with_scorer
 
 
+def long(path: str) -> None:
+    import json
+    import os
+
+    import numpy as np
+    import torch
+
+    from actor.worker import RolloutWorker
+
+    init, hand_over = RolloutWorker.__init__, RolloutWorker._hand_over
+
+    def no_eos(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.engine.eos_ids = torch.tensor([-1], device=self.engine.eos_ids.device)
+
+    def recorded(self, group):
+        ints = lambda b: np.frombuffer(b, dtype=np.int32).tolist()  # noqa: E731
+        with open(path, "a") as f:
+            f.write(json.dumps({"pid": os.getpid(), "seq": group.seq, "prompt": ints(group.prompt_tokens),
+                                "tokens": [ints(c.tokens) for c in group.completions],
+                                "versions": [ints(c.versions) for c in group.completions]}) + "\n")
+        hand_over(self, group)
+
+    RolloutWorker.__init__, RolloutWorker._hand_over = no_eos, recorded
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--skew")
     ap.add_argument("--scorer")
+    ap.add_argument("--long")
     ap.add_argument("rest", nargs=argparse.REMAINDER)
     args = ap.parse_args(argv)
     if args.skew:
         skew(args.skew)
     if args.scorer:
         scorer(args.scorer)
+    if args.long:
+        long(args.long)
     from actor import worker
 
     worker.main([a for a in args.rest if a != "--"])

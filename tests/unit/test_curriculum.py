@@ -136,21 +136,21 @@ def _lengths_by_tier(groups) -> dict[str, set[int]]:
 def test_worker_gives_each_prompt_its_tier_and_curriculum_limit(tmp_path):
     w = _worker()
     w.curriculum = LengthCurriculum(w.cfg.actor)  # "off": tier limits and the cap
-    groups = list(w.generate_groups(9))
+    groups = list(w.generate_groups(w.new_batch(9)))
     assert _lengths_by_tier(groups) == {"low": {2}, "medium": {6}, "high": {4}}
     steps = ["actor.length_schedule=steps", "actor.length_start=3", "actor.length_grow=2", "actor.length_every=2"]
     w = _worker(*steps)
     w.curriculum = LengthCurriculum(w.cfg.actor)
-    assert _lengths_by_tier(w.generate_groups(9)) == {"low": {2}, "medium": {3}, "high": {3}}  # version 0: 3
+    assert _lengths_by_tier(w.generate_groups(w.new_batch(9))) == {"low": {2}, "medium": {3}, "high": {3}}  # version 0: 3
     w.engine.version = 2  # the batch's start version: 3 + 2 = 5
-    assert _lengths_by_tier(w.generate_groups(9)) == {"low": {2}, "medium": {5}, "high": {4}}
+    assert _lengths_by_tier(w.generate_groups(w.new_batch(9))) == {"low": {2}, "medium": {5}, "high": {4}}
 
 
 def test_worker_feeds_clip_rate_and_persists_its_growth(tmp_path):
     w = _worker("actor.length_schedule=clip_rate", "actor.length_start=3", "actor.length_grow=2",
                 "actor.length_window=4")
     w.curriculum = LengthCurriculum(w.cfg.actor, state_path(str(tmp_path), "actor0"))
-    groups = list(w.generate_groups(9))  # all cut: the 4th under 3 (tier "low" runs under 2) grows it
+    groups = list(w.generate_groups(w.new_batch(9)))  # all cut: the 4th under 3 (tier "low" runs under 2) grows it
     assert w.curriculum.limit(0) == 5  # once: the rest ran under 3 too, no longer the current limit
     assert json.loads(open(state_path(str(tmp_path), "actor0")).read()) == {"limit": w.curriculum.limit(0)}
     assert {c.num_tokens for g in groups if g.tier != "low" for c in g.completions} == {3}  # fixed per batch

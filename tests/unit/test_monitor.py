@@ -123,6 +123,15 @@ def test_dashboard_render_contains_panel_numbers(monitor):
     assert "40" in rows["0"] and "1.030" in rows["0"]
     assert "24" in rows["1"] and "1.070" in rows["1"]
     assert "3" in rows["2"] and "1.610" in rows["2"]
+    assert "of a full" not in text  # no deltas published: no delta rows
+
+
+def test_weight_sync_panel_shows_what_deltas_send(monitor):
+    monitor.update([rec("learner", "0", 15, {"weightsync/bytes_per_version": 3.5 * 2**20,
+                                             "weightsync/sent_frac": 0.042, "weightsync/changed_frac": 0.0091})])
+    monitor.console.print(monitor.renderable())
+    text = monitor.console.export_text()
+    assert "3.50 MiB" in text and "4.2%" in text and "0.91%" in text
 
 
 def test_dashboard_colours_ratio_tail(monitor):
@@ -229,7 +238,8 @@ RENDERED_KEYS = (
     "ratio/clip_frac", "mismatch/kl_k3", "staleness/hist", "staleness/mean", "staleness/max",
     "ratio/p99_by_staleness/0", "ratio/p99_by_staleness/3", "time/elapsed_s", "buffer/depth",
     "buffer/dropped_stale", "buffer/dropped_invalid", "buffer/duplicates",
-    "weightsync/publish_s", "weightsync/apply_s", "weightsync/bytes",
+    "weightsync/publish_s", "weightsync/apply_s", "weightsync/bytes", "weightsync/bytes_per_version",
+    "weightsync/sent_frac", "weightsync/changed_frac",
 )
 HOSTILE = (math.inf, -math.inf, math.nan, 1e300, -1e300, 1e308, -1e308, -7.0, 5e-324, 0.0,
            [math.nan], [math.inf, -math.inf, 1.0], [-3.0, 1e300, math.nan], [], [1e308] * 20)

@@ -75,7 +75,7 @@ def test_groups_leave_in_completion_order_before_the_batch_ends():
     w.run_dir, w.curriculum = "", LengthCurriculum(w.cfg.actor)
     seen_at = []
     groups = []
-    for g in w.generate_groups(4):
+    for g in w.generate_groups(w.new_batch(4)):
         seen_at.append(len(forwards))
         groups.append(g)
     assert len(groups) == 4
