@@ -83,8 +83,7 @@ class Publisher(_Closable):
             raise ValueError(f"versions must increase: got {version} after {self._last_version} (ARCHITECTURE.md, "
                              "Versions and staleness: a version is published once, after the step that made it)")
         t0 = time.perf_counter()
-        if self.cast is not None:
-            named = {k: v.to(self.cast) if v.is_floating_point() else v for k, v in named.items()}
+        named = cast_floats(named, self.cast)
         layout.check_targets(self.header, named, role=f"{self.transport} publisher", same_dtype=True)
         with torch.no_grad():
             tensors = [named[n] for n in self.header.names] if self.delta else []
@@ -190,15 +189,20 @@ def wait_until(ready, timeout_s: float, what: str, poll_s: float = 0.05, stop=No
         getattr(stop, "wait", time.sleep)(poll_s)  # an Event wakes the moment it is set
 
 
+def cast_floats(named: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> Mapping[str, torch.Tensor]:
+    """``named`` with its floating-point tensors in ``dtype`` (None: as they are)."""
+    if dtype is None:
+        return named
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in named.items()}
+
+
 def make_publisher(cfg, run_dir: str, template: Mapping[str, torch.Tensor], *, stop=None) -> Publisher:
     """The learner's publisher for ``cfg.weightsync.transport``; ``template`` fixes the layout (in the
     actors' dtype when versions go as deltas: ``weightsync.delta``)."""
     on, dtype = delta_plan(cfg)
     cast = layout.torch_dtype(dtype) if on and dtype else None
-    if cast is not None:
-        template = {k: v.to(cast) if v.is_floating_point() else v for k, v in template.items()}
     pub = resolve(PUBLISHERS, cfg.weightsync.transport, "weightsync transport").from_config(
-        cfg, run_dir, template, stop=stop)
+        cfg, run_dir, cast_floats(template, cast), stop=stop)
     if on:
         pub.use_delta(cfg.weightsync.full_every, cast)
     return pub
