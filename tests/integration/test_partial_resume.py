@@ -2,7 +2,8 @@
 sequences (its engine never samples EOS) is frozen just after it saved its batch, the saved file is read, and
 it is SIGKILLed. The launcher restarts it; the new incarnation continues every saved sequence from its prefix
 -- the same first tokens, behaviour versions kept -- throws none of the saved tokens away, and no group is
-trained twice."""
+trained twice. The run's own end stops the actor mid-batch too: it saves the batch whole, and `run.py
+resume` continues it the same way."""
 
 import json
 import os
@@ -55,10 +56,34 @@ def test_a_killed_actor_continues_its_sequences_from_the_saved_prefixes(tmp_path
     rd = result.run_dir
     assert "saved" in seen, "actor0 never saved a batch with prefixes"
     assert not alive(seen["pid"])
-    saved = seen["saved"]
+    continued = _check_continued(seen["saved"], record, seen["pid"])
+    with open(os.path.join(rd, "logs", "actor0.log")) as f:
+        log = f.read()
+    assert f"({partial.tokens(continued)} saved tokens); 0 dropped as stale (0 tokens)" in log
+    keys = [tuple(k) for rec in lines(os.path.join(rd, "trained_keys.jsonl")) for k in rec["keys"]]
+    assert len(keys) == len(set(keys)) and len(keys) == 6 * 4  # every step's groups, none trained twice
+    assert json.loads(open(os.path.join(rd, "config.json")).read())["actor"]["partial_save_s"] == 0.2
+
+    # the run's end stops actor0 gracefully, mostly mid-batch (3 runs in 4 here; else between two batches,
+    # with nothing to save): it saved that batch whole, and `run.py resume` continues it
+    at_end = partial.load(partial.path(rd, "actor0"), "actor0", 4)
+    assert (at_end is not None) == ("actor 0 stopped mid-generation" in log[log.rindex("resuming"):])
+    last = list(dict.fromkeys(r["pid"] for r in lines(record)))[-1]
+    result = jobs.train(jobs.load_config(None, rd, ["run.max_steps=8"]), rd)
+    assert not result.interrupted
+    if at_end is not None:
+        assert partial.tokens([g for g in at_end.groups if g.seq < 0]) > 0
+        _check_continued(at_end, record, last)
+    keys = [tuple(k) for rec in lines(os.path.join(rd, "trained_keys.jsonl")) for k in rec["keys"]]
+    assert len(keys) == len(set(keys)) == 8 * 4
+
+
+def _check_continued(saved, record: str, pid: int) -> list:
+    """The incarnation after ``pid`` handed over first the groups ``saved`` left unfinished, every sample
+    starting with its saved prefix (tokens and versions) and running on to its limit."""
     continued = {tuple(g.prompt): g for g in saved.groups if g.seq < 0}
     pids = list(dict.fromkeys(r["pid"] for r in lines(record)))
-    new = pids[pids.index(seen["pid"]) + 1]  # the next incarnation: its first batch is the resumed one
+    new = pids[pids.index(pid) + 1]  # the next incarnation: its first batch is the resumed one
     after = [r for r in lines(record) if r["pid"] == new][: len(continued)]
     assert sorted(tuple(r["prompt"]) for r in after) == sorted(continued)
     checked = 0
@@ -72,9 +97,4 @@ def test_a_killed_actor_continues_its_sequences_from_the_saved_prefixes(tmp_path
             assert len(tokens) == 96 and min(versions[n:], default=s.versions[-1]) >= s.versions[-1]
             checked += n
     assert checked > 0
-    with open(os.path.join(rd, "logs", "actor0.log")) as f:
-        log = f.read()
-    assert f"({partial.tokens(list(continued.values()))} saved tokens); 0 dropped as stale (0 tokens)" in log
-    keys = [tuple(k) for rec in lines(os.path.join(rd, "trained_keys.jsonl")) for k in rec["keys"]]
-    assert len(keys) == len(set(keys)) and len(keys) == 6 * 4  # every step's groups, none trained twice
-    assert json.loads(open(os.path.join(rd, "config.json")).read())["actor"]["partial_save_s"] == 0.2
+    return list(continued.values())
