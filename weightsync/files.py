@@ -672,7 +672,7 @@ class FileSubscriber(Subscriber):
         """Deltas back from ``version`` to the one this reader holds, else to their full version; None if one
         vanished (a newer full version retired them) or belongs to another publisher (a restart)."""
         files, cur = [], DeltaFile.open(os.path.join(self.dir, f"d{version}"), version)
-        while cur is not None and cur.head.epoch == (files[-1].head.epoch if files else cur.head.epoch):
+        while cur is not None and (not files or cur.head.epoch == files[0].head.epoch):
             files.append(cur)
             h = cur.head
             if h.base == after and h.epoch == self._epoch:
