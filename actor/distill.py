@@ -70,6 +70,8 @@ def build_corpus(cfg, policy_dir: str, out_path: str, progress=None) -> dict:
     dc, t0 = cfg.distill, time.time()
     torch.set_num_threads(cfg.actor.threads)
     with loaded(cfg, policy_dir) as (engine, task):
+        if engine.env is not None:  # an SFT row has no mask: it would train the environment's tokens
+            raise ValueError(f"task {cfg.task.name!r} runs multi-turn episodes: self-distillation does not take them yet")
         prompts = train_prompts(task, dc.prompts, cfg.run.seed)
         samples, rewards = sample_k(engine, task, prompts, dc.samples, progress,
                                     [prompt_limit(cfg, p) for p in prompts])

@@ -14,6 +14,7 @@ from collections import defaultdict
 import numpy as np
 import torch
 
+from actor import episodes
 from actor.curriculum import prompt_limit
 from actor.engines import Engine, make_engine
 from actor.tasks import Task, make_task
@@ -26,9 +27,10 @@ SEQUENCES_PER_CALL = 256  # fills an engine batch, bounds its memory
 
 @contextlib.contextmanager
 def loaded(cfg, model_dir: str):
-    """``(engine, task)`` of ``cfg`` on the model in ``model_dir``, both closed on exit."""
+    """``(engine, task)`` of ``cfg`` on the model in ``model_dir`` (with the task's environment), both closed on exit."""
     engine = make_engine(cfg.actor, model_dir, seed=cfg.run.seed)
     task = make_task(cfg.task, Tokenizer.from_dir(model_dir))
+    engine.env = episodes.environment(task)
     try:
         yield engine, task
     finally:
@@ -36,11 +38,15 @@ def loaded(cfg, model_dir: str):
         engine.close()
 
 
-def evaluate(engine: Engine, task: Task, prompts, max_new_tokens: list[int] | None = None) -> tuple[float, float]:
-    """Mean reward and length on a fixed held-out set; ``max_new_tokens``: each prompt's limit."""
+def evaluate(engine: Engine, task: Task, prompts, max_new_tokens: list[int] | None = None,
+             extra: dict | None = None) -> tuple[float, float]:
+    """Mean reward and length on a fixed held-out set; ``max_new_tokens``: each prompt's limit. ``extra`` gets
+    the task's episode rates (``eval/tool/...``) when the engine runs episodes."""
     samples = engine.generate([list(p.tokens) for p in prompts], max_new_tokens=max_new_tokens)
-    rewards = task.rewards([(p, s.tokens) for p, s in zip(prompts, samples)])
-    return float(np.mean(rewards)), float(np.mean([len(s.tokens) for s in samples]))
+    items = [(p, s.tokens) for p, s in zip(prompts, samples)]
+    if extra is not None and engine.env is not None:
+        extra.update({f"eval/{k}": v for k, v in task.episode_metrics(items).items()})
+    return float(np.mean(task.rewards(items))), float(np.mean([len(s.tokens) for s in samples]))
 
 
 def final_eval(run_dir: str) -> dict:
@@ -49,10 +55,11 @@ def final_eval(run_dir: str) -> dict:
     with open(os.path.join(run_dir, "config.json"), "rb") as f:
         cfg = C.from_json(f.read())
     torch.set_num_threads(1)
+    extra: dict = {}
     with loaded(cfg, os.path.join(run_dir, "final_model")) as (engine, task):
         prompts = task.eval_set(cfg.run.eval_prompts)
-        reward, length = evaluate(engine, task, prompts, [prompt_limit(cfg, p) for p in prompts])
-    values = {"eval/reward": reward, "eval/length": length, "eval/final": 1.0}
+        reward, length = evaluate(engine, task, prompts, [prompt_limit(cfg, p) for p in prompts], extra)
+    values = {"eval/reward": reward, "eval/length": length, **extra, "eval/final": 1.0}
     with MetricsWriter(run_dir, "launcher", "final_eval") as metrics:
         metrics.emit(-1, values)
     merge_pending(run_dir)

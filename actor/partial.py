@@ -29,6 +29,7 @@ class SavedSample(msgspec.Struct, array_like=True, frozen=True):
     logprobs: list[float]
     versions: list[int]
     finish_reason: str = ""  # "": a prefix still being generated
+    mask: list[int] | None = None  # an episode's: 1 sampled, 0 the environment's (actor/episodes.py)
 
 
 class SavedGroup(msgspec.Struct, array_like=True, frozen=True):

@@ -1,19 +1,22 @@
 """Reward checking in killable worker processes, as a thread cannot be stopped (the pool, its counters and why it
 is hand-written: ARCHITECTURE.md, Seams). A worker runs the checker in its main thread (math-verify's
 ``signal.alarm`` needs it). A NaN/inf score or a frame over :data:`MAX_FRAME_BYTES` is an error; ``timeout_s``
-runs from the hand-over.
+runs from the hand-over. Tools (:meth:`RewardPool.call`: payload -> str) run here too, in an optional :class:`Sandbox`.
 """
 from __future__ import annotations
 
 import abc
 import argparse
 import contextlib
+import ctypes
 import importlib
 import logging
 import math
 import os
+import resource
 import selectors
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -32,6 +35,7 @@ START_TIMEOUT_S = 120.0  # a worker's import + warmup(); reasoning-gym's takes ~
 STOP_GRACE_S = 2.0
 PROGRESS_S = 10.0
 COUNTERS = ("reward/checks", "reward/timeouts", "reward/errors")
+CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
 LOGGED_ERRORS = 10  # the first errors are logged with their message, then every 100th
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _HEADER = struct.Struct("!I")
@@ -45,6 +49,14 @@ _REPLIES = msgspec.msgpack.Decoder(ScoreReply)
 def frame(msg) -> bytes:
     body = _ENCODER.encode(msg)
     return _HEADER.pack(len(body)) + body
+
+
+class Sandbox(msgspec.Struct, frozen=True):
+    """A tool worker's limits: CPU seconds per call, address space, and whether it may reach the network."""
+
+    cpu_s: float = 2.0
+    memory_mb: int = 512
+    network: bool = False
 
 
 def _describe(e: BaseException) -> str:
@@ -90,12 +102,16 @@ class _Worker:
 
 
 class RewardPool:
-    """``workers`` processes running ``scorer`` ("module:function": payload -> float), ``timeout_s`` per answer."""
+    """``workers`` processes running ``scorer`` ("module:function": payload -> float, or str), ``timeout_s`` each."""
 
-    def __init__(self, scorer: str, workers: int, timeout_s: float):
+    def __init__(self, scorer: str, workers: int, timeout_s: float, *, counters: tuple[str, str, str] = COUNTERS,
+                 sandbox: Sandbox | None = None):
         self.scorer, self.timeout_s = scorer, float(timeout_s)
-        self.counts = dict.fromkeys(COUNTERS, 0.0)  # the task's metrics
+        self.counts = dict.fromkeys(counters, 0.0)  # the task's metrics
+        self._checks, self._timeouts, self._errors = counters
         self._argv = [sys.executable, "-m", "actor.rewards", "--scorer", scorer]
+        if sandbox is not None:
+            self._argv += ["--sandbox", msgspec.json.encode(sandbox).decode()]
         self._sel = selectors.DefaultSelector()
         self._workers: list[_Worker] = []
         self._closed = False
@@ -116,9 +132,16 @@ class RewardPool:
 
     def score(self, payloads: list) -> list[float]:
         """The score of every payload, in order; 0.0 (and counted) for those that failed."""
+        return self._run(payloads, [0.0] * len(payloads), text=False)
+
+    def call(self, payloads: list) -> list[str | None]:
+        """The text a tool returned for every payload, in order; None (and counted) for those that failed."""
+        return self._run(payloads, [None] * len(payloads), text=True)
+
+    def _run(self, payloads: list, results: list, text: bool) -> list:
         if self._closed:
             raise RuntimeError("reward pool is closed")
-        results, todo = [0.0] * len(payloads), deque()
+        todo = deque()
         for i, payload in enumerate(payloads):
             data = frame(ScoreRequest(i, payload))
             if len(data) - _HEADER.size > MAX_FRAME_BYTES:
@@ -127,7 +150,7 @@ class RewardPool:
                 todo.append((i, data))
         while todo or any(w.job is not None for w in self._workers):
             self._dispatch(todo)
-            self._pump(results)
+            self._pump(results, text)
         return results
 
     def close(self) -> None:
@@ -148,6 +171,7 @@ class RewardPool:
         env = dict(os.environ)
         env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
         env["DRIFTRL_LAUNCHER_PID"] = str(os.getpid())  # die_with_parent in the worker watches us
+        env["OMP_NUM_THREADS"] = env["OPENBLAS_NUM_THREADS"] = "1"  # one thread: unshare() needs it (sandbox)
         w = _Worker(self._argv, env)
         self._sel.register(w.fd, selectors.EVENT_READ, w)
         return w
@@ -167,20 +191,20 @@ class RewardPool:
                     log.warning("reward worker %d died while idle: replaced", w.proc.pid)
                     self._replace(w, "died")
 
-    def _pump(self, results: list[float] | None) -> None:
+    def _pump(self, results: list | None, text: bool = False) -> None:
         """One wait on every worker's pipe, until the nearest deadline; then handle overruns."""
         deadline = min((w.deadline for w in self._workers), default=math.inf)
         timeout = None if deadline == math.inf else max(0.0, deadline - time.monotonic())
         for key, _ in self._sel.select(timeout):
-            self._on_readable(key.data, results)
+            self._on_readable(key.data, results, text)
         now = time.monotonic()
         for w in [w for w in self._workers if w.deadline <= now]:
             self._replace(w, f"did not answer within {START_TIMEOUT_S:.0f} s")
-            self.counts["reward/timeouts"] += 1
+            self.counts[self._timeouts] += 1
             log.warning("reward check timed out after %.1f s: worker %d killed and replaced (%d timeouts so far)",
-                        self.timeout_s, w.proc.pid, self.counts["reward/timeouts"])
+                        self.timeout_s, w.proc.pid, self.counts[self._timeouts])
 
-    def _on_readable(self, w: _Worker, results) -> None:
+    def _on_readable(self, w: _Worker, results, text: bool) -> None:
         if w not in self._workers:
             return  # replaced earlier in this round
         try:
@@ -199,15 +223,19 @@ class RewardPool:
                 break
             else:
                 w.job, w.deadline = None, math.inf
-                if reply.error:
-                    self._error(reply.error)
-                else:
-                    results[reply.id] = reply.score
-                    self.counts["reward/checks"] += 1
+                self._take(reply, results, text)
         if replies is None:  # gone or unusable: its answer scores 0 and counts as an error
             self._replace(w, "exited")
             if w.job is not None and results is not None:
                 self._error(f"worker {w.proc.pid} died checking an answer (exit status {w.proc.returncode})")
+
+    def _take(self, reply: ScoreReply, results: list, text: bool) -> None:
+        is_text = reply.text is not None
+        if reply.error or is_text != text:
+            self._error(reply.error or ("returned a str, not a score" if is_text else "returned a number, not text"))
+        else:
+            results[reply.id] = reply.text if text else reply.score
+            self.counts[self._checks] += 1
 
     def _replace(self, w: _Worker, why: str) -> None:
         """Kill (or reap) ``w`` and start another; one that never got ready fails the pool's start."""
@@ -219,8 +247,8 @@ class RewardPool:
         self._workers[self._workers.index(w)] = self._spawn()
 
     def _error(self, message: str) -> None:
-        self.counts["reward/errors"] += 1
-        n = self.counts["reward/errors"]
+        self.counts[self._errors] += 1
+        n = self.counts[self._errors]
         if n <= LOGGED_ERRORS or n % 100 == 0:
             log.warning("reward check failed (%d errors so far): %s", n, message)
 
@@ -276,8 +304,38 @@ def read_request(stream) -> ScoreRequest | None:
 
 
 def _send(stream, reply: ScoreReply) -> None:
-    stream.write(frame(reply))
+    if len(data := frame(reply)) - _HEADER.size > MAX_FRAME_BYTES:
+        data = frame(ScoreReply(reply.id, error=f"a reply of {len(data)} bytes is over the cap"))
+    stream.write(data)
     stream.flush()
+
+
+def _reply(i: int, result) -> ScoreReply:
+    if isinstance(result, str):
+        return ScoreReply(i, text=result)
+    score = float(result)
+    return ScoreReply(i, score) if math.isfinite(score) else ScoreReply(i, error=f"score is {score!r}")
+
+
+class _NoNetwork(socket.socket):
+    def __init__(self, *args, **kwargs):
+        raise PermissionError("network is off for tools")
+
+
+def _confine(sandbox: Sandbox) -> None:
+    """Cap the address space, write no core file (SIGXCPU's), and leave the network unless allowed: a private
+    network namespace (loopback down) where user namespaces are on, else a ``socket.socket`` that raises."""
+    resource.setrlimit(resource.RLIMIT_AS, (sandbox.memory_mb << 20, resource.getrlimit(resource.RLIMIT_AS)[1]))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    if not sandbox.network and ctypes.CDLL(None, use_errno=True).unshare(CLONE_NEWUSER | CLONE_NEWNET) != 0:
+        log.warning("tool sandbox: unshare failed (%s): socket.socket raises instead", os.strerror(ctypes.get_errno()))
+        socket.socket = _NoNetwork
+
+
+def _limit_cpu(cpu_s: float) -> None:
+    """RLIMIT_CPU counts the process's whole life: the next call may use ``cpu_s`` (rounded up) more."""
+    soft = math.ceil(sum(resource.getrusage(resource.RUSAGE_SELF)[:2])) + math.ceil(cpu_s)
+    resource.setrlimit(resource.RLIMIT_CPU, (soft, resource.getrlimit(resource.RLIMIT_CPU)[1]))
 
 
 def main(argv=None) -> int:
@@ -286,7 +344,10 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(description="A reward-pool worker (started by actor.rewards.RewardPool).")
     ap.add_argument("--scorer", required=True, help="module:function")
+    ap.add_argument("--sandbox", type=lambda s: msgspec.json.decode(s, type=Sandbox), help="Sandbox as JSON")
     args = ap.parse_args(argv)
+    if args.sandbox is not None:  # while single-threaded (unshare), before the tool's module loads
+        _confine(args.sandbox)
     # the protocol's own copies of stdin/stdout; fd 0 becomes /dev/null and fd 1 the log (a checker's print)
     frames_in, frames_out = os.fdopen(os.dup(0), "rb"), os.fdopen(os.dup(1), "wb")
     devnull = os.open(os.devnull, os.O_RDONLY)
@@ -311,9 +372,9 @@ def main(argv=None) -> int:
     _send(frames_out, ScoreReply(READY))
     while (req := read_request(frames_in)) is not None:
         try:
-            score = float(fn(req.payload))
-            ok = math.isfinite(score)
-            reply = ScoreReply(req.id, score) if ok else ScoreReply(req.id, error=f"score is {score!r}")
+            if args.sandbox is not None:
+                _limit_cpu(args.sandbox.cpu_s)
+            reply = _reply(req.id, fn(req.payload))
         except Exception as e:  # this answer scores 0; the worker carries on
             reply = ScoreReply(req.id, error=_describe(e))
         _send(frames_out, reply)

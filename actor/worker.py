@@ -19,7 +19,7 @@ import msgspec
 import numpy as np
 import torch
 
-from actor import partial
+from actor import episodes, partial
 from actor.curriculum import LengthCurriculum, prompt_limit, state_path
 from actor.engines import EngineStopped, Sample, engine_class, make_engine
 from actor.evaluate import evaluate
@@ -55,8 +55,8 @@ class _Batch:
     def resumed(cls, saved: partial.SavedBatch, groups: list[partial.SavedGroup]) -> "_Batch":
         prompts = [Prompt(g.prompt_id, tuple(g.prompt), g.tier, g.difficulty, g.answer) for g in groups]
         b = cls(saved.start_version, prompts, [g.limit for g in groups], len(groups[0].samples))
-        b.done = [[None if s is None else Sample(list(s.tokens), list(s.logprobs), list(s.versions), s.finish_reason)
-                   for s in g.samples] for g in groups]
+        b.done = [[None if s is None else Sample(list(s.tokens), list(s.logprobs), list(s.versions), s.finish_reason,
+                           s.mask) for s in g.samples] for g in groups]
         b.seqs = {i: g.seq for i, g in enumerate(groups) if g.seq >= 0}
         return b
 
@@ -68,14 +68,14 @@ class _Batch:
             seq = self.seqs.get(i)
             if seq == -1:  # left out (no signal): nothing to continue or send
                 continue
-            samples = [_saved(s if s is not None and s.finish_reason else running.get((i, j))) for j, s in enumerate(done)]
+            samples = [_saved(s if s is not None and s.finish_reason else running.get((i, j), s)) for j, s in enumerate(done)]
             groups.append(partial.SavedGroup(p.id, list(p.tokens), p.tier, p.difficulty, p.answer, self.limits[i],
                                              samples, -1 if seq is None else seq))
         return partial.SavedBatch(actor_id, self.start_version, groups)
 
 
 def _saved(s: Sample | None) -> partial.SavedSample | None:
-    return None if s is None else partial.SavedSample(s.tokens, s.logprobs, s.versions, s.finish_reason)
+    return None if s is None else partial.SavedSample(s.tokens, s.logprobs, s.versions, s.finish_reason, s.mask)
 
 
 class RolloutWorker:
@@ -100,7 +100,7 @@ class RolloutWorker:
         a = msgspec.structs.replace(cfg.actor, device=str(self.device))
         weights = engine_class(a.engine).weight_source(cfg, run_dir, self.actor_id, stop=self.stop, device=self.device)
         self.engine = make_engine(a, cfg.model.path, weights, seed=cfg.run.seed * 1000 + index)
-        self.engine.stop = self.stop
+        self.engine.stop, self.engine.env = self.stop, episodes.environment(self.task)
         self.engine.on_step = self._on_step
         self.partial_path = partial.path(run_dir, self.actor_id)
         self.client = ActorClient(cfg, self.actor_id, run_dir=run_dir, stop=self.stop)
@@ -229,7 +229,7 @@ class RolloutWorker:
         if batch.saved:
             partial.clear(self.partial_path)
         self.client.in_flight(-1)
-        self._emit(groups, time.time() - t0 - sending, waited)
+        self._emit(batch, groups, time.time() - t0 - sending, waited)
 
     def _hand_over(self, group: M.RolloutGroup) -> None:
         """Send ``group``; one without a seq (:meth:`_no_signal`) is left out and its admission slot given back."""
@@ -301,7 +301,7 @@ class RolloutWorker:
         cur = self.curriculum.limit(version)
         return [prompt_limit(self.cfg, p, cur) for p in prompts]
 
-    def _emit(self, groups, gen_s: float, waited: float) -> None:
+    def _emit(self, batch: _Batch, groups, gen_s: float, waited: float) -> None:
         done, v = [c for g in groups for c in g.completions], self.engine.version
         lengths = [c.num_tokens for c in done]
         by_tier: dict[str, list] = {}
@@ -325,9 +325,16 @@ class RolloutWorker:
             **{f"length/by_tier/{t}": float(np.mean([c.num_tokens for c in cs])) for t, cs in by_tier.items()},
             **{k: float(x) for k, x in self.engine.weights.metrics().items()},
             **self.task.metrics(),
+            **(self._episode_metrics(batch, groups) if self.engine.env is not None and groups else {}),
             **self.funnel_metrics(),
             **{k: float(v) for k, v in self.restart.items()},
         })
+
+    def _episode_metrics(self, batch: _Batch, groups) -> dict[str, float]:
+        """Turns, lengths and tool-call outcomes; the task's own rates over every episode of the batch."""
+        items = [(p, s.tokens) for p, done in zip(batch.prompts, batch.done) for s in done if s is not None]
+        return {**episodes.episode_metrics([c for g in groups for c in g.completions]), **self.engine.env.metrics(),
+                **self.task.episode_metrics(items)}
 
     def _maybe_eval(self) -> None:
         v = self.engine.version
@@ -335,8 +342,9 @@ class RolloutWorker:
             return
         self.last_eval = v
         # sampled as training samples now: the same tier limits and curriculum limit
-        reward, length = evaluate(self.engine, self.task, self.eval_set, self.limits(self.eval_set, v))
-        self.metrics.emit(v, {"eval/reward": reward, "eval/length": length, "eval/version": float(v)})
+        extra: dict = {}
+        reward, length = evaluate(self.engine, self.task, self.eval_set, self.limits(self.eval_set, v), extra)
+        self.metrics.emit(v, {"eval/reward": reward, "eval/length": length, "eval/version": float(v), **extra})
 
 
 def main(argv=None) -> None:

@@ -70,6 +70,19 @@ class ModelSection(_Section):
     max_position_embeddings: PosInt = 128
 
 
+class ToolsSection(_Section):  # [task.tools]: multi-turn episodes with a tool (actor/episodes.py)
+    # "module:function" (call text -> result text); "" = the task's own (calc: a calculator) or none
+    tool: Annotated[str, Meta(pattern=r"^([A-Za-z_][\w.]*:[A-Za-z_]\w*)?$")] = ""
+    format: Literal["auto", "brackets", "qwen"] = "auto"  # auto: qwen where </tool_call> is one token
+    schema: list[dict] = []  # the tools' JSON schemas, rendered by a chat template's tools block (Qwen's)
+    max_turns: PosInt = 4  # policy turns per episode
+    workers: PosInt = 2  # sandboxed tool processes: each call within timeout_s, cpu_s, memory_mb, no network
+    timeout_s: PosFloat = 5.0
+    cpu_s: PosFloat = 2.0
+    memory_mb: Annotated[int, Meta(ge=64)] = 512
+    network: bool = False
+
+
 class TaskSection(_Section):
     name: str = "arith"  # actor/tasks/ TASKS
     digits: Annotated[int, Meta(ge=1, le=12)] = 2  # arith: operand digits; scratch: most quotient digits
@@ -87,6 +100,7 @@ class TaskSection(_Section):
     difficulty_tiers: dict[str, str] = {}  # str(Prompt.difficulty) -> tier (pipeline tier_by=pass_rate)
     reward_workers: PosInt = 2  # scorer processes; a hung or crashed check scores 0, counted
     reward_timeout_s: PosFloat = 10.0
+    tools: ToolsSection = msgspec.field(default_factory=lambda: ToolsSection())  # [task.tools]
 
 
 class SGLangSection(_Section):  # actor.engine = "sglang" (actor/engines/sglang.py): the server, its deadlines

@@ -14,12 +14,13 @@ import msgspec
 import numpy as np
 from msgspec import Meta
 
-SCHEMA_VERSION = 5  # 5: an actor message carries 1..MAX_GROUPS_PER_MSG groups, one frame each (4 sent one)
+SCHEMA_VERSION = 6  # 6: a completion may hold environment tokens (Completion.mask); 5: 1..64 groups a message
 MAX_GROUPS_PER_MSG = 64
 
 TOKEN_DTYPE = np.dtype("<i4")
 LOGPROB_DTYPE = np.dtype("<f4")
 VERSION_DTYPE = np.dtype("<i4")
+MASK_DTYPE = np.dtype("u1")
 
 
 class _Msg(msgspec.Struct, frozen=True, array_like=True, tag=True, omit_defaults=False):
@@ -49,6 +50,9 @@ class Completion(msgspec.Struct, frozen=True, array_like=True):
     versions: bytes
     finish_reason: str  # "stop" (EOS sampled) or "length" (hit max_new_tokens)
     reward: float
+    # an episode's (actor/episodes.py): per token 1 sampled, 0 the environment's (log-prob 0, the version of the
+    # sampled token before it; no loss, no ratio); empty: every token sampled
+    mask: bytes = b""
 
     @property
     def num_tokens(self) -> int:
@@ -62,6 +66,10 @@ class Completion(msgspec.Struct, frozen=True, array_like=True):
 
     def version_array(self) -> np.ndarray:
         return np.frombuffer(self.versions, dtype=VERSION_DTYPE)
+
+    def sampled(self) -> np.ndarray:
+        """Per token, whether the engine sampled it (False: the environment's)."""
+        return np.frombuffer(self.mask, dtype=MASK_DTYPE) == 1 if self.mask else np.ones(self.num_tokens, bool)
 
 
 def staleness(learner_version: int, oldest_version):
@@ -232,6 +240,7 @@ class ScoreReply(msgspec.Struct, array_like=True):
     id: int
     score: float = 0.0
     error: str = ""
+    text: str | None = None  # a tool's result (actor/episodes.py)
 
 
 # metrics travel on no socket: JSON lines in run_dir/metrics/ (core/metrics.py)
@@ -280,8 +289,9 @@ def bounded_group(limits: Limits) -> type:
     array header above them, before allocating (two million empty completions cost nothing)."""
     tok, item = Annotated[bytes, _cap(limits.max_new_tokens * TOKEN_DTYPE.itemsize)], TOKEN_DTYPE.itemsize
     text = Annotated[str, Meta(max_length=MAX_TEXT_CHARS)]
-    comp = msgspec.defstruct("Completion", [("tokens", tok), ("logprobs", tok), ("versions", tok),
-                                            ("finish_reason", text)], bases=(Completion,), module=__name__)
+    comp = msgspec.defstruct("Completion", [("tokens", tok), ("logprobs", tok), ("versions", tok), ("finish_reason", text),
+                                            ("mask", Annotated[bytes, _cap(limits.max_new_tokens)])],
+                             bases=(Completion,), module=__name__)
     return msgspec.defstruct(
         "RolloutGroup", [("group_id", text), ("task", text), ("tier", text),
                          ("prompt_tokens", Annotated[bytes, _cap(limits.max_prompt_tokens * item)]),
@@ -381,7 +391,8 @@ def _completions_pass(g: RolloutGroup, limits: Limits) -> tuple[int, int] | None
     for c in comps:
         n = len(c.tokens)
         if n % item or n > cap or len(c.logprobs) != n or len(c.versions) != n \
-                or c.finish_reason not in _FINISH_REASONS or not abs(c.reward) <= MAX_ABS_REWARD:
+                or c.finish_reason not in _FINISH_REASONS or not abs(c.reward) <= MAX_ABS_REWARD \
+                or (c.mask and not _mask_ok(c)):
             return None
     ids = np.frombuffer(b"".join([g.prompt_tokens, *[c.tokens for c in comps]]), dtype=TOKEN_DTYPE)
     if not _ids_ok(ids, limits.vocab_size):
@@ -395,6 +406,13 @@ def _completions_pass(g: RolloutGroup, limits: Limits) -> tuple[int, int] | None
     v = g._versions()
     oldest = int(v.min())
     return (oldest, max(int(v.max()), g.start_version)) if oldest >= 0 else None
+
+
+def _mask_ok(c: Completion) -> bool:
+    """One flag (0/1) per token; an environment token has log-prob 0 and follows a sampled one."""
+    m = np.frombuffer(c.mask, dtype=MASK_DTYPE)
+    return m.size == c.num_tokens and m.size > 0 and m[0] == 1 and bool((m <= 1).all()) \
+        and not c.logprob_array()[m == 0].any()
 
 
 def _explain_completions(g: RolloutGroup, limits: Limits) -> None:
@@ -430,20 +448,24 @@ def _explain_completions(g: RolloutGroup, limits: Limits) -> None:
             raise InvalidMessage("token_out_of_vocab", f"completion {i}, vocabulary {limits.vocab_size or '?'}")
         if c.finish_reason not in _FINISH_REASONS:
             raise InvalidMessage("finish_reason", repr(c.finish_reason)[:32])
+        if c.mask and not _mask_ok(c):
+            raise InvalidMessage("bad_mask", f"completion {i}")
 
 
-def make_completion(tokens, logprobs, versions, finish_reason: str, reward: float) -> Completion:
-    """A Completion from array-likes, in the wire dtypes."""
+def make_completion(tokens, logprobs, versions, finish_reason: str, reward: float, mask=None) -> Completion:
+    """A Completion from array-likes, in the wire dtypes; ``mask`` None: every token sampled."""
     return Completion(np.ascontiguousarray(tokens, dtype=TOKEN_DTYPE).tobytes(),
                       np.ascontiguousarray(logprobs, dtype=LOGPROB_DTYPE).tobytes(),
-                      np.ascontiguousarray(versions, dtype=VERSION_DTYPE).tobytes(), finish_reason, float(reward))
+                      np.ascontiguousarray(versions, dtype=VERSION_DTYPE).tobytes(), finish_reason, float(reward),
+                      b"" if mask is None else np.ascontiguousarray(mask, dtype=MASK_DTYPE).tobytes())
 
 
 def group_from_samples(samples, rewards, *, actor_id: str, seq: int, group_id: str, task: str, tier: str,
                        prompt, start_version: int, created_at: float = 0.0) -> RolloutGroup:
     """The one way a prompt and its G engine samples (objects with ``tokens``, ``logprobs``,
     ``versions``, ``finish_reason``) become a RolloutGroup; ``rewards`` are one per sample."""
-    comps = [make_completion(s.tokens, s.logprobs, s.versions, s.finish_reason, r) for s, r in zip(samples, rewards)]
+    comps = [make_completion(s.tokens, s.logprobs, s.versions, s.finish_reason, r, getattr(s, "mask", None))
+             for s, r in zip(samples, rewards)]
     return RolloutGroup(actor_id=actor_id, seq=seq, group_id=group_id, task=task, tier=tier,
                         prompt_tokens=np.asarray(prompt, dtype=TOKEN_DTYPE).tobytes(), completions=comps,
                         start_version=start_version, created_at=created_at)

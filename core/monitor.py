@@ -20,7 +20,7 @@ from rich.text import Text
 from core.funnel import Funnel
 from core.messages import MetricRecords
 
-SPARK_KEYS = ("eval/reward", "reward/mean", "length/mean", "ratio/p99")
+SPARK_KEYS = ("eval/reward", "reward/mean", "length/mean", "ratio/p99", "tool/correct_rate")
 _SPARK = "▁▂▃▄▅▆▇█"
 _EIGHTHS = " ▏▎▍▌▋▊▉"
 MAX_STALENESS_ROWS = 8
@@ -219,6 +219,8 @@ class Monitor:
             and f"eval {fmt(g('eval/reward'), 2)} (start {fmt(self.eval_first, 2)})",
             g("reward/mean") is not None and f"reward {fmt(g('reward/mean'), 2)}",
             g("length/mean") is not None and f"len {fmt(g('length/mean'), 1)}{limit}",
+            g("episode/turns") is not None and f"turns {fmt(g('episode/turns'), 2)} tools {self.tools_text()}"
+            + (f" correct {fmt(c, 2)}" if (c := g("tool/correct_rate")) is not None else ""),
             (g("ratio/p50") is not None or g("ratio/p99") is not None)
             and f"ratio p50 {fmt(g('ratio/p50'))} p99 {fmt(g('ratio/p99'), 2)} max {fmt(g('ratio/max'), 1)}",
             isinstance(hist, list) and hist
@@ -305,7 +307,15 @@ class Monitor:
             ("train", self._cell("reward/mean"), self._spark("reward/mean")),
             ("length", self._cell("length/mean", 1), self._spark("length/mean")),
             ("  p90/max", f"{fmt(self.get('length/p90'), 0)}/{fmt(self.get('length/max'), 0)}",
-             Text("" if limit is None else f"limit {fmt(limit, 0)}", style="dim")))  # the length curriculum's
+             Text("" if limit is None else f"limit {fmt(limit, 0)}", style="dim")),  # the length curriculum's
+            self.get("episode/turns") is not None and ("turns", self._cell("episode/turns", 2), self.tools_text()),
+            self.get("tool/correct_rate") is not None
+            and ("tool use", self._cell("tool/correct_rate", 2), self._spark("tool/correct_rate")))
+
+    def tools_text(self) -> str:
+        """Tool-call outcomes so far (actor/episodes.py)."""
+        return " ".join(f"{n} {fmt(self.get(f'tool/{k}'), 0)}" for n, k in
+                        (("ok", "ok"), ("err", "errors"), ("timeout", "timeouts"), ("bad", "malformed")))
 
     def _ratio_panel(self):
         # the control's limit, then its last trip (in the cropping column: it can be long)

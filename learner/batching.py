@@ -17,7 +17,7 @@ from core import messages as M
 class Batch:
     ids: torch.Tensor  # [N, L] int64
     key_mask: torch.Tensor  # [N, L] bool, False on padding
-    mask: torch.Tensor  # [N, L-1] float, 1 where ids[:, j+1] is a completion token
+    mask: torch.Tensor  # [N, L-1] float, 1 where ids[:, j+1] is a sampled completion token (not the environment's)
     behaviour_logp: torch.Tensor  # [N, L-1] float32
     rewards: torch.Tensor  # [num_groups, G] float32
     staleness: torch.Tensor  # [N] int64: learner version - oldest token version of the sample
@@ -79,7 +79,7 @@ def collate(groups: list[M.RolloutGroup], learner_version: int, pad_id: int = 0,
     if not groups:
         raise ValueError("empty batch")
     G = len(groups[0].completions)
-    rows, starts, lps, vers, stale = [], [], [], [], []
+    rows, starts, lps, vers, stale, sampled = [], [], [], [], [], []
     for g in groups:
         M.validate_group(g)
         if len(g.completions) != G:
@@ -94,16 +94,17 @@ def collate(groups: list[M.RolloutGroup], learner_version: int, pad_id: int = 0,
             starts.append(len(prompt))
             lps.append(c.logprob_array())
             vers.append(c.version_array())
+            sampled.append(c.sampled())
             stale.append(M.staleness(learner_version, int(vers[-1].min()) if len(vers[-1]) else g.start_version))
     n, width = len(rows), max(map(len, rows))
     ids = torch.full((n, width), pad_id, dtype=torch.long)
     key_mask = torch.zeros(n, width, dtype=torch.bool)
     mask, blp = torch.zeros(n, width - 1), torch.zeros(n, width - 1)
     versions = torch.zeros(n, width - 1, dtype=torch.long)
-    for i, (row, s, lp, v) in enumerate(zip(rows, starts, lps, vers)):
+    for i, (row, s, lp, v, m) in enumerate(zip(rows, starts, lps, vers, sampled)):
         ids[i, : len(row)] = torch.from_numpy(row.astype(np.int64))
         key_mask[i, : len(row)] = True
-        mask[i, s - 1 : len(row) - 1] = 1.0
+        mask[i, s - 1 : len(row) - 1] = torch.from_numpy(m.astype(np.float32))
         blp[i, s - 1 : len(row) - 1] = torch.from_numpy(lp.copy())
         versions[i, s - 1 : len(row) - 1] = torch.from_numpy(v.astype(np.int64))
     rewards = torch.tensor([[c.reward for c in g.completions] for g in groups], dtype=torch.float32)

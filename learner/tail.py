@@ -47,7 +47,7 @@ def records(batch: Batch, logp: Tensor, *, step: int, version: int, k: int, deco
         raise ValueError(f"logp {tuple(logp.shape)} must be shaped like the batch's mask {tuple(batch.mask.shape)}")
     lr = logp.double() - batch.behaviour_logp.double()
     picks = pick(lr, batch.mask, k)
-    sel = batch.mask > 0  # one contiguous response run per row (collate): its first column and length
+    sel = batch.mask > 0  # a row's response from its first sampled column; length: its sampled tokens
     start, length = sel.int().argmax(dim=1).tolist(), sel.sum(dim=1).tolist()
     texts = decode([int(batch.ids[r, c + 1]) for _, r, c in picks])  # column j predicts ids[:, j+1]
     out = []

@@ -73,13 +73,13 @@ class Tokenizer:
     def decode(self, ids) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
-    def apply_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of ``messages`` as transformers' ``apply_chat_template`` gives them."""
+    def apply_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None) -> list[int]:
+        """Token ids of ``messages`` (and ``tools``' JSON schemas) as transformers' ``apply_chat_template`` gives them."""
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template (no chat_template.jinja, no chat_template "
                              "in tokenizer_config.json)")
         text = _compile(self.chat_template).render(
-            messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
+            messages=messages, tools=tools or None, documents=None, add_generation_prompt=add_generation_prompt,
             **dict(self.template_tokens))
         return self.encode(text)
 
@@ -92,12 +92,12 @@ class Tokenizer:
                              f"(no {CHAT_TEMPLATE_FILE}, no chat_template in tokenizer_config.json)")
         return mode == "on" or (mode == "auto" and self.chat_template is not None)
 
-    def prompt(self, text: str, chat: bool, system: str = "") -> list[int]:
+    def prompt(self, text: str, chat: bool, system: str = "", tools: list | None = None) -> list[int]:
         """Prompt ids of a user's ``text``: through the chat template (``system`` as its system
-        message), else BOS, ``system`` and ``text`` as plain text (a tier's prompt still shows)."""
+        message, ``tools`` in its tools block), else BOS, ``system`` and ``text`` as plain text."""
         if chat:
             system_msg = [{"role": "system", "content": system}] if system else []
-            return self.apply_chat([*system_msg, {"role": "user", "content": text}])
+            return self.apply_chat([*system_msg, {"role": "user", "content": text}], tools=tools)
         return ([] if self.bos_id is None else [self.bos_id]) + self.encode(system + text)
 
     @classmethod

@@ -19,7 +19,13 @@ class Sample:
     tokens: list[int]
     logprobs: list[float]
     versions: list[int]
-    finish_reason: str  # "stop" | "length"
+    finish_reason: str  # "stop" | "length"; "tool" inside an episode's turn (never returned by stream)
+    mask: list[int] | None = None  # per token: 1 sampled, 0 the environment's (actor/episodes.py); None: all sampled
+
+    def copy(self, finish_reason: str | None = None) -> "Sample":
+        return Sample(list(self.tokens), list(self.logprobs), list(self.versions),
+                      self.finish_reason if finish_reason is None else finish_reason,
+                      None if self.mask is None else list(self.mask))
 
 
 class EngineStopped(RuntimeError):
@@ -33,6 +39,11 @@ class Engine(abc.ABC):
     # stream(prefixes=...): continue sequences from saved prefixes (actor/partial.py); _stream takes ``prefixes``
     supports_prefixes = False
     on_step = None  # the worker's heartbeat, once per decode step if the engine has steps (no hang)
+    # an Environment (actor/episodes.py): a sequence that samples one of its pause_ids finishes its turn
+    # ("tool"), gets the environment's tokens and continues from its prefix; stream returns whole episodes
+    env = None
+    _outer: list[int] = []  # the episode loop's current round: inner stream index -> outer prompt index
+    _paused: dict[int, Sample] = {}  # samples between two turns, by outer index
 
     def __init__(self, weights=None):
         self.weights = weights
@@ -69,25 +80,55 @@ class Engine(abc.ABC):
                 raise ValueError(f"max_new_tokens{'' if one else f'[{i}]'} = {b!r}: a limit is an integer >= 1")
         if not prompts:
             return iter(())
+        limits = [int(b) for b in limits]
+        if prefixes is not None and any(prefixes) or self.env is not None:
+            self._check_prefixes(prefixes or [None] * n, limits)
+        if self.env is not None:
+            return self._episodes(prompts, limits, greedy, list(prefixes or [None] * n))
         if prefixes is None or not any(prefixes):
-            return self._stream(prompts, [int(b) for b in limits], greedy)
-        self._check_prefixes(prefixes, limits)
-        return self._stream(prompts, [int(b) for b in limits], greedy, prefixes=list(prefixes))
+            return self._stream(prompts, limits, greedy)
+        return self._stream(prompts, limits, greedy, prefixes=list(prefixes))
+
+    def _episodes(self, prompts, limits, greedy, samples) -> Iterator[tuple[int, Sample]]:
+        """Rounds of turns: the environment answers every sample paused at a call, then one stream continues
+        every unfinished one; an episode is returned when it stops, reaches its limit or is ended."""
+        todo, self._paused = list(range(len(prompts))), {}
+        while todo:
+            self.env.answer([(samples[k], limits[k]) for k in todo if samples[k] is not None])
+            for k in [k for k in todo if samples[k] is not None and samples[k].finish_reason]:
+                todo.remove(k)
+                yield k, samples[k]
+            self._outer, self._paused = todo, {k: samples[k] for k in todo if samples[k] is not None}
+            stream = self._stream([prompts[k] for k in todo], [limits[k] for k in todo], greedy,
+                                  prefixes=[samples[k] for k in todo]) if todo else ()
+            for index, s in stream:
+                k = todo[index]
+                samples[k] = self._paused[k] = s
+                if s.finish_reason != "tool":
+                    del self._paused[k]
+                    yield k, s
+            todo = [k for k in todo if samples[k].finish_reason == "tool"]
 
     def _check_prefixes(self, prefixes, limits) -> None:
         if not self.supports_prefixes:
-            raise ValueError(f"the {self.name} engine cannot continue a saved prefix")
+            raise ValueError(f"the {self.name} engine cannot continue a saved prefix (nor run multi-turn episodes)")
         if len(prefixes) != len(limits):
             raise ValueError(f"{len(prefixes)} prefixes for {len(limits)} prompts: give one (or None) per prompt")
         for i, (p, b) in enumerate(zip(prefixes, limits)):
-            if p is not None and (p.finish_reason or len(p.tokens) >= b
-                                  or not len(p.tokens) == len(p.logprobs) == len(p.versions)):
-                raise ValueError(f"prefix {i}: finished, at its limit ({b}), or tokens, log-probs and versions of "
-                                 "different lengths")
+            if p is not None and (p.finish_reason or len(p.tokens) >= b or not len(p.tokens) == len(p.logprobs)
+                                  == len(p.versions) == len(p.tokens if p.mask is None else p.mask)):
+                raise ValueError(f"prefix {i}: finished, at its limit ({b}), or tokens, log-probs, versions and "
+                                 "mask of different lengths")
 
     def progress(self) -> dict[int, Sample]:
         """The current stream's unfinished samples by prompt index, their tokens so far (read, never changed,
-        between two steps: the ``on_step`` hook); those not started are absent."""
+        between two steps: the ``on_step`` hook), episodes between two turns included; those not started are absent."""
+        if self.env is None:
+            return self._progress()
+        return {**{k: s.copy("") for k, s in self._paused.items()},
+                **{self._outer[i]: s for i, s in self._progress().items() if i < len(self._outer)}}
+
+    def _progress(self) -> dict[int, Sample]:
         return {}
 
     @abc.abstractmethod
@@ -115,6 +156,8 @@ class Engine(abc.ABC):
         return self.version
 
     def close(self) -> None:
+        if self.env is not None:
+            self.env.close()
         if self.weights is not None:
             self.weights.close()
 

@@ -243,6 +243,7 @@ class SGLangEngine(Engine):
 
     name = "sglang"
     receives = "group"
+    supports_prefixes = True  # a prefix is sent as input ids after the prompt (episodes, resume)
 
     def __init__(self, server: SGLangServer, spec: SamplingSpec, *, eos_ids, max_new_tokens: int = 16,
                  max_batch: int = 256, weights=None, start_timeout_s: float = 600.0,
@@ -334,13 +335,17 @@ class SGLangEngine(Engine):
         self.poisoned = None
         return self._push_pending()
 
-    def _stream(self, prompts: list[list[int]], limits: list[int], greedy: bool) -> Iterator[tuple[int, Sample]]:
+    def _stream(self, prompts: list[list[int]], limits: list[int], greedy: bool,
+                prefixes: list[Sample | None] | None = None) -> Iterator[tuple[int, Sample]]:
         """Every prompt in flight at once (at most ``max_batch``), each with its own limit."""
         if self.poisoned is not None:
             raise SGLangError(f"the SGLang engine is poisoned ({self.poisoned}); refresh_weights() restarts it")
         mask = truncates(self.spec) and not greedy
-        params = {n: sampling_params(self.spec, n, self.eos_ids, greedy) for n in set(limits)}
-        bodies = [generate_body(p, params[n], sampling_mask=mask) for p, n in zip(prompts, limits)]
+        prefixes = prefixes or [None] * len(prompts)
+        stops = [*self.eos_ids, *(self.env.pause_ids if self.env is not None else ())]
+        bodies = [generate_body(p + (q.tokens if q else []), sampling_params(self.spec, n - len(q.tokens if q else ()),
+                                                                             stops, greedy), sampling_mask=mask)
+                  for p, n, q in zip(prompts, limits, prefixes)]
         pool = cf.ThreadPoolExecutor(min(self.max_batch, len(bodies)), thread_name_prefix="sglang")
         try:
             futures = {pool.submit(self.server.post, "/generate", b): i for i, b in enumerate(bodies)}
@@ -355,9 +360,20 @@ class SGLangEngine(Engine):
                     raise EngineStopped("stopped mid-generation")
                 done, waiting = cf.wait(waiting, timeout=POLL_S, return_when=cf.FIRST_COMPLETED)
                 for f in done:
-                    yield futures[f], parse_sample(f.result(), version, sampling_mask=mask)
+                    i = futures[f]
+                    yield i, self._joined(prefixes[i], parse_sample(f.result(), version, sampling_mask=mask))
         finally:
             pool.shutdown(wait=False, cancel_futures=True)  # a consumer that stops early waits for nothing
+
+    def _joined(self, prefix: Sample | None, s: Sample) -> Sample:
+        """``s`` after ``prefix``; a stop on an environment's pause id ends a turn ("tool")."""
+        if self.env is not None and s.finish_reason == "stop" and s.tokens and s.tokens[-1] in self.env.pause_ids:
+            s.finish_reason = "tool"
+        if prefix is None:
+            return s
+        mask = None if prefix.mask is None else prefix.mask + [1] * len(s.tokens)
+        return Sample(prefix.tokens + s.tokens, prefix.logprobs + s.logprobs, prefix.versions + s.versions,
+                      s.finish_reason, mask)
 
     def close(self) -> None:
         self.server.stop()

@@ -38,7 +38,7 @@ class _Seq:
         """A saved prefix is prefilled with the prompt; the next token is sampled after it."""
         if prefix is None:
             return cls(index, list(prompt), budget)
-        out = Sample(list(prefix.tokens), list(prefix.logprobs), list(prefix.versions), "")
+        out = prefix.copy("")
         return cls(index, list(prompt) + out.tokens, budget, out)
 
 
@@ -136,7 +136,7 @@ class TorchEngine(Engine):
                     running[slot] = None
                     yield seq.index, seq.out
 
-    def progress(self) -> dict[int, Sample]:
+    def _progress(self) -> dict[int, Sample]:
         return {s.index: s.out for s in self._running if s is not None and s.out.tokens and not s.out.finish_reason}
 
     def _cache_for(self, slots: int, max_len: int) -> KVCache:
@@ -197,12 +197,16 @@ class TorchEngine(Engine):
         nxt = logp.argmax(-1) if greedy else self._draw(logp)
         lp = logp.gather(-1, nxt[:, None]).squeeze(-1)
         stops = torch.isin(nxt, self.eos_ids).tolist()
+        pauses = set(self.env.pause_ids) if self.env is not None else ()
         for seq, tok, tok_lp, stop in zip(seqs, nxt.tolist(), lp.tolist(), stops):
-            seq.out.tokens.append(tok)
-            seq.out.logprobs.append(tok_lp)
-            seq.out.versions.append(version)
-            if stop or len(seq.out.tokens) >= seq.budget:
-                seq.out.finish_reason = "stop" if stop else "length"
+            out = seq.out
+            out.tokens.append(tok)
+            out.logprobs.append(tok_lp)
+            out.versions.append(version)
+            if out.mask is not None:
+                out.mask.append(1)
+            if stop or len(out.tokens) >= seq.budget or tok in pauses:
+                out.finish_reason = "stop" if stop else "length" if len(out.tokens) >= seq.budget else "tool"
 
     def _draw(self, logp):
         uniform = torch.rand(logp.shape[0], 1, generator=self.gen, dtype=torch.float64, device=self.device)

@@ -55,6 +55,10 @@ class Task(abc.ABC):
     def close(self) -> None:
         """Release what the task holds (a reward pool)."""
 
+    def episode_metrics(self, items: list[tuple[Prompt, list[int]]]) -> dict[str, float]:
+        """A tool task's own rates over ``(prompt, completion_ids)`` (e.g. correct tool use: actor/tasks/calc.py)."""
+        return {}
+
     def eval_set(self, n: int, seed: int = 1234) -> list[Prompt]:
         """The same ``n`` held-out prompts for every evaluation of a run."""
         rng = random.Random(seed)
@@ -77,7 +81,7 @@ class Task(abc.ABC):
         if self.cfg.instruction:
             text = f"{text}\n\n{self.cfg.instruction}"
         system = self.cfg.system_prompt.get(tier, self.cfg.system_prompt.get("default", ""))
-        return tuple(self.tok.prompt(text, self.tok.wants_chat(self.cfg.chat_template), system))
+        return tuple(self.tok.prompt(text, self.tok.wants_chat(self.cfg.chat_template), system, self.cfg.tools.schema))
 
 
 def stable_hash(text: str, size: int = 4) -> int:
@@ -95,7 +99,7 @@ def tier_of(difficulty: float) -> str:
 
 
 TASKS = {"arith": "actor.tasks.arith:ArithTask", "scratch": "actor.tasks.scratch:ScratchTask",
-         "gym": "actor.tasks.gym:GymTask", "math": "actor.tasks.mathfile:MathTask"}
+         "gym": "actor.tasks.gym:GymTask", "math": "actor.tasks.mathfile:MathTask", "calc": "actor.tasks.calc:CalcTask"}
 
 
 def task_class(name: str) -> type[Task]:

@@ -90,7 +90,8 @@ def long(path: str) -> None:
         with open(path, "a") as f:
             f.write(json.dumps({"pid": os.getpid(), "seq": group.seq, "prompt": ints(group.prompt_tokens),
                                 "tokens": [ints(c.tokens) for c in group.completions],
-                                "versions": [ints(c.versions) for c in group.completions]}) + "\n")
+                                "versions": [ints(c.versions) for c in group.completions],
+                                "masks": [list(c.mask) for c in group.completions]}) + "\n")
         hand_over(self, group)
 
     RolloutWorker.__init__, RolloutWorker._hand_over = no_eos, recorded

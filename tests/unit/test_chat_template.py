@@ -101,3 +101,31 @@ def test_task_prompts_follow_chat_template_system_prompt_and_instruction():
     assert text(by_tier, "high").startswith("<|im_start|>system\nThink hard.<|im_end|>\n<|im_start|>user\nQ?\n\nBox it.")
     assert "system\nBe brief." in text(by_tier, "low")  # no "low" entry: the default one
     assert text(task(chat_template="off")) == "Q?"
+
+
+# a tools block as Qwen2/Qwen3 templates write one (their tool-call format: actor/episodes.py FORMATS["qwen"])
+TOOLS = """{% if tools %}<|im_start|>system
+<tools>{% for tool in tools %}
+{{ tool | tojson }}{% endfor %}
+</tools><|im_end|>
+{% endif %}{% for message in messages %}<|im_start|>{{ message['role'] }}
+{{ message['content'] }}<|im_end|>
+{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+CALCULATOR = {"type": "function", "function": {"name": "calculator", "description": "integer arithmetic",
+              "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}}
+
+
+def test_tool_schemas_render_as_transformers_renders_them(tmp_path):
+    from transformers import AutoTokenizer
+
+    from actor.tasks.arith import ArithTask
+
+    path = write_tokenizer_dir(tmp_path, TOOLS, "config")
+    messages = [{"role": "user", "content": "Q?"}]
+    hf = AutoTokenizer.from_pretrained(path).apply_chat_template(messages, tools=[CALCULATOR], add_generation_prompt=True)
+    assert Tokenizer.from_dir(path).apply_chat(messages, tools=[CALCULATOR]) == list(hf if isinstance(hf, list) else hf["input_ids"])
+    tools = msgspec.structs.replace(C.Config().task.tools, schema=[CALCULATOR])
+    task = ArithTask(msgspec.structs.replace(C.Config().task, tools=tools), Tokenizer.from_dir(path))
+    text = task.tok.tok.decode(list(task.prompt_tokens("Q?")), skip_special_tokens=False)
+    assert '<tools>{"type": "function", "function": {"name": "calculator"' in text and text.endswith("assistant\n")

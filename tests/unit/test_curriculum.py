@@ -175,7 +175,7 @@ def test_worker_emits_length_limit_clip_rate_and_length_by_tier():
     w.engine.version = 2
     low = make_group([1, 2], [([5, 6], [-1.0] * 2, [2] * 2, "length", 1.0), ([5, 2], [-1.0] * 2, [2] * 2, "stop", 0.0)])
     high = make_group([1, 3], [([5] * 5, [-1.0] * 5, [2] * 5, "length", 0.0), ([2], [-1.0], [2], "stop", 1.0)], seq=1)
-    w._emit([msgspec.structs.replace(low, tier="low"), msgspec.structs.replace(high, tier="high")], 1.0, 0.0)
+    w._emit(None, [msgspec.structs.replace(low, tier="low"), msgspec.structs.replace(high, tier="high")], 1.0, 0.0)
     step, m = w.metrics.records[-1]
     assert step == 2 and m["length/limit"] == 5.0  # 3 + 2 * (2 // 2), under the cap 6
     assert m["length/clip_rate"] == pytest.approx(0.5)

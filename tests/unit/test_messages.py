@@ -45,11 +45,12 @@ def test_socket_decoder_rejects_messages_not_meant_for_it():
         M.decoder(M.BUFFER_TO_ACTOR).decode(M.encode(M.Shutdown(reason="not the buffer's")))
 
 
-@pytest.mark.parametrize("old", [1, 2, 3, 4])
+@pytest.mark.parametrize("old", [1, 2, 3, 4, 5])
 def test_a_group_of_an_older_schema_is_refused_by_validation(old):
     # schema 1 frames carried by-reference fields, schema 2 Hellos no secret, schema 3 peers know
-    # no Control message, schema 4 buffers take one group per message: refused
-    assert M.SCHEMA_VERSION == 5
+    # no Control message, schema 4 buffers take one group per message, schema 5 learners train environment
+    # tokens as sampled: refused
+    assert M.SCHEMA_VERSION == 6
     with pytest.raises(M.InvalidMessage, match="schema_version"):
         M.validate_group(_group(schema_version=old))
 

@@ -134,6 +134,16 @@ def test_weight_sync_panel_shows_what_deltas_send(monitor):
     assert "3.50 MiB" in text and "4.2%" in text and "0.91%" in text
 
 
+def test_episodes_show_turns_and_tool_calls(monitor):
+    assert "turns" not in monitor.format_line()  # single-turn runs: no episode row
+    monitor.update([rec("actor", "0", 15, {"episode/turns": 1.85, "tool/ok": 40.0, "tool/errors": 2.0,
+                                           "tool/timeouts": 1.0, "tool/malformed": 3.0, "tool/correct_rate": 0.81})])
+    assert "turns 1.85 tools ok 40 err 2 timeout 1 bad 3 correct 0.81" in monitor.format_line()
+    monitor.console.print(monitor.renderable())
+    text = monitor.console.export_text()
+    assert "turns" in text and "1.85" in text and "tool use" in text and "0.81" in text
+
+
 def test_dashboard_colours_ratio_tail(monitor):
     con = recording_console(terminal=True)
     styles = {}

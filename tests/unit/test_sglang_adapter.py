@@ -388,3 +388,35 @@ def test_a_refused_rejoin_poisons_the_engine():
     engine = _engine(server, fake)
     fake.rejoin = _init(29666)
     assert engine.refresh_weights() == -1 and "re-joining" in engine.poisoned
+
+
+def test_an_episode_goes_turn_by_turn_with_the_prefix_as_input_ids():
+    """SGLang stops on the environment's pause id as on EOS; the next turn sends the prompt, the sampled
+    tokens and the environment's as input ids, for what is left of the limit; the mask is the torch engine's."""
+    from actor.episodes import Environment
+
+    class Env(Environment):
+        pause_ids = (9,)
+
+        def respond(self, samples):
+            return [[5, 5] for _ in samples]
+
+    class Turns(FakeServer):
+        def post(self, path, body, timeout_s=None):
+            if path != "/generate":
+                return super().post(path, body, timeout_s)
+            self.posts.append((path, body))
+            first = body["input_ids"] == [1]
+            return _response([7, 9] if first else [8, 2], [-0.1, -0.2], {"type": "stop", "matched": 9 if first else 2},
+                             spans=[{"version": "5", "start": 0, "end": 2}])
+
+    server = Turns()
+    engine = S.SGLangEngine(server, SamplingSpec(), eos_ids=[2], max_new_tokens=10, max_batch=2)
+    engine.env = Env()
+    s = engine.generate([[1]])[0]
+    assert (s.tokens, s.mask, s.finish_reason) == ([7, 9, 5, 5, 8, 2], [1, 1, 0, 0, 1, 1], "stop")
+    assert s.logprobs == [-0.1, -0.2, 0.0, 0.0, -0.1, -0.2] and s.versions == [5] * 6
+    bodies = [b for p, b in server.posts if p == "/generate"]
+    assert [b["input_ids"] for b in bodies] == [[1], [1, 7, 9, 5, 5]]
+    assert [b["sampling_params"]["max_new_tokens"] for b in bodies] == [10, 6]
+    assert all(b["sampling_params"]["stop_token_ids"] == [2, 9] for b in bodies)
