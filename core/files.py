@@ -1,6 +1,5 @@
-"""The one place driftrl makes a file or a directory appear atomically and durably: a reader sees
-the old content or the new, never half of it (temporary name, fsync, rename, fsync the directory).
-"""
+"""The one place driftrl makes a file or a directory appear atomically and durably: a reader sees the old content or
+the new, never half of it (temporary name, fsync, rename, fsync the directory)."""
 
 from __future__ import annotations
 
@@ -53,13 +52,11 @@ def atomic_dir(final: str, write, marker: str) -> str:
             for name in files:
                 fsync_path(os.path.join(root, name))
             fsync_path(root)
-        old = None
+        old = os.path.join(parent, f".old-{base}-{os.getpid()}")
         if os.path.exists(final):
-            old = os.path.join(parent, f".old-{base}-{os.getpid()}")
             os.rename(final, old)
         os.rename(tmp, final)
-        if old:
-            shutil.rmtree(old, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
         atomic_write(os.path.join(final, marker), b"ok\n")
         fsync_path(parent)
     finally:

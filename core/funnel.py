@@ -1,13 +1,9 @@
-"""The discard funnel: where every generated group went, from the roles' ``funnel/*`` metrics. Pure: no I/O.
-
-Each role counts what it disposes of: the actors what they generate, leave out (``no_signal``) and still
-hold unacknowledged (``in_flight``); the buffer what it accepts, rejects or drops and holds (``resident``);
-the learner what it trains and discards. When the books close, ``generated = trained + lost + resident +
-in_flight``, reason by reason (tests/unit/test_funnel.py walks through an example; ``balance()`` is the
-difference). A counter that goes down belongs to a restarted role and is added to what it had counted;
-the gauges (``GAUGES``) are taken as last reported, ``trained`` included: a learner resumes it from its
-checkpoint, so groups trained after that checkpoint and lost in a crash count once, when trained again.
-"""
+"""The discard funnel: where every generated group went, from the roles' ``funnel/*`` metrics (each role counts its
+part: ARCHITECTURE.md, Metric vocabulary). Pure: no I/O. When the books close,
+``generated = trained + lost + resident + in_flight`` (``balance()`` is the difference; tests/unit/test_funnel.py
+walks through an example). A counter that goes down belongs to a restarted role and is added to what it had counted;
+the gauges (``GAUGES``) are taken as last reported, ``trained`` included: a learner resumes it from its checkpoint,
+so groups trained after that checkpoint and lost in a crash count once, when trained again."""
 
 from __future__ import annotations
 
@@ -16,20 +12,16 @@ import math
 PREFIX = "funnel/"
 LEN_PREFIX = "funnel/len/"
 LEN_BUCKETS = (64, 256, 1024, 4096)  # tokens of a group's longest completion
+BUCKETS = tuple(f"<={b}" for b in LEN_BUCKETS) + (f">{LEN_BUCKETS[-1]}",)
 # every reason a group is not trained, in the order the funnel line shows them
 REASONS = ("no_signal", "stale_at_admission", "stale_in_buffer", "stale_at_learner", "invalid", "too_large",
            "rolled_back", "skipped", "restart")
 GAUGES = ("in_flight", "resident", "trained")
-_LABELS = {"no_signal": "no signal", "stale_at_admission": "stale at admission", "stale_in_buffer": "stale in buffer",
-           "stale_at_learner": "stale at learner", "too_large": "too large", "rolled_back": "rolled back",
-           "skipped": "skipped by guard", "restart": "too stale to resume"}
+_LABELS = {"skipped": "skipped by guard", "restart": "too stale to resume"}  # else the reason, spaced
 
 
 def length_bucket(n_tokens: int) -> str:
-    for b in LEN_BUCKETS:
-        if n_tokens <= b:
-            return f"<={b}"
-    return f">{LEN_BUCKETS[-1]}"
+    return next((f"<={b}" for b in LEN_BUCKETS if n_tokens <= b), BUCKETS[-1])
 
 
 def lost_metrics(reasons: dict, by_len: dict) -> dict[str, float]:
@@ -62,8 +54,7 @@ class Funnel:
         return {r: n for r in REASONS if (n := self.total(r))}
 
     def by_length(self) -> dict[str, float]:
-        buckets = [f"<={b}" for b in LEN_BUCKETS] + [f">{LEN_BUCKETS[-1]}"]
-        return {b: n for b in buckets if (n := self.total("len/" + b))}
+        return {b: n for b in BUCKETS if (n := self.total("len/" + b))}
 
     def balance(self) -> float:
         """generated - (trained + lost + resident + in flight): 0 when every role's last counts are in."""
@@ -79,7 +70,7 @@ class Funnel:
         out = " → ".join(f"{name} {self.total(name):.0f}" for name in ("generated", "accepted", "trained"))
         if lost:
             out += f" · lost {sum(lost.values()):.0f} (" + ", ".join(
-                f"{_LABELS.get(r, r)} {n:.0f}" for r, n in lost.items()) + ")"
+                f"{_LABELS.get(r, r.replace('_', ' '))} {n:.0f}" for r, n in lost.items()) + ")"
         return out + f" · held {held:.0f}"
 
     def length_line(self) -> str | None:

@@ -1,7 +1,6 @@
-"""Heartbeats: each role touches ``run_dir/heartbeat/<role>`` from its loop (at most once a second).
-The launcher only asks whether the file's mtime changed since it last looked, timed on its own
-clock, so a host's skewed clock never matters. Before its first beat a role gets START_GRACE_S.
-"""
+"""Heartbeats: each role touches ``run_dir/heartbeat/<role>`` from its loop (at most once a second). The launcher only
+asks whether the file's mtime changed since it last looked, timed on its own clock, so a host's skewed clock never
+matters. Before its first beat a role gets START_GRACE_S."""
 
 from __future__ import annotations
 
@@ -21,7 +20,6 @@ def path(run_dir: str, role: str) -> str:
 
 
 def beat(run_dir: str, role: str) -> None:
-    """Touch the role's heartbeat file; nothing without a run directory."""
     global _role
     if not run_dir:
         return
@@ -65,11 +63,8 @@ def observe(w: Watch, stamp: float | None, now: float) -> Watch:
 
 def hung_for(w: Watch, now: float, timeout_s: float) -> float | None:
     """Seconds without a beat when that is past the allowance (None otherwise, or when off)."""
-    if timeout_s <= 0:
-        return None
-    quiet = now - w.seen_at
-    allowance = timeout_s if w.beaten else max(timeout_s, START_GRACE_S)
-    return quiet if quiet > allowance else None
+    quiet, allowance = now - w.seen_at, timeout_s if w.beaten else max(timeout_s, START_GRACE_S)
+    return quiet if timeout_s > 0 and quiet > allowance else None
 
 
 def backoff_s(base_s: float, n: int) -> float:

@@ -1,7 +1,6 @@
-"""Metrics as files (how they travel: ARCHITECTURE.md, Metric vocabulary). The follower records how far it merged
-in ``metrics.merged.json``: a crash repeats lines, never loses them. NaN is "no value" (JSON null); ±inf is an
-overflow, dropped and counted. Not thread-safe: one writer per thread and file.
-"""
+"""Metrics as files (how they travel: ARCHITECTURE.md, Metric vocabulary). The follower records how far it merged in
+``metrics.merged.json``: a crash repeats lines, never loses them. NaN is "no value" (JSON null); ±inf is an overflow,
+dropped and counted. Not thread-safe: one writer per thread and file."""
 
 from __future__ import annotations
 
@@ -84,9 +83,8 @@ def record_from_json(row) -> MetricRecords:
     if not (isinstance(step, int) and not isinstance(step, bool) and _number(t) and math.isfinite(t)
             and isinstance(role, str) and isinstance(id_, str)):
         raise ValueError(f"a metrics line needs int step, finite time, str role and id: {str(row)[:80]}")
-    values = {k: _value(v, null=True) for k, v in row.items() if k not in _RESERVED}
-    return MetricRecords(role=role, id=id_, step=step, time=float(t),
-                         values={k: v for k, v in values.items() if v is not None})
+    values = {k: x for k, v in row.items() if k not in _RESERVED and (x := _value(v, null=True)) is not None}
+    return MetricRecords(role=role, id=id_, step=step, time=float(t), values=values)
 
 
 def _counters(id: str, counts: dict) -> MetricRecords:
@@ -136,8 +134,7 @@ class _Appender:
         return True
 
     def _write(self, data: bytes) -> None:
-        n = os.write(self._fd, data)
-        if n != len(data):  # the disk filled up within it
+        if (n := os.write(self._fd, data)) != len(data):  # the disk filled up within it
             raise OSError(f"short write: {n} of {len(data)} bytes")
 
     def close(self) -> None:
@@ -301,12 +298,11 @@ class MetricsFollower(_Closing):
             return
         try:
             atomic_write(self._state_path, json.dumps(state).encode(), durable=False, mode=0o600)
+            self._state = state
         except OSError as e:
             self._state_errors += 1
             if self._state_errors == 1:
                 log.error("metrics: cannot write %s (%s); the run continues", self._state_path, e.strerror or e)
-            return
-        self._state = state
 
     def caught_up(self) -> bool:
         return all(t.caught_up() for t in self._tails.values())
@@ -321,7 +317,6 @@ class MetricsFollower(_Closing):
 
 
 def read_all(follower) -> list[MetricRecords]:
-    """Read a :class:`MetricsFollower` or :class:`FileTail` to the end of its files."""
     out = follower.read()
     while not follower.caught_up():
         out += follower.read()

@@ -14,7 +14,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.panel import Panel
 from rich.progress_bar import ProgressBar
-from rich.table import Table
+from rich.table import Column, Table
 from rich.text import Text
 
 from core.funnel import Funnel
@@ -141,11 +141,9 @@ class Monitor:
                   and math.isfinite(v) and v > 0]
         if not counts:
             return None
-        out = fmt(sum(counts), 0)
-        if self.last_restart is not None:
-            role, t = self.last_restart
-            out += f" · last {role} {fmt_duration(max(0.0, time.time() - t))} ago"
-        return out
+        role, t = self.last_restart or (None, 0.0)
+        ago = fmt_duration(max(0.0, time.time() - t))
+        return fmt(sum(counts), 0) + ("" if role is None else f" · last {role} {ago} ago")
 
     def control_text(self) -> str | None:
         """``s≤3 · ratio_p99 2.31 vs 2.00 @57 → skip_step``; None before the learner reports it."""
@@ -177,12 +175,9 @@ class Monitor:
 
     def progress(self) -> float:
         """Fraction of the run budget used: steps or wall time, whichever is nearer to done."""
-        fracs = []
         step = self.get("learner/step")
-        if self.max_steps and step is not None and math.isfinite(step):
-            fracs.append(step / self.max_steps)
-        if self.max_time_s:
-            fracs.append(self.elapsed() / self.max_time_s)
+        fracs = [step / self.max_steps] if self.max_steps and step is not None and math.isfinite(step) else []
+        fracs += [self.elapsed() / self.max_time_s] if self.max_time_s else []
         return min(max(fracs, default=0.0), 1.0)
 
     def staleness_rows(self) -> list[tuple[str, float | None, float | None]]:
@@ -208,29 +203,27 @@ class Monitor:
 
     def format_line(self) -> str:
         g, hist = self.get, self.latest.get("staleness/hist")
-        version = "" if g("learner/version") is None else f" v{fmt(g('learner/version'), 0)}"
-        limit = "" if g("length/limit") is None else f" (limit {fmt(g('length/limit'), 0)})"
-        idle = "" if g("learner/idle_frac") is None else f" idle {fmt(g('learner/idle_frac'), 2)}"
+
+        def opt(key: str, form: str, digits: int = 2) -> str:  # ``form`` with the value; "" when not reported
+            return "" if g(key) is None else form.format(fmt(g(key), digits))
+
         drops = " ".join(f"{n} {fmt(g(f'buffer/{k}'), 0)}" for n, k in _DROPS if g(f"buffer/{k}"))
         ctl, tok, rst = self.control_text(), self.actor_tokens_per_s(), self.restarts_text()
+        u = g("actor/uniform_frac")
         parts = [  # each part only when its metric was reported
-            f"[{fmt_duration(self.elapsed()):>6}] {self._step_text()}{version}",
-            g("eval/reward") is not None
-            and f"eval {fmt(g('eval/reward'), 2)} (start {fmt(self.eval_first, 2)})",
-            g("reward/mean") is not None and f"reward {fmt(g('reward/mean'), 2)}",
-            g("length/mean") is not None and f"len {fmt(g('length/mean'), 1)}{limit}",
-            g("episode/turns") is not None and f"turns {fmt(g('episode/turns'), 2)} tools {self.tools_text()}"
-            + (f" correct {fmt(c, 2)}" if (c := g("tool/correct_rate")) is not None else ""),
+            f"[{fmt_duration(self.elapsed()):>6}] {self._step_text()}" + opt("learner/version", " v{}", 0),
+            opt("eval/reward", f"eval {{}} (start {fmt(self.eval_first, 2)})"),
+            opt("reward/mean", "reward {}"),
+            opt("length/mean", "len {}" + opt("length/limit", " (limit {})", 0), 1),
+            opt("episode/turns", f"turns {{}} tools {self.tools_text()}" + opt("tool/correct_rate", " correct {}")),
             (g("ratio/p50") is not None or g("ratio/p99") is not None)
             and f"ratio p50 {fmt(g('ratio/p50'))} p99 {fmt(g('ratio/p99'), 2)} max {fmt(g('ratio/max'), 1)}",
             isinstance(hist, list) and hist
             and "stale {" + ", ".join(f"{s}: {fmt(c, 0)}" for s, c, _ in self.staleness_rows() if c and c == c) + "}",
             ctl is not None and f"ctl {ctl}",
-            g("buffer/depth") is not None
-            and f"buf {fmt(g('buffer/depth'), 0)}" + (f" (drop {drops})" if drops else ""),
-            tok is not None and f"act {fmt(tok, 0)} tok/s" + (f" ({fmt(100 * u, 0)}% no signal)" if
-                                                              (u := g("actor/uniform_frac")) else ""),
-            g("learner/tokens_per_s") is not None and f"lrn {fmt(g('learner/tokens_per_s'), 0)} tok/s{idle}",
+            opt("buffer/depth", "buf {}" + (f" (drop {drops})" if drops else ""), 0),
+            tok is not None and f"act {fmt(tok, 0)} tok/s" + (f" ({fmt(100 * u, 0)}% no signal)" if u else ""),
+            opt("learner/tokens_per_s", "lrn {} tok/s" + opt("learner/idle_frac", " idle {}"), 0),
             rst is not None and f"restarts {rst}",
             (fl := self.funnel.line()) is not None and f"funnel {fl}",
             self.note,
@@ -242,9 +235,7 @@ class Monitor:
         for row in ((self._reward_panel(), self._ratio_panel(), self._staleness_panel()),
                     (self._throughput_panel(), self._buffer_panel(), self._sync_panel())):
             height = max(len(body.rows) for _, body in row) + 2
-            grid = Table.grid(expand=True)
-            for _ in row:
-                grid.add_column(ratio=1)
+            grid = Table.grid(*(Column(ratio=1) for _ in row), expand=True)
             grid.add_row(*(Panel(body, title=title, title_align="left", height=height, box=box.ROUNDED)
                            for title, body in row))
             grids.append(grid)
@@ -258,10 +249,8 @@ class Monitor:
                              "  ·  " + fmt_duration(self.elapsed()),
                              f"/{fmt_duration(self.max_time_s)}" if self.max_time_s else "",
                              (f"  ·  policy v{fmt(self.get('learner/version'), 0)}", "bold cyan"))
-        grid = Table.grid(expand=True, padding=(0, 1))
-        grid.add_column(width=10, no_wrap=True)
-        grid.add_column(ratio=1)
-        grid.add_column(no_wrap=True, justify="right")
+        grid = Table.grid(Column(width=10, no_wrap=True), Column(ratio=1), Column(no_wrap=True, justify="right"),
+                          expand=True, padding=(0, 1))
         grid.add_row(Text("driftrl", style="bold magenta"),
                      ProgressBar(total=1.0, completed=frac, complete_style="green", finished_style="green"), info)
         # restarts and the note on their own line: a narrow terminal crops them, not the bar
@@ -275,17 +264,15 @@ class Monitor:
     @staticmethod
     def _panel(title: str, *rows) -> tuple[str, Table]:
         """(title, a label/value/extra table of ``rows``, None rows left out)."""
-        t = Table.grid(padding=(0, 1), expand=True)
-        t.add_column(style="dim", no_wrap=True)
-        t.add_column(justify="right", no_wrap=True)
         # the third column (sparklines, units) absorbs the squeeze on narrow terminals
-        t.add_column(no_wrap=True, overflow="crop", ratio=1)
+        t = Table.grid(Column(style="dim", no_wrap=True), Column(justify="right", no_wrap=True),
+                       Column(no_wrap=True, overflow="crop", ratio=1), padding=(0, 1), expand=True)
         for row in filter(None, rows):
             t.add_row(*row)
         return title, t
 
-    def _cell(self, key: str, digits: int = 3, value=None) -> Text:
-        v = self.get(key) if value is None else value
+    def _cell(self, key: str, digits: int = 3) -> Text:
+        v = self.get(key)
         return Text(fmt(v, digits), style=grade(key, v))
 
     def _spark(self, key: str) -> Text:
@@ -331,22 +318,18 @@ class Monitor:
             ("control", limit, Text(trip, style="bold red" if trip else "")) if limit else None)
 
     def _staleness_panel(self):
-        t = Table.grid(padding=(0, 1))
-        t.add_column(style="dim", justify="right", no_wrap=True)
-        t.add_column(no_wrap=True)
-        t.add_column(justify="right", no_wrap=True)
-        t.add_column(justify="right", no_wrap=True)
+        t = Table.grid(Column(style="dim", justify="right", no_wrap=True), Column(no_wrap=True),
+                       Column(justify="right", no_wrap=True), Column(justify="right", no_wrap=True), padding=(0, 1))
         rows = self.staleness_rows()
         t.add_row("s", Text("samples", style="dim"), "", Text("ρ p99", style="dim"))
         # the longest bar is the largest finite count; inf (and anything past it) is drawn full
         top = max((c for _, c, _ in rows if c is not None and 0 < c < math.inf), default=1.0)
         for label, count, p99 in rows:
             t.add_row(label, Text(bar(0.0 if count is None else count / top, 10), style="blue"),
-                      fmt(count, 0), self._cell("ratio/p99", value=p99) if p99 is not None else Text("–"))
+                      fmt(count, 0), Text(fmt(p99), style=grade("ratio/p99", p99)))
         if not rows:
             t.add_row("", Text("no samples yet", style="dim"), "", "")
-        mean, mx = self.get("staleness/mean"), self.get("staleness/max")
-        return f"staleness (mean {fmt(mean, 2)} max {fmt(mx, 0)})", t
+        return f"staleness (mean {fmt(self.get('staleness/mean'), 2)} max {fmt(self.get('staleness/max'), 0)})", t
 
     def _throughput_panel(self):
         n_act = sum(1 for v in self._by_source.values() if "actor/tokens_per_s" in v)
@@ -359,15 +342,17 @@ class Monitor:
             ("no signal", self._scaled("actor/uniform_frac", 100, "{}%", 0), "left out"))
 
     def _buffer_panel(self):
-        drops = [(name, self.get(f"buffer/{key}")) for name, key in _DROPS]
-        depth = Text(fmt(self.get("buffer/depth"), 0), style="bold")
-        return self._panel("buffer", ("depth", depth, "groups"),
+        drops = ((name, self.get(f"buffer/{key}")) for name, key in _DROPS)
+        return self._panel("buffer", ("depth", Text(fmt(self.get("buffer/depth"), 0), style="bold"), "groups"),
                            *((n, Text(fmt(v, 0), style="yellow" if v else "")) for n, v in drops))
 
     def _sync_panel(self):
         av, b = self.actor_versions(), self.get("weightsync/bytes")
         shown = " ".join(f"{k}:v{v}" for k, v in list(av.items())[:4])
         shown += f" +{len(av) - 4}" if len(av) > 4 else ""
+        # with deltas (weightsync/delta.py): the mean sent per version against a full one, and the last change
+        per, frac = self.get("weightsync/bytes_per_version"), self.get("weightsync/sent_frac")
+        delta = per is not None and frac is not None
         return self._panel(
             "versions · weight sync",
             ("learner", Text(f"v{fmt(self.get('learner/version'), 0)}", style="bold cyan")),
@@ -375,15 +360,8 @@ class Monitor:
             ("publish", self._scaled("weightsync/publish_s", 1e3, "{} ms", 1)),
             ("apply", self._scaled("weightsync/apply_s", 1e3, "{} ms", 1)),
             ("bytes", fmt(b / 2**20, 1) + " MiB") if b is not None else None,
-            *self._delta_rows())
-
-    def _delta_rows(self) -> list:
-        """With deltas (weightsync/delta.py): the mean sent per version against a full one, and the last change."""
-        per, frac = self.get("weightsync/bytes_per_version"), self.get("weightsync/sent_frac")
-        if per is None or frac is None:
-            return []
-        return [("sent/version", f"{fmt(per / 2**20, 2)} MiB"), ("of a full", f"{fmt(frac * 100, 1)}%"),
-                ("changed", self._scaled("weightsync/changed_frac", 100, "{}%", 2))]
+            delta and ("sent/version", f"{fmt(per / 2**20, 2)} MiB"), delta and ("of a full", f"{fmt(frac * 100, 1)}%"),
+            delta and ("changed", self._scaled("weightsync/changed_frac", 100, "{}%", 2)))
 
     def refresh(self, force: bool = False) -> None:
         now = time.monotonic()

@@ -1,10 +1,10 @@
-"""ZeroMQ helpers: the one place sockets are bound, connected and secured (ARCHITECTURE.md, Trust). The ZAP
-allow-list is needed because libzmq alone admits any key pair that knows the server's public key; the run secret
-because any local process can reach a loopback port.
-"""
+"""ZeroMQ helpers: the one place sockets are bound, connected and secured (ARCHITECTURE.md, Trust). The ZAP allow-list
+is needed because libzmq alone admits any key pair that knows the server's public key; the run secret because any
+local process can reach a loopback port."""
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import secrets
@@ -41,12 +41,8 @@ def curve_from_config(net) -> Curve | None:
     if not net.curve_server_public:
         return None
     secret = net.curve_client_secret.encode()
-    return Curve(
-        server_public=net.curve_server_public.encode(),
-        server_secret=net.curve_server_secret.encode(),
-        client_public=zmq.curve_public(secret) if secret else b"",
-        client_secret=secret,
-    )
+    return Curve(net.curve_server_public.encode(), net.curve_server_secret.encode(),
+                 zmq.curve_public(secret) if secret else b"", secret)
 
 
 def client_keys(net) -> list[str]:
@@ -75,12 +71,11 @@ def serve_curve(ctx: zmq.Context, net):
 
 def check_host(host: str) -> None:
     """ValueError unless ``host`` is ``localhost`` or an IPv4 address (``127.evil`` fails here)."""
-    if host == "localhost":
-        return
-    try:
-        ipaddress.IPv4Address(host)
-    except ValueError:
-        raise ValueError(f"{host!r} is not an IPv4 address or localhost") from None
+    if host != "localhost":
+        try:
+            ipaddress.IPv4Address(host)
+        except ValueError:
+            raise ValueError(f"{host!r} is not an IPv4 address or localhost") from None
 
 
 def is_loopback(host: str) -> bool:
@@ -102,15 +97,11 @@ def check_curve_key(key: str) -> None:
 def create_run_secret(run_dir: str) -> str:
     """``run_dir/secret`` if it exists (a resume keeps it), else a new one, created exclusively with
     mode 0600 so that no other process can have created or read it first."""
-    path = os.path.join(run_dir, SECRET_FILE)
-    try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600)
-    except FileExistsError:
-        return run_secret(run_dir)
-    with open(fd, "w") as f:
+    path, flags = os.path.join(run_dir, SECRET_FILE), os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW
+    with contextlib.suppress(FileExistsError), open(os.open(path, flags, 0o600), "w") as f:
         f.write(secrets.token_hex(SECRET_HEX_CHARS // 2))
         f.flush()
-        os.fsync(fd)
+        os.fsync(f.fileno())
     return run_secret(run_dir)
 
 

@@ -1,11 +1,8 @@
-"""Device placement: which device each role computes on, from ``learner.device`` and ``actor.device``.
-
-``auto`` needs no configuration: no GPU, all on ``cpu``; one GPU, all share ``cuda:0``; N >= 2,
-the learner on ``cuda:0`` and actor i on ``cuda:1 + i % (N - 1)`` (the learner's optimiser state
-never competes with an engine's KV cache). :func:`check` runs before anything allocates (at
-launch, and in each role again, so a role started by hand fails alike): any value the machine
-cannot serve is a ConfigError naming the field.
-"""
+"""Device placement: which device each role computes on, from ``learner.device`` and ``actor.device``. ``auto``
+needs no configuration: no GPU, all on ``cpu``; one GPU, all share ``cuda:0``; N >= 2, the learner on ``cuda:0`` and
+actor i on ``cuda:1 + i % (N - 1)`` (the learner's optimiser state never competes with an engine's KV cache).
+:func:`check` runs before anything allocates (at launch, and in each role again, so a role started by hand fails
+alike): any value the machine cannot serve is a ConfigError naming the field."""
 
 from __future__ import annotations
 
@@ -17,7 +14,6 @@ _DEVICE = re.compile(r"auto|cpu|cuda(?::(\d+))?")
 
 
 def visible_gpus() -> int:
-    """CUDA devices this process can use (0 without CUDA); torch is imported lazily."""
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -43,7 +39,6 @@ def resolve(field: str, value, n_gpus: int, auto: str) -> str:
 
 
 def resolve_actor(actor_cfg, index: int, n_gpus: int) -> str:
-    """Actor ``index``'s device as ``cpu`` or ``cuda:N``."""
     value = actor_cfg.device
     if isinstance(value, (list, tuple)):
         if len(value) != actor_cfg.num_actors:

@@ -78,7 +78,7 @@ def restart_steps(records: list) -> list[tuple[float, str]]:
 
 
 def per_step(pts: Points) -> Points:
-    """The mean value at each step, in step order."""
+    """The mean at each step, in step order."""
     acc = defaultdict(list)
     for x, v in pts:
         acc[x].append(v)
@@ -91,8 +91,7 @@ def merged(idx: dict, key: str) -> Points:
 
 def not_logged(ax, keys) -> None:
     ax.text(0.5, 0.5, "not logged:\n" + "\n".join(keys), ha="center", va="center", transform=ax.transAxes, color="gray")
-    ax.set_xticks([])
-    ax.set_yticks([])
+    ax.set(xticks=[], yticks=[])
 
 
 def draw_lines(ax, title: str, series: list[tuple[str, Points]], restarts, absent, log_y: bool = False) -> bool:
@@ -227,11 +226,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         paths = write_plots(args.run_dir, args.out)  # imports matplotlib before it reads anything
-    except ImportError as e:
-        print(f"plot: {e.name or e} is not installed: pip install -e '.[plot]'", file=sys.stderr)
-        return 2
-    except OSError as e:  # no run, metrics.jsonl a directory or FIFO, an unwritable --out
-        print(f"plot: {e}", file=sys.stderr)
+    except (ImportError, OSError) as e:  # OSError: no run, metrics.jsonl a directory or FIFO, an unwritable --out
+        missing = isinstance(e, ImportError) and f"{e.name or e} is not installed: pip install -e '.[plot]'"
+        print(f"plot: {missing or e}", file=sys.stderr)
         return 2
     for p in paths:
         print(p)

@@ -22,10 +22,9 @@ ORPHAN_GRACE_S = 15.0  # after the launcher is gone: time to stop cleanly before
 
 
 def die_with_parent() -> None:
-    """Every role calls this first: umask 077 (a run directory holds CURVE keys and weights), and
-    it ends when the launcher dies, even by SIGKILL: the kernel's parent-death signal, and as a
-    fallback (no prctl, or a wait that ignores the stop flag) a thread that sends SIGTERM itself
-    and ``os._exit``\\ s after :data:`ORPHAN_GRACE_S`."""
+    """Every role calls this first: umask 077 (a run directory holds CURVE keys and weights), and it ends when the
+    launcher dies, even by SIGKILL: the kernel's parent-death signal, and as a fallback (no prctl, or a wait that
+    ignores the stop flag) a thread that sends SIGTERM itself and ``os._exit``\\ s after :data:`ORPHAN_GRACE_S`."""
     os.umask(0o077)
     sigterm_with_parent()  # without prctl the watchdog remains
     launcher = os.environ.get("DRIFTRL_LAUNCHER_PID")

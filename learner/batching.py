@@ -12,6 +12,8 @@ import torch
 
 from core import messages as M
 
+TENSORS = ("ids", "key_mask", "mask", "behaviour_logp", "rewards", "staleness", "versions")  # Batch's, in order
+
 
 @dataclass
 class Batch:
@@ -79,7 +81,7 @@ def collate(groups: list[M.RolloutGroup], learner_version: int, pad_id: int = 0,
     if not groups:
         raise ValueError("empty batch")
     G = len(groups[0].completions)
-    rows, starts, lps, vers, stale, sampled = [], [], [], [], [], []
+    rows, stale = [], []  # (prompt + completion, prompt length, completion) per row
     for g in groups:
         M.validate_group(g)
         if len(g.completions) != G:
@@ -90,23 +92,20 @@ def collate(groups: list[M.RolloutGroup], learner_version: int, pad_id: int = 0,
         if ids.size and (ids.min() < 0 or (vocab_size and ids.max() >= vocab_size)):
             raise ValueError(f"{g.key}: token id outside the vocabulary [0, {vocab_size or '?'})")
         for c in g.completions:
-            rows.append(np.concatenate([prompt, c.token_array()]))
-            starts.append(len(prompt))
-            lps.append(c.logprob_array())
-            vers.append(c.version_array())
-            sampled.append(c.sampled())
-            stale.append(M.staleness(learner_version, int(vers[-1].min()) if len(vers[-1]) else g.start_version))
-    n, width = len(rows), max(map(len, rows))
+            rows.append((np.concatenate([prompt, c.token_array()]), len(prompt), c))
+            v = c.version_array()
+            stale.append(M.staleness(learner_version, int(v.min()) if len(v) else g.start_version))
+    n, width = len(rows), max(len(row) for row, _, _ in rows)
     ids = torch.full((n, width), pad_id, dtype=torch.long)
     key_mask = torch.zeros(n, width, dtype=torch.bool)
     mask, blp = torch.zeros(n, width - 1), torch.zeros(n, width - 1)
     versions = torch.zeros(n, width - 1, dtype=torch.long)
-    for i, (row, s, lp, v, m) in enumerate(zip(rows, starts, lps, vers, sampled)):
+    for i, (row, s, c) in enumerate(rows):
         ids[i, : len(row)] = torch.from_numpy(row.astype(np.int64))
         key_mask[i, : len(row)] = True
-        mask[i, s - 1 : len(row) - 1] = torch.from_numpy(m.astype(np.float32))
-        blp[i, s - 1 : len(row) - 1] = torch.from_numpy(lp.copy())
-        versions[i, s - 1 : len(row) - 1] = torch.from_numpy(v.astype(np.int64))
+        mask[i, s - 1 : len(row) - 1] = torch.from_numpy(c.sampled().astype(np.float32))
+        blp[i, s - 1 : len(row) - 1] = torch.from_numpy(c.logprob_array().copy())
+        versions[i, s - 1 : len(row) - 1] = torch.from_numpy(c.version_array().astype(np.int64))
     rewards = torch.tensor([[c.reward for c in g.completions] for g in groups], dtype=torch.float32)
     return Batch(ids, key_mask, mask, blp, rewards, torch.tensor(stale, dtype=torch.long),
                  [g.key for g in groups], int(mask.sum().item()), versions, [g.group_id for g in groups])

@@ -165,8 +165,7 @@ class Control:
         if not self.paused or verdict.trips:
             return False
         self.clean_steps += 1
-        if self.clean_steps >= self.cc.pause_steps:
-            self.resume()
+        self.paused = self.clean_steps < self.cc.pause_steps
         return not self.paused
 
     def metrics(self) -> dict[str, float]:

@@ -1,12 +1,7 @@
-"""A learner's context-parallel rank group (``learner.context_parallel`` > 1, model/context_parallel.py).
-The learner role's process is rank 0: it starts the other ranks as its own children, so either
-launcher starts, watches and restarts the group as one role, and a rank ends with rank 0 (a
-parent-death signal). Rank 0 alone talks to the buffer, publishes, checkpoints and reports; every
-backend call that runs collectives is mirrored on the other ranks: rank 0 broadcasts a command and
-its arguments as tensors (nothing pickled) and each follower makes the same call. Guard-rail
-decisions travel the same way; everything else a step decides (a non-finite loss or gradient) is
-computed alike on every rank. A rank that dies fails rank 0's next step with :class:`RankLost`,
-which the loop does not skip: the learner exits and is restarted whole, from its checkpoint.
+"""A learner's context-parallel rank group (``learner.context_parallel`` > 1; ARCHITECTURE.md: Precision and
+the ratio). Rank 0, the learner role's process, starts the others as its children, so a launcher sees one role;
+each backend call that runs collectives is broadcast to them as tensors (nothing pickled) and mirrored. Of what
+a step decides only the guard-rails' verdict travels so; the rest (a non-finite loss) is computed alike on each rank.
 """
 
 from __future__ import annotations
@@ -28,13 +23,12 @@ from core import net, placement
 from core.proc import die_with_parent, setup_logging
 from learner import checkpoint
 from learner.backends import make_backend
-from learner.batching import Batch
+from learner.batching import TENSORS, Batch
 
 log = logging.getLogger("driftrl.learner")
 STEP, LOAD, REBUILD, STOP = range(4)
 MAX_PATH = 4096
 DEATH_WAIT_S = 5.0  # a rank killed mid-collective: how long rank 0 waits to see it gone
-_TENSORS = ("ids", "key_mask", "mask", "behaviour_logp", "rewards", "staleness", "versions")
 _followers: list[subprocess.Popen] = []
 
 
@@ -92,8 +86,7 @@ class Leader:
         return getattr(self.inner, name)
 
     def step(self, batch: Batch, check=None) -> dict[str, float]:
-        lost = [p.pid for p in _followers if p.poll() is not None]
-        if lost:
+        if lost := [p.pid for p in _followers if p.poll() is not None]:
             raise RankLost(f"context-parallel rank process(es) {lost} exited: the learner restarts whole")
         try:
             _command(STEP)
@@ -110,9 +103,6 @@ class Leader:
     def load_state(self, path: str, meta: dict) -> None:
         _command(LOAD, path)
         self.inner.load_state(path, meta)
-
-
-# ---- the wire: commands and batches as tensors, broadcast from rank 0 --------------------------------
 
 
 def _command(cmd: int, path: str = "") -> None:
@@ -143,7 +133,7 @@ def _decide(flag: bool) -> bool:
 def _send_batch(b: Batch) -> None:
     has = b.versions is not None
     dist.broadcast(torch.tensor([*b.ids.shape, *b.rewards.shape, int(has), b.num_tokens], dtype=torch.int64), 0)
-    for name in _TENSORS[: len(_TENSORS) - (not has)]:
+    for name in TENSORS[: len(TENSORS) - (not has)]:
         t = getattr(b, name)
         dist.broadcast((t.to(torch.uint8) if t.dtype == torch.bool else t).contiguous(), 0)
 
@@ -156,16 +146,12 @@ def _recv_batch() -> Batch:
               "mask": ((n, length - 1), torch.float32), "behaviour_logp": ((n, length - 1), torch.float32),
               "rewards": ((groups, size), torch.float32), "staleness": ((n,), torch.int64),
               "versions": ((n, length - 1), torch.int64)}
-    got = {}
-    for name in _TENSORS[: len(_TENSORS) - (not has)]:
-        shape, dtype = shapes[name]
-        got[name] = torch.empty(shape, dtype=dtype)
-        dist.broadcast(got[name], 0)
+    got = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in shapes.items()
+           if has or name != "versions"}
+    for t in got.values():
+        dist.broadcast(t, 0)
     got["key_mask"] = got["key_mask"].bool()
     return Batch(**got, keys=[], num_tokens=num_tokens)  # keys and group ids stay with rank 0
-
-
-# ---- ranks 1..n ----------------------------------------------------------------------------------------
 
 
 def follow(cfg: C.Config) -> None:

@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 import time
+from itertools import zip_longest
 
 import numpy as np
 import torch
@@ -62,19 +63,16 @@ class LearnerLoop:
 
     def _recover(self) -> None:
         """Newest intact checkpoint (or the initial weights) + the audit: see the docstring."""
-        self.step, self._ckpt_version, self.consumed_groups = 0, 0, 0
-        self._ckpt_step: int | None = None
         self._covered = -1  # every step up to here is in a checkpoint a fallback can load
         path = checkpoint.latest(self.ckpt_root)
         if path is None and checkpoint.complete_checkpoints(self.ckpt_root):
             raise checkpoint.DamagedCheckpoint(
                 f"every checkpoint in {self.ckpt_root} is damaged (see the warnings above): the learner "
                 "does not start over from the initial weights unasked; move that directory aside to start over")
-        if path:
-            meta = checkpoint.load(path, self.backend)
-            self.step, self._ckpt_version = meta["step"], meta["version"]
-            self.consumed_groups = meta.get("consumed_groups", 0)
-            self._ckpt_step = self.step
+        meta = checkpoint.load(path, self.backend) if path else {"step": 0, "version": 0}
+        self.step, self._ckpt_version = meta["step"], meta["version"]
+        self.consumed_groups = meta.get("consumed_groups", 0)
+        self._ckpt_step: int | None = self.step if path else None
         rec = audit.recover(self.run_dir, self.step, self._ckpt_version)
         self.version, self.retired = rec.version, rec.retired
         self._ckpt_at = time.time()
@@ -116,8 +114,7 @@ class LearnerLoop:
         if self._ckpt_step != self.step:
             self.save()
         if self._funnel() != self._funnel_sent:  # the last fetch's drops too: the books close
-            self.metrics.emit(self.step, {"learner/step": float(self.step), "learner/version": float(self.version),
-                                          **self._funnel()})
+            self.metrics.emit(self.step, self._books())
         checkpoint.save_model(self.backend, os.path.join(self.run_dir, "final_model"))
         log.info("learner finished at step %d version %d", self.step, self.version)
 
@@ -136,8 +133,6 @@ class LearnerLoop:
                     self.client.consumed([g.key], self.version, self._ckpt_step or 0)
                 elif self._fresh(g):
                     groups.append(g)
-                else:
-                    self._retire([g.key])
         return groups if len(groups) == want else None
 
     def _control_request(self) -> dict:
@@ -150,7 +145,7 @@ class LearnerLoop:
         return out
 
     def _fresh(self, g: M.RolloutGroup) -> bool:
-        """Within the staleness bound at the current version (counted when not)."""
+        """Within the staleness bound at the current version (counted and retired when not)."""
         lag = M.staleness(self.version, g.min_version())
         if lag < 0:  # a token from a version not yet published: corrupt, never train on it
             log.warning("group %s has tokens of version %d > learner version %d: dropped",
@@ -164,19 +159,24 @@ class LearnerLoop:
         return True
 
     def _lost(self, groups: list[M.RolloutGroup], reason: str) -> bool:
-        """Count groups that will not be trained (the discard funnel, core/funnel.py); False."""
+        """Count groups that will not be trained (the discard funnel, core/funnel.py) and tell the buffer; False."""
         self.counts[reason] += len(groups)
         self.lost_by_len.update(funnel.length_bucket(g.length()) for g in groups)
+        self.client.consumed([g.key for g in groups], self.version)
         return False
 
-    def _funnel(self, sent: bool = False) -> dict[str, float]:
-        """The discard funnel's learner counts (``sent``: as emitted now)."""
+    def _funnel(self) -> dict[str, float]:
+        """The discard funnel's learner counts."""
         c = self.counts
-        out = {"funnel/trained": float(self.consumed_groups), **funnel.lost_metrics(
+        return {"funnel/trained": float(self.consumed_groups), **funnel.lost_metrics(
             {"stale_at_learner": c["dropped_stale"], "invalid": c["dropped_invalid"],
              "rolled_back": c["dropped_rolled_back"], "skipped": c["skipped_groups"]}, self.lost_by_len)}
-        self._funnel_sent = out if sent else self._funnel_sent
-        return out
+
+    def _books(self, *counts: str) -> dict[str, float]:
+        """Step, version, the named ``counts`` and the discard funnel (remembered as the one emitted)."""
+        self._funnel_sent = self._funnel()
+        return {"learner/step": float(self.step), "learner/version": float(self.version),
+                **{f"learner/{k}": float(self.counts[k]) for k in counts}, **self._funnel_sent}
 
     def train_step(self, groups: list[M.RolloutGroup]):
         """One optimiser step on ``groups`` -> ``(metrics, batch)``; ``(None, None)`` if skipped."""
@@ -225,14 +225,12 @@ class LearnerLoop:
             self.control.pause()
         elif verdict.action == "skip_step":
             self._lost(groups, "skipped_groups")
-            self._retire([g.key for g in groups])
         elif verdict.action == "rollback":
             self._rollback(groups)
 
     def _rollback(self, groups: list[M.RolloutGroup]) -> None:
         """Back to the newest checkpoint (or the initial weights); see the module docstring."""
-        self._retire([g.key for g in groups])  # the batch that fired: never trained
-        self._lost(groups, "dropped_rolled_back")
+        self._lost(groups, "dropped_rolled_back")  # the batch that fired: never trained
         upto, path = self.version, checkpoint.latest(self.ckpt_root)
         after = int(checkpoint.read_meta(path)["version"]) if path else 0
         audit.append_durable(os.path.join(self.run_dir, ROLLBACKS), "the rollback record",  # durable first
@@ -250,10 +248,8 @@ class LearnerLoop:
 
     def _emit_control(self) -> None:
         """A step that trained nothing still reports the control state and its counts."""
-        self.metrics.emit(self.step, {"learner/step": float(self.step), "learner/version": float(self.version),
-                                      **{f"learner/{k}": float(self.counts[k]) for k in
-                                         ("dropped_rolled_back", "skipped_batches")}, **self.control.metrics(),
-                                      **self._funnel(sent=True)})
+        self.metrics.emit(self.step, {**self._books("dropped_rolled_back", "skipped_batches"),
+                                      **self.control.metrics()})
 
     def _skip(self, groups: list[M.RolloutGroup], err: Exception) -> None:
         self._skips_in_a_row += 1
@@ -262,13 +258,8 @@ class LearnerLoop:
         kind = "non-finite" if isinstance(err, NonFiniteError) else type(err).__name__
         log.warning("batch of %d groups skipped at version %d (%s): %s", len(groups), self.version, kind, err)
         self._emit_control()  # seen now, not with the next step that trains
-        self._retire([g.key for g in groups])
         if self._skips_in_a_row >= MAX_SKIPS_IN_A_ROW:
             raise RuntimeError(f"{self._skips_in_a_row} batches in a row failed; the last: {err}") from err
-
-    def _retire(self, keys) -> None:
-        """Tell the buffer these groups will never be trained."""
-        self.client.consumed(keys, self.version)
 
     def save(self) -> str:
         meta = {"version": self.version, "stage": "rl", "consumed_groups": self.consumed_groups,
@@ -281,15 +272,11 @@ class LearnerLoop:
 
     def _emit(self, m: dict, batch, wait_s: float, busy_s: float, t_start: float) -> None:
         st = batch.staleness.tolist()
-        hist = dense_histogram(st)
-        self.stale_hist += [0.0] * (len(hist) - len(self.stale_hist))
-        for i, c in enumerate(hist):
-            self.stale_hist[i] += c
+        self.stale_hist = [a + b for a, b in zip_longest(self.stale_hist, dense_histogram(st), fillvalue=0.0)]
         waits = sum(w for w, _ in self.window)
         total = sum(w + b for w, b in self.window)
         m.update({
-            "learner/step": float(self.step),
-            "learner/version": float(self.version),
+            **self._books("dropped_stale", "dropped_rolled_back", "dropped_invalid", "skipped_batches"),
             "learner/tokens_per_s": batch.num_tokens / max(busy_s, 1e-9),
             "learner/samples_per_s": len(st) / max(wait_s + busy_s, 1e-9),
             "learner/idle_frac": waits / max(total, 1e-9),
@@ -297,10 +284,7 @@ class LearnerLoop:
             "learner/wait_s": wait_s,
             # groups of the batch with zero advantages (all rewards equal): 0 while the actors leave them out
             "learner/uniform_groups": float((batch.rewards == batch.rewards[:, :1]).all(dim=1).sum()),
-            **{f"learner/{k}": float(self.counts[k]) for k in
-               ("dropped_stale", "dropped_rolled_back", "dropped_invalid", "skipped_batches")},
             "learner/skipped_nonfinite": float(self.backend.skipped_nonfinite),
-            **self._funnel(sent=True),
             **self.control.metrics(),
             "staleness/mean": sum(st) / len(st),
             "staleness/max": float(max(st)),
@@ -322,9 +306,7 @@ class LearnerLoop:
 
 def _backend(cfg: C.Config):
     """The backend of the initial weights; with context parallelism, rank 0's (learner/cp_group.py)."""
-    if cfg.learner.context_parallel > 1:
-        return cp_group.leader(cfg, cfg.model.path)
-    return make_backend(cfg, cfg.model.path)
+    return (cp_group.leader if cfg.learner.context_parallel > 1 else make_backend)(cfg, cfg.model.path)
 
 
 def read_rollbacks(run_dir: str) -> list[tuple[int, int]]:

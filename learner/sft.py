@@ -41,11 +41,11 @@ def load_corpus(path: str) -> list[tuple[list[int], list[int]]]:
     return rows
 
 
-def collate(rows: list[tuple[list[int], list[int]]], pad_id: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def collate(rows: list[tuple[list[int], list[int]]]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Right-padded ``(inputs, key_mask, targets, mask)``, each ``[B, T-1]``: ``inputs[:, i]`` predicts
     ``targets[:, i]``; ``mask`` is 1 exactly where the target is a completion token."""
     width = max(len(p) + len(c) for p, c in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    ids = torch.zeros((len(rows), width), dtype=torch.long)
     mask = torch.zeros((len(rows), width - 1))
     for i, (p, c) in enumerate(rows):
         ids[i, : len(p) + len(c)] = torch.tensor(p + c)

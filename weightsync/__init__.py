@@ -1,47 +1,33 @@
-"""Parameter server: the learner publishes weight versions, actors apply them between decode steps.
+"""Parameter server: the learner publishes weight versions, actors apply them between decode steps. Transports are
+named as strings and imported only when chosen (:func:`weightsync.base.make_publisher`), so this package imports
+nothing: no torch, no circle."""
 
-Transports (``weightsync.transport``) are named as strings and imported only when chosen
-(:func:`weightsync.base.make_publisher`), so this package imports nothing: no torch, no circle.
-"""
-
-PUBLISHERS = {
-    "shm": "weightsync.files:ShmPublisher",
-    "filesystem": "weightsync.files:FsPublisher",
-    "nccl": "weightsync.nccl:NcclPublisher",
-    "cuda_ipc": "weightsync.cuda_ipc:CudaIpcPublisher",
-    "torch_dist": "weightsync.nccl:NcclPublisher",
-}
-SUBSCRIBERS = {
-    "shm": "weightsync.files:ShmSubscriber",
-    "filesystem": "weightsync.files:FsSubscriber",
-    "nccl": "weightsync.nccl:NcclSubscriber",
-    "cuda_ipc": "weightsync.cuda_ipc:CudaIpcSubscriber",
-    "torch_dist": "weightsync.nccl:GroupLink",
-}
+PUBLISHERS = {"shm": "weightsync.files:ShmPublisher", "filesystem": "weightsync.files:FsPublisher",
+              "nccl": "weightsync.nccl:NcclPublisher", "cuda_ipc": "weightsync.cuda_ipc:CudaIpcPublisher",
+              "torch_dist": "weightsync.nccl:NcclPublisher"}
+SUBSCRIBERS = {"shm": "weightsync.files:ShmSubscriber", "filesystem": "weightsync.files:FsSubscriber",
+               "nccl": "weightsync.nccl:NcclSubscriber", "cuda_ipc": "weightsync.cuda_ipc:CudaIpcSubscriber",
+               "torch_dist": "weightsync.nccl:GroupLink"}
 # what an engine receives (Engine.receives; the driver checks the pair: jobs.check_seams) -> the transports
 # that deliver it: "tensors" (a subscriber copies or maps into the engine's own tensors) or "group" (a
 # server joins a torch.distributed group and receives the broadcasts itself; its subscriber is a GroupLink)
 DELIVERS = {"tensors": ("shm", "filesystem", "nccl", "cuda_ipc"), "group": ("torch_dist",)}
-# the transports that can send a version as its changed elements (weightsync/delta.py); cuda_ipc moves no bytes
-# between hosts, and torch_dist's servers receive whole tensors through their own update API
+# the transports that can send a version as its changed elements (weightsync/delta.py; check_devices says why)
 DELTA = ("shm", "filesystem", "nccl")
 
 
 def delta_plan(cfg) -> tuple[bool, str | None]:
-    """``(deltas on, the dtype published)`` for ``weightsync.delta``: ``auto`` is on for 16-bit actors on the
-    transports that move bytes between hosts (filesystem, nccl), where few elements change per step; ``on``
-    publishes in the actors' dtype when they share one (else the learner's)."""
+    """``(deltas on, the dtype published)`` for ``weightsync.delta``: ``auto`` is on for 16-bit actors over the
+    transports that move bytes between hosts (filesystem, nccl); the actors' dtype if they share one (else None)."""
     mode, transport, dtype = cfg.weightsync.delta, cfg.weightsync.transport, cfg.actor.dtype
     dtype = None if dtype == "auto" else dtype  # actors on differing devices resolve their own
-    if mode == "auto":
-        return transport in ("filesystem", "nccl") and dtype in ("bfloat16", "float16"), dtype
-    return mode == "on", dtype
+    auto = transport in ("filesystem", "nccl") and dtype in ("bfloat16", "float16")
+    return (auto if mode == "auto" else mode == "on"), dtype
 
 
 def check_devices(cfg, n_gpus: int | None = None) -> tuple[str, list[str]]:
-    """:func:`core.placement.check`, then whether ``weightsync.transport`` can serve that placement
-    (a ConfigError naming the device fields): nccl and torch_dist move CUDA memory only, nccl needs
-    one device per rank, cuda_ipc one device for all. Run at launch and again in each role."""
+    """:func:`core.placement.check`, then whether ``weightsync.transport`` can serve that placement (a ConfigError
+    naming the device fields, else the devices). Run at launch and again in each role."""
     from core.config import ConfigError
     from core.placement import check
 

@@ -1,18 +1,18 @@
-"""What every weight transport shares: increasing versions, a layout fixed at start, ``no_grad``, timing and
-counters; transports move the bytes in ``_write`` / ``_apply``. Every blocking wait has a deadline and takes
-``stop`` (an Event-like or a callable): once it is set the wait raises :class:`Stopped` within one poll interval.
-"""
+"""What every weight transport shares: increasing versions, a layout fixed at start, ``no_grad``, timing and counters;
+transports move the bytes in ``_write`` / ``_apply``. Every blocking wait has a deadline and takes ``stop`` (an
+Event-like or a callable): once it is set the wait raises :class:`Stopped` within one poll interval."""
 
 from __future__ import annotations
 
 import abc
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Mapping
 
 import torch
 
-from core.messages import DeltaHeader, WeightUpdateHeader
+from core.messages import WeightUpdateHeader
 from core.registry import resolve
 from weightsync import PUBLISHERS, SUBSCRIBERS, delta, delta_plan, layout
 
@@ -30,13 +30,12 @@ class SubscriberStats:
     apply_s: float = 0.0  # duration of the last apply
     apply_s_total: float = 0.0
     bytes: int = 0  # payload bytes of the last apply
-    # versions published between two applies that this reader never applied (a late joiner is not behind)
-    versions_skipped: int = 0
+    versions_skipped: int = 0  # published between two applies, never applied here (a late joiner is not behind)
     mapped: int = 0  # tensors the last apply mapped from the version file instead of copying (shm)
 
 
-class _Closable(abc.ABC):
-    """Idempotent ``close()`` (``_close`` is the transport's part) and ``with`` support."""
+class _Closable(contextlib.AbstractContextManager):
+    """An ABC with idempotent ``close()`` (``_close`` is the transport's part), also on leaving ``with``."""
 
     _closed = False
 
@@ -48,31 +47,29 @@ class _Closable(abc.ABC):
     def _close(self) -> None:
         pass
 
-    def __enter__(self):
-        return self
-
     def __exit__(self, *exc):
         self.close()
 
 
 class Publisher(_Closable):
-    """Learner side. ``_write`` returns the payload bytes, or None when the transport dropped
-    that version (cuda_ipc with every device slot in use): ``publish`` then returns None."""
+    """Learner side. ``_write`` returns the payload bytes, or None when the transport dropped that version (cuda_ipc
+    with every device slot in use): ``publish`` then returns None. A transport that sends deltas defines
+    ``_write_delta(header, payload)`` (1-D uint8, laid out by weightsync/delta.py), returning the same."""
 
     transport = "?"
+    _write_delta = None
 
     def __init__(self, header: WeightUpdateHeader):
         self.header = layout.with_version(header, -1)
         self.last_stats: PublishStats | None = None
-        self._last_version = -1
-        self.skipped = 0
+        self._last_version, self.skipped = -1, 0
         self.delta: delta.Encoder | None = None  # use_delta()
         self.cast: torch.dtype | None = None  # the dtype published (the actors'), where it differs from the learner's
         self.sent = self.versions = self.fulls = 0  # bytes and versions published, how many of them full
 
     def use_delta(self, full_every: int, cast: torch.dtype | None = None) -> None:
         """Publish versions as deltas (weightsync/delta.py), in ``cast`` where given (the layout was made in it)."""
-        if type(self)._write_delta is Publisher._write_delta:
+        if self._write_delta is None:
             raise ValueError(f"the {self.transport} transport sends no deltas")
         self.delta, self.cast = delta.Encoder(full_every), cast
 
@@ -100,17 +97,12 @@ class Publisher(_Closable):
         return self.last_stats
 
     @classmethod
-    @abc.abstractmethod
     def from_config(cls, cfg, run_dir: str, template: Mapping[str, torch.Tensor], *, stop=None) -> "Publisher":
-        ...
+        return cls(run_dir, template, cfg.weightsync.bucket_mb << 20)
 
     @abc.abstractmethod
     def _write(self, version: int, named: Mapping[str, torch.Tensor]) -> int | None:
         ...
-
-    def _write_delta(self, header: DeltaHeader, payload: torch.Tensor) -> int | None:
-        """Send a delta (1-D uint8 ``payload``, laid out by weightsync/delta.py); its bytes, or None if dropped."""
-        raise ValueError(f"the {self.transport} transport sends no deltas")
 
     def metrics(self) -> dict[str, float]:
         s, full = self.last_stats, layout.payload_nbytes(self.header)
@@ -133,10 +125,9 @@ class Subscriber(_Closable):
         self.stats = SubscriberStats()
 
     @classmethod
-    @abc.abstractmethod
     def from_config(cls, cfg, run_dir: str, timeout_s: float = 60, *, stop=None, device=None,
                     actor_id: str = "") -> "Subscriber":
-        ...
+        return cls(run_dir, timeout_s, device=device, stop=stop)
 
     @abc.abstractmethod
     def latest_version(self) -> int:
@@ -150,14 +141,10 @@ class Subscriber(_Closable):
             got = self._apply(named, self.stats.last_version)
         if got is None:
             return None
-        version, nbytes = got
-        s = self.stats
-        if s.last_version >= 0:
-            s.versions_skipped += version - s.last_version - 1
-        s.last_version = version
-        s.apply_s = time.perf_counter() - t0
+        (version, nbytes), s = got, self.stats
+        s.versions_skipped += version - s.last_version - 1 if s.last_version >= 0 else 0
+        s.last_version, s.apply_s, s.bytes = version, time.perf_counter() - t0, nbytes
         s.apply_s_total += s.apply_s
-        s.bytes = nbytes
         return version
 
     @abc.abstractmethod
@@ -181,8 +168,7 @@ def wait_until(ready, timeout_s: float, what: str, poll_s: float = 0.05, stop=No
     while True:
         if stopped():
             raise Stopped(f"stopped while waiting for {what}")
-        got = ready()
-        if got:
+        if got := ready():
             return got
         if time.monotonic() >= deadline:
             raise TimeoutError(f"waited {timeout_s:.0f}s for {what}")
@@ -190,10 +176,7 @@ def wait_until(ready, timeout_s: float, what: str, poll_s: float = 0.05, stop=No
 
 
 def cast_floats(named: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> Mapping[str, torch.Tensor]:
-    """``named`` with its floating-point tensors in ``dtype`` (None: as they are)."""
-    if dtype is None:
-        return named
-    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in named.items()}
+    return named if dtype is None else {k: v.to(dtype) if v.is_floating_point() else v for k, v in named.items()}
 
 
 def make_publisher(cfg, run_dir: str, template: Mapping[str, torch.Tensor], *, stop=None) -> Publisher:

@@ -1,8 +1,7 @@
-"""CUDA IPC transport (one shared GPU): weight slots in device memory, never through the host. Which slot is
-free is the shm transport's question: its file ``i`` holds the *record* of slot ``i`` (:class:`IpcSlot`), kept
-open by a reader until its device copy is synchronised. Copied, never mapped: CUDA IPC memory dies with its
-exporter (a restarted learner). ``share`` / ``opener``: stand-ins in the tests.
-"""
+"""CUDA IPC transport (one shared GPU): weight slots in device memory, never through the host. Which slot is free is
+the shm transport's question: its file ``i`` holds the *record* of slot ``i`` (:class:`IpcSlot`), kept open by a reader
+until its device copy is synchronised. Copied, never mapped: CUDA IPC memory dies with its exporter (a restarted
+learner). ``share`` / ``opener``: stand-ins in the tests."""
 
 from __future__ import annotations
 
@@ -21,7 +20,6 @@ from weightsync.files import ShmPublisher, ShmSubscriber, _copy_all
 RECORD = "ipc"  # the one tensor of a record file
 _LEN = struct.Struct("<Q")  # the record's length, before its bytes
 
-
 _slot_decoder = msgspec.msgpack.Decoder(IpcSlot)
 _encoder = msgspec.msgpack.Encoder()
 
@@ -36,9 +34,7 @@ def share_cuda(flat: torch.Tensor) -> tuple:
 
 def open_cuda(rec: IpcSlot) -> torch.Tensor:
     torch.cuda._lazy_init()
-    storage = torch.UntypedStorage._new_shared_cuda(
-        rec.device, rec.handle, rec.size_bytes, rec.offset_bytes, rec.ref_counter_handle,
-        rec.ref_counter_offset, rec.event_handle, rec.event_sync_required)
+    storage = torch.UntypedStorage._new_shared_cuda(*msgspec.structs.astuple(rec)[1:-1])  # share_cuda's fields
     flat = torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", rec.device))
     return flat.set_(storage, 0, (rec.size_bytes,), (1,))
 
@@ -48,9 +44,7 @@ def encode_record(rec: IpcSlot, capacity: int) -> torch.Tensor:
     raw = _encoder.encode(rec)
     if _LEN.size + len(raw) > capacity:
         raise ValueError(f"an IpcSlot record of {len(raw)} bytes does not fit {capacity} bytes")
-    out = torch.zeros(capacity, dtype=torch.uint8)
-    out[: _LEN.size + len(raw)] = torch.frombuffer(bytearray(_LEN.pack(len(raw)) + raw), dtype=torch.uint8)
-    return out
+    return torch.frombuffer(bytearray((_LEN.pack(len(raw)) + raw).ljust(capacity, b"\0")), dtype=torch.uint8)
 
 
 def decode_record(data: bytes) -> IpcSlot:
@@ -103,7 +97,7 @@ class CudaIpcPublisher(Publisher):
         self.slots = 2 + max_readers if slots is None else slots
         nbytes = layout.total_nbytes(self.header)
         flats = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(self.slots)]
-        self.views = [[layout.views(self.header, flat)[n] for n in self.header.names] for flat in flats]
+        self.views = [list(map(layout.views(self.header, flat).get, self.header.names)) for flat in flats]
         records = [IpcSlot(s, *share(flat), layout=self.header) for s, flat in enumerate(flats)]
         capacity = _LEN.size + max(len(_encoder.encode(r)) for r in records)
         self.records = [encode_record(r, capacity) for r in records]
@@ -131,21 +125,14 @@ class CudaIpcSubscriber(Subscriber):
         super().__init__()
         self.device = torch.device(device if device is not None else "cuda")
         self._control = ShmSubscriber(run_dir, timeout_s, stop=stop)  # reads the records
-        self._opener = opener
+        self._opener, self._opened_from = opener, self._control.dir
         self._opened: dict[tuple[bytes | None, int], torch.Tensor] = {}
-        self._opened_from = self._control.dir
-
-    @classmethod
-    def from_config(cls, cfg, run_dir: str, timeout_s: float = 60, *, stop=None, device=None,
-                    actor_id: str = "") -> "CudaIpcSubscriber":
-        return cls(run_dir, timeout_s, device=device, stop=stop)
 
     def latest_version(self) -> int:
         return self._control.latest_version()
 
     def _apply(self, named: Mapping[str, torch.Tensor], after: int) -> tuple[int, int] | None:
-        files = self._control.open_newest(after)
-        if files is None:
+        if (files := self._control.open_newest(after)) is None:
             return None
         (got,) = files  # the control publisher sends full versions only
         with got:  # the record's file stays open, so its device slot is not reused, until the copy is done

@@ -1,12 +1,6 @@
-"""Delta publishing: a version sent as the elements whose bits changed since the previous one, compared
-in the dtype the actors run, so a subscriber that applied every delta since a full version holds exactly
-the bits a full publish would have given it. In BF16 most Adam updates at an RL learning rate round to no
-change (verl measured ~1 % of elements per step); in FP32 nearly every element changes and a full version
-is the smaller one, so ``weightsync.delta = auto`` turns deltas on only for 16-bit actors on the transports
-that move bytes between hosts (filesystem, nccl). A delta names the version it applies to (``base``), the
-full version its chain starts from (``full``) and the publisher (``epoch``): a reader that holds anything
-else reads that full version and the deltas after it.
-"""
+"""Delta publishing (ARCHITECTURE.md, "Deltas"): a version as the elements whose bits changed since the previous one,
+compared in the actors' dtype, so a reader that applied every delta since a full version holds exactly the bits of a
+full publish. In BF16 most updates round to no change; in FP32 nearly all change and the full version is smaller."""
 
 from __future__ import annotations
 
@@ -38,21 +32,16 @@ def segments(counts: list[int], itemsizes: list[int]) -> tuple[list[tuple[int, i
     return out, at
 
 
-def unpack(header: DeltaHeader, payload: torch.Tensor, dtypes: list[torch.dtype]):
-    """``(indices, values)`` per tensor, views into ``payload`` (1-D uint8)."""
+def apply(header: DeltaHeader, payload: torch.Tensor, targets: list[torch.Tensor], dtypes: list[torch.dtype]) -> None:
+    """Write a delta (1-D uint8 ``payload``: per tensor its indices, then its values in ``dtypes``) into ``targets``
+    (the reader's own tensors, holding version ``header.base``); a misfit payload or index fails before any write."""
     sizes = [d.itemsize for d in dtypes]
     starts, total = segments(header.counts, sizes)
     if payload.numel() != total or len(header.counts) != len(dtypes):
         raise ValueError(f"delta v{header.version}: {payload.numel()} payload bytes for {len(header.counts)} tensors, "
                          f"its header says {total} bytes for {len(dtypes)}")
-    return [(payload[i: i + n * INDEX.itemsize].view(INDEX), payload[v: v + n * size].view(d))
-            for (i, v), n, size, d in zip(starts, header.counts, sizes, dtypes)]
-
-
-def apply(header: DeltaHeader, payload: torch.Tensor, targets: list[torch.Tensor], dtypes: list[torch.dtype]) -> None:
-    """Write a delta's values into ``targets`` (the reader's own tensors, holding version ``header.base``);
-    indices out of range are an error before any write."""
-    parts = unpack(header, payload, dtypes)
+    parts = [(payload[i: i + n * INDEX.itemsize].view(INDEX), payload[v: v + n * size].view(d))
+             for (i, v), n, size, d in zip(starts, header.counts, sizes, dtypes)]
     for t, (idx, _) in zip(targets, parts):
         if not t.is_contiguous():
             raise ValueError("a delta is applied to contiguous tensors only")
@@ -81,8 +70,7 @@ class Encoder:
         counts = [c.numel() for c in changed]
         self.changed_frac = sum(counts) / max(1, sum(t.numel() for t in tensors))
         starts, total = segments(counts, [t.element_size() for t in tensors])
-        full_bytes = sum(t.numel() * t.element_size() for t in tensors)
-        if version - self.full >= self.full_every or total >= full_bytes:
+        if version - self.full >= self.full_every or total >= sum(t.nbytes for t in tensors):
             return None
         payload = torch.zeros(total, dtype=torch.uint8, device=tensors[0].device)
         for (i, v), idx, t in zip(starts, changed, tensors):

@@ -1,7 +1,6 @@
-"""Weights as versioned files (transports ``shm`` and ``filesystem``; the design: ARCHITECTURE.md, "Weights as
-versioned files"): the kernel's ``rename``, open files and write leases (``F_SETLEASE``) do an allocator's work.
-A file is a checksummed prefix and msgpack header (never pickle), then the page-aligned buckets.
-"""
+"""Weights as versioned files (transports ``shm`` and ``filesystem``; the design: ARCHITECTURE.md, "Weights as versioned
+files"): the kernel's ``rename``, open files and write leases (``F_SETLEASE``) do an allocator's work. A file is a
+checksummed prefix and msgpack header (never pickle), then the page-aligned buckets."""
 
 from __future__ import annotations
 
@@ -43,7 +42,6 @@ _SHM_NAME = re.compile(r"driftrl-weights-[0-9a-f]{32}")
 _OURS = re.compile(r"v\d+|d\d+(\.tmp\d+)?|\.?LATEST(-new|\.tmp\d+)?|\.(spare|new)-\d+")  # what a publisher may remove
 _VERSION = re.compile(r"([vd])(\d+)")
 _VANISHED_S = 30  # a reader gives up on versions retired between reading LATEST and opening them
-
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(FileHeader)
@@ -239,9 +237,8 @@ class _File:
             os.close(self.fd)
             os.unlink(path)
             raise
-        views = layout.views(header, torch.frombuffer(self.mm, dtype=torch.uint8, count=size - payload_at,
-                                                      offset=payload_at))
-        self.views = [views[n] for n in header.names]
+        flat = torch.frombuffer(self.mm, dtype=torch.uint8, count=size - payload_at, offset=payload_at)
+        self.views = list(map(layout.views(header, flat).get, header.names))  # in the header's order
 
     def close(self) -> None:
         self.views, self.mm = [], None  # the mapping goes with its last view
@@ -271,11 +268,8 @@ class FilePublisher(Publisher):
                  max_files: int | None = None):
         super().__init__(layout.header_for(-1, template, bucket_bytes))
         self.max_files = max_files
-        self.names = list(self.header.names)
-        # the header of every version; the payload starts at the first page after it
         widest = len(_encoder.encode(FileHeader(self.header, 2**62, 2**62)))
-        self.payload_at = (_PREFIX.size + widest + PAGE - 1) // PAGE * PAGE
-        self.epoch = ""  # set by use_delta: every full version names the publisher its deltas build on
+        self.payload_at = (_PREFIX.size + widest + PAGE - 1) // PAGE * PAGE  # the first page after any header
         self._raw_header = self._file_header()
         self.visible: list[_File] = []  # oldest first
         self.deltas: list[str] = []  # the delta files since the newest full version
@@ -288,26 +282,20 @@ class FilePublisher(Publisher):
         self._finalizer = weakref.finalize(self, _close_store, self.dir, self._lock_fd,
                                            run_dir if self.owns_dir else None, self.visible, self.spares)
 
-    @classmethod
-    def from_config(cls, cfg, run_dir: str, template: Mapping[str, torch.Tensor], *, stop=None) -> "FilePublisher":
-        return cls(run_dir, template, cfg.weightsync.bucket_mb << 20)
-
     def _file_header(self) -> bytes:
+        epoch = self.delta.epoch if self.delta else ""  # every full version names the publisher its deltas build on
         return _encoder.encode(FileHeader(self.header, self.payload_at,
-                                          self.payload_at + layout.total_nbytes(self.header), self.epoch))
+                                          self.payload_at + layout.total_nbytes(self.header), epoch))
 
     def use_delta(self, full_every: int, cast: torch.dtype | None = None) -> None:
         super().use_delta(full_every, cast)
-        self.epoch = self.delta.epoch
         self._raw_header = self._file_header()
 
     def _write_delta(self, header: DeltaHeader, payload: torch.Tensor) -> int:
         """``d<version>``: a prefix, the msgpack header and the checksummed payload, written aside and renamed."""
-        body = payload.cpu().numpy()
-        name = f"d{header.version}"
-        atomic_write(os.path.join(self.dir, name), _head(DELTA_MAGIC, header.version, crc32c.crc32c(body),
-                                                         _encoder.encode(header)) + body.tobytes(),
-                     durable=self.durable, mode=0o600)
+        body, name = payload.cpu().numpy(), f"d{header.version}"
+        head = _head(DELTA_MAGIC, header.version, crc32c.crc32c(body), _encoder.encode(header))
+        atomic_write(os.path.join(self.dir, name), head + body.tobytes(), durable=self.durable, mode=0o600)
         self.deltas.append(name)
         self._point(name)
         return body.nbytes
@@ -318,10 +306,7 @@ class FilePublisher(Publisher):
             log.warning("weight version %d not published: readers hold all %d files", version, self.max_files)
             return None
         self._fill(f, named)
-        crc = -1
-        if self.checksum:
-            with memoryview(f.mm) as mv:
-                crc = crc32c.crc32c(mv[self.payload_at:])
+        crc = crc32c.crc32c(memoryview(f.mm)[self.payload_at:]) if self.checksum else -1
         head = _head(MAGIC, version, crc, self._raw_header)
         f.mm[: len(head)] = head
         if self.durable:
@@ -363,7 +348,7 @@ class FilePublisher(Publisher):
 
     def _fill(self, f: _File, named: Mapping[str, torch.Tensor]) -> None:
         """Copy the update into ``f``, which no reader can reach (cuda_ipc writes its record here)."""
-        _copy_all(f.views, [named[n] for n in self.names])
+        _copy_all(f.views, [named[n] for n in self.header.names])
 
     def _point(self, name: str) -> None:
         """``LATEST`` -> ``name`` (``v<N>`` or ``d<N>``): a symlink made aside and renamed over it (atomic)."""
@@ -375,8 +360,7 @@ class FilePublisher(Publisher):
 
     def _retire(self, f: _File) -> None:
         if not self.recycle:
-            self._discard(f)
-            return
+            return self._discard(f)
         spare = f".spare-{f.index}"
         os.rename(os.path.join(self.dir, f.name), os.path.join(self.dir, spare))
         f.name = spare
@@ -435,7 +419,8 @@ class FsPublisher(FilePublisher):
 
 
 class _Plan:
-    """A reader's checked layout: ``tensors`` in payload order, (name, file offset, bytes, shape, element offset)."""
+    """A reader's checked layout: ``tensors`` in payload order, (name, file offset, bytes, shape, element offset);
+    each tensor's offset in the payload is a multiple of layout.ALIGN, so of every item size."""
 
     def __init__(self, raw: bytes, path: str, header_end: int):
         try:
@@ -448,12 +433,9 @@ class _Plan:
         h = self.layout = head.layout
         self.dtypes = {n: layout.torch_dtype(d) for n, d in zip(h.names, h.dtypes)}
         shapes = dict(zip(h.names, h.shapes))
-        self.tensors = []
-        for start, b in zip(layout.bucket_starts(h), h.buckets):
-            for n, off in zip(b.names, b.offsets):
-                at = start + off  # a multiple of layout.ALIGN, so of every item size
-                self.tensors.append((n, head.payload_at + at, layout.tensor_nbytes(b.dtype, shapes[n]), shapes[n],
-                                     at // layout.ITEMSIZE[b.dtype]))
+        self.tensors = [(n, head.payload_at + start + off, layout.tensor_nbytes(b.dtype, shapes[n]), shapes[n],
+                         (start + off) // layout.ITEMSIZE[b.dtype])
+                        for start, b in zip(layout.bucket_starts(h), h.buckets) for n, off in zip(b.names, b.offsets)]
 
 
 class _Binding:
@@ -488,8 +470,7 @@ class Version(_Closable):
             return None
         try:
             payload_crc, raw, end, size = _read_head(fd, path, MAGIC, version)
-            plan = plans.get(raw)
-            if plan is None:
+            if (plan := plans.get(raw)) is None:
                 plans.clear()  # one publisher's at a time
                 plan = plans[raw] = _Plan(raw, path, end)
             if size != plan.head.file_bytes:
@@ -563,12 +544,11 @@ class DeltaFile(_Closable):
             body = bytearray(size - end)
             if os.preadv(fd, [body], end) != len(body) or crc32c.crc32c(body) != payload_crc:
                 raise DamagedFile(f"{path}: payload checksum mismatch (damaged)")
-        finally:
-            os.close(fd)
-        try:
             head = _delta_decoder.decode(raw)
         except msgspec.DecodeError as e:
             raise DamagedFile(f"{path}: unreadable header: {e}") from None
+        finally:
+            os.close(fd)
         return cls(path, head, torch.frombuffer(body, dtype=torch.uint8) if body else torch.empty(0, dtype=torch.uint8))
 
     def apply(self, bound: _Binding) -> int:
@@ -617,8 +597,7 @@ class FileSubscriber(Subscriber):
         if now < self._next_find or os.path.isdir(self.dir):
             return False
         self._next_find = now + 0.5  # the publisher is gone: look for a successor, gently
-        path = self._find()
-        if path is None or path == self.dir:
+        if (path := self._find()) is None or path == self.dir:
             return False
         self.dir = path
         return True
@@ -643,8 +622,7 @@ class FileSubscriber(Subscriber):
             return self._read_latest() if self._moved() else None
         except OSError as e:
             raise DamagedFile(f"{path}: not the pointer a publisher makes ({e.strerror})") from None
-        m = _VERSION.fullmatch(target.strip())
-        if m is None:
+        if (m := _VERSION.fullmatch(target.strip())) is None:
             raise DamagedFile(f"{path}: points at {target[:60]!r}, not a version file")
         self._kind = m.group(1)
         return int(m.group(2))
@@ -654,8 +632,7 @@ class FileSubscriber(Subscriber):
         version's file, the deltas since the version it holds, or a full version and the deltas after it."""
         deadline = time.monotonic() + _VANISHED_S
         while True:
-            version = self._read_latest()
-            if version is None or version <= after:
+            if (version := self._read_latest()) is None or version <= after:
                 return None
             self._latest = version
             if self._kind == "d":
@@ -679,10 +656,9 @@ class FileSubscriber(Subscriber):
                 return files[::-1]
             if h.base == h.full:
                 full = Version.open(os.path.join(self.dir, f"v{h.full}"), h.full, self._plans)
-                if full is not None and full.plan.head.epoch == h.epoch:
-                    return [full, *files[::-1]]
-                if full is not None:
-                    full.close()
+                if full is None or full.plan.head.epoch == h.epoch:
+                    return None if full is None else [full, *files[::-1]]
+                full.close()  # another publisher's
                 return None
             cur = DeltaFile.open(os.path.join(self.dir, f"d{h.base}"), h.base)
         return None
@@ -693,16 +669,13 @@ class FileSubscriber(Subscriber):
         return self._staging
 
     def _apply(self, named: Mapping[str, torch.Tensor], after: int) -> tuple[int, int] | None:
-        files = self.open_newest(after)
-        if files is None:
+        if (files := self.open_newest(after)) is None:
             if self._plans:  # nothing newer, but tensors that cannot take the layout are an error now
                 self._bind(next(iter(self._plans.values())), named)
             return None
         nbytes = 0
         with contextlib.ExitStack() as opened:
-            for f in files:
-                opened.enter_context(f)
-            for f in files:
+            for f in [opened.enter_context(x) for x in files]:  # all entered first, so all closed whatever happens
                 if isinstance(f, DeltaFile):  # over what this reader holds: its binding's layout
                     nbytes += f.apply(self._bind(self._bound.plan, named))
                     continue

@@ -1,9 +1,6 @@
-"""Bucket layout of a weight update: where each named tensor lives in a flat byte buffer.
-
-Buckets hold tensors of one dtype back to back, each at a multiple of :data:`ALIGN` bytes, at most
-``bucket_bytes`` per bucket unless one tensor is larger (tensors are never split, so each stays a
-plain view). A whole update is the buckets one after another: :func:`total_nbytes` bytes.
-"""
+"""Bucket layout of a weight update: where each named tensor lives in a flat byte buffer. Buckets hold tensors of one
+dtype back to back, each at a multiple of :data:`ALIGN` bytes, at most ``bucket_bytes`` per bucket unless one tensor
+is larger (tensors are never split, so each stays a plain view). A whole update is the buckets one after another."""
 
 from __future__ import annotations
 
@@ -47,7 +44,7 @@ def plan(version: int, specs: Iterable[tuple[str, str, Sequence[int]]], bucket_b
         shape = [int(d) for d in shape]
         if any(d < 0 for d in shape):
             raise LayoutError(f"tensor {name!r}: negative dimension in {shape}")
-        by_dtype.setdefault(dtype, []).append(len(rows))
+        by_dtype.setdefault(dtype, []).append((name, tensor_nbytes(dtype, shape)))
         rows.append((name, dtype, shape))
     if not rows:
         raise LayoutError("no tensors to lay out")
@@ -55,18 +52,15 @@ def plan(version: int, specs: Iterable[tuple[str, str, Sequence[int]]], bucket_b
     if len(set(names)) != len(names):
         raise LayoutError(f"duplicate tensor names: {sorted({n for n in names if names.count(n) > 1})[:5]}")
     buckets: list[Bucket] = []
-    for dtype, idxs in by_dtype.items():
-        cur_names, cur_offsets, end = [], [], 0
-        for i in idxs:
-            size = tensor_nbytes(dtype, shapes[i])
-            off = _round_up(end)
-            if cur_names and _round_up(off + size) > bucket_bytes:
-                buckets.append(Bucket(dtype, cur_names, cur_offsets, _round_up(end)))
-                cur_names, cur_offsets, off = [], [], 0
-            cur_names.append(names[i])
-            cur_offsets.append(off)
-            end = off + size
-        buckets.append(Bucket(dtype, cur_names, cur_offsets, _round_up(end)))
+    for dtype, tensors in by_dtype.items():
+        cur, end = [], 0  # the bucket being filled: (name, offset) pairs, and its aligned size so far
+        for name, size in tensors:
+            if cur and _round_up(end + size) > bucket_bytes:
+                buckets.append(Bucket(dtype, *map(list, zip(*cur)), end))
+                cur, end = [], 0
+            cur.append((name, end))
+            end = _round_up(end + size)
+        buckets.append(Bucket(dtype, *map(list, zip(*cur)), end))
     return WeightUpdateHeader(version, names, dtypes, shapes, buckets)
 
 
@@ -127,16 +121,13 @@ def views(header: WeightUpdateHeader, flat: torch.Tensor, bucket: int | None = N
             else header.buckets[bucket].nbytes if bucket is not None else total_nbytes(header))
     if flat.numel() < need:
         raise LayoutError(f"flat buffer has {flat.numel()} bytes, layout needs {need}")
-    index = {n: i for i, n in enumerate(header.names)}
+    shapes, out = dict(zip(header.names, header.shapes)), {}
     chosen = [(0, header.buckets[bucket])] if bucket is not None else zip(bucket_starts(header), header.buckets)
-    out = {}
     for start, b in chosen:
         dt, lo = torch_dtype(b.dtype), start
         for name, off in zip(b.names, b.offsets):
-            shape = header.shapes[index[name]]
-            lo = lo if packed else start + off
-            size = tensor_nbytes(b.dtype, shape)
-            out[name] = flat[lo : lo + size].view(dt).view(shape)
+            lo, size = lo if packed else start + off, tensor_nbytes(b.dtype, shapes[name])
+            out[name] = flat[lo : lo + size].view(dt).view(shapes[name])
             lo += size
     return out
 
@@ -149,12 +140,9 @@ def check_targets(header: WeightUpdateHeader, named: Mapping[str, torch.Tensor],
         missing, extra = sorted(set(header.names) - set(named)), sorted(set(named) - set(header.names))
         raise LayoutError(f"{role}: tensor names differ from the published layout; missing {missing[:5]}"
                           f"{'...' * (len(missing) > 5)}, unexpected {extra[:5]}{'...' * (len(extra) > 5)}")
-    for name, shape in zip(header.names, header.shapes):
-        got = list(named[name].shape)
-        if got != shape:
-            raise LayoutError(f"{role}: tensor {name!r} has shape {got}, published layout has {shape}")
-    if same_dtype:
-        for name, dtype in zip(header.names, header.dtypes):
-            if named[name].dtype is not torch_dtype(dtype):  # per publish: no string building
-                got = dtype_name(named[name].dtype)
-                raise LayoutError(f"{role}: tensor {name!r} has dtype {got}, published layout has {dtype}")
+    for name, shape, dtype in zip(header.names, header.shapes, header.dtypes):
+        t = named[name]
+        if list(t.shape) != shape:
+            raise LayoutError(f"{role}: tensor {name!r} has shape {list(t.shape)}, published layout has {shape}")
+        if same_dtype and t.dtype is not torch_dtype(dtype):  # per publish: no string building
+            raise LayoutError(f"{role}: tensor {name!r} has dtype {dtype_name(t.dtype)}, published layout has {dtype}")

@@ -1,11 +1,9 @@
-"""NCCL transport (across GPUs and hosts): a header over ZeroMQ, then one raw-byte broadcast per
-bucket (bitwise: bfloat16 needs no NCCL dtype), bounded by ``collective_timeout_s`` (then aborted).
-Every rank's communicator is on *its own* device, never the current one, and a subscriber's
-``apply()`` receives every queued version (NCCL needs every rank in every collective): an actor
-that stops calling it stalls the learner. ``backend="gloo"``: the same on CPU tensors (tests);
-``"torch_dist"``: inference servers that receive with ``torch.distributed`` (a cupy communicator
-cannot share their clique), each joined through a :class:`GroupLink`; a restarted one rebuilds the group.
-"""
+"""NCCL transport (across GPUs and hosts): a header over ZeroMQ, then one raw-byte broadcast per bucket (bitwise:
+bfloat16 needs no NCCL dtype), bounded by ``collective_timeout_s`` (then aborted). Every rank's communicator is on
+*its own* device, never the current one, and a subscriber's ``apply()`` receives every queued version (NCCL needs
+every rank in every collective): an actor that stops calling it stalls the learner. ``backend="gloo"``: the same on
+CPU tensors (tests); ``"torch_dist"``: inference servers that receive with ``torch.distributed`` (a cupy communicator
+cannot share their clique), each joined through a :class:`GroupLink`; a restarted one rebuilds the group."""
 
 from __future__ import annotations
 
@@ -35,7 +33,6 @@ STOP_POLL_S = 0.1  # how often a blocked join looks at its stop flag
 GROUP_NAME = "driftrl_weights"  # the torch_dist group (and PrefixStore) name both sides use
 BACKENDS = ("nccl", "gloo", "torch_dist")
 
-
 _to_subscriber = decoder(Union[CollectiveInit, WeightUpdateHeader, DeltaHeader, Shutdown])
 _hello = decoder(Hello)
 _rank_device = decoder(RankDevice)
@@ -52,8 +49,7 @@ class _NcclComm:
         import cupy
         from cupy.cuda import nccl
 
-        self._nccl = nccl
-        self.device = device
+        self._nccl, self.device = nccl, device
         # cupy >= 14 takes the id as bytes; older releases as a tuple of 128 signed chars
         commid = uid if int(cupy.__version__.split(".")[0]) >= 14 else tuple(b - 256 if b > 127 else b for b in uid)
         with cupy.cuda.Device(device.index):
@@ -64,17 +60,14 @@ class _NcclComm:
     def new_id() -> bytes:
         from cupy.cuda import nccl
 
-        uid = nccl.get_unique_id()
-        return bytes(uid) if isinstance(uid, bytes) else bytes(b & 0xFF for b in uid)
+        return bytes(b & 0xFF for b in nccl.get_unique_id())  # bytes, or (older cupy) signed chars
 
-    def begin(self) -> None:
+    def send(self, bufs: list[torch.Tensor], timeout_s: float, what: str, stopped=None) -> None:
+        """Broadcast ``bufs`` from rank 0, each in place; aborted past ``timeout_s`` or once ``stopped``."""
         # packing/unpacking runs on the caller's stream; the broadcasts must come after it
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
-
-    def bcast(self, buf: torch.Tensor) -> None:
-        self.comm.bcast(buf.data_ptr(), buf.numel(), self._nccl.NCCL_UINT8, 0, self.stream.cuda_stream)
-
-    def end(self, timeout_s: float, what: str, stopped=None) -> None:
+        for buf in bufs:
+            self.comm.bcast(buf.data_ptr(), buf.numel(), self._nccl.NCCL_UINT8, 0, self.stream.cuda_stream)
         try:
             wait_until(self.stream.record_event().query, timeout_s, f"the NCCL broadcast of {what}", 1e-4, stopped)
         except (Stopped, TimeoutError):
@@ -96,11 +89,8 @@ class _GlooComm:
         timeout = datetime.timedelta(seconds=timeout_s)
         self.store = store or dist.TCPStore(host, int(port), world, False, timeout=timeout)
         opts = dist.ProcessGroupGloo._Options()
-        opts._timeout = timeout
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+        opts._timeout, opts._devices = timeout, [dist.ProcessGroupGloo.create_device(hostname=host)]
         self.pg = dist.ProcessGroupGloo(self.store, rank, world, opts)
-        self._opts = dist.BroadcastOptions()
-        self._opts.rootRank = 0
 
     @staticmethod
     def new_store(host: str, world: int, timeout_s: float):
@@ -110,14 +100,9 @@ class _GlooComm:
         store = dist.TCPStore(host, 0, world, True, timeout=timeout, wait_for_workers=False)
         return store, f"{host}:{store.port}".encode()
 
-    def begin(self) -> None:
-        pass
-
-    def bcast(self, buf: torch.Tensor) -> None:
-        self.pg.broadcast([buf], self._opts).wait()
-
-    def end(self, timeout_s: float, what: str, stopped=None) -> None:
-        pass
+    def send(self, bufs: list[torch.Tensor], timeout_s: float, what: str, stopped=None) -> None:
+        for buf in bufs:  # bounded by the group's own timeout
+            self.pg.broadcast(buf, 0).wait()  # from rank 0
 
     def close(self) -> None:
         self.pg = None
@@ -139,39 +124,26 @@ class _TorchGroup:
             raise ValueError("weightsync.transport=torch_dist: the learner's default process group is bound to a "
                              "device (init_process_group(device_id=...)), so torch would split the servers' group "
                              "from it; initialise the learner's group without device_id")
-        self._dist, self.backend = dist, backend
-        self.store = store  # the TCPStore master: it must outlive the group
-        self.pg, _ = _new_process_group_helper(
-            world, 0, [], Backend(backend), PrefixStore(GROUP_NAME, store), group_name=GROUP_NAME,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+        self._dist, self.backend, self.store = dist, backend, store  # the TCPStore master: it must outlive the group
+        self.pg, _ = _new_process_group_helper(world, 0, [], Backend(backend), PrefixStore(GROUP_NAME, store),
+                                               group_name=GROUP_NAME, timeout=datetime.timedelta(seconds=timeout_s))
         _world.pg_group_ranks[self.pg] = {r: r for r in range(world)}  # destroy_process_group reads it
-        self._works: list = []
 
-    def begin(self) -> None:
-        self._works = []
-
-    def bcast(self, buf: torch.Tensor) -> None:
+    def send(self, bufs: list[torch.Tensor], timeout_s: float, what: str, stopped=None) -> None:
         # group_src: a rank of this group, whatever the learner's own default group numbers it
-        self._works.append(self._dist.broadcast(buf, group=self.pg, group_src=0, async_op=True))
-
-    def end(self, timeout_s: float, what: str, stopped=None) -> None:
+        works = [self._dist.broadcast(buf, group=self.pg, group_src=0, async_op=True) for buf in bufs]
         try:  # a server that never receives stalls every rank
-            wait_until(lambda: all(w.is_completed() for w in self._works), timeout_s,
+            wait_until(lambda: all(w.is_completed() for w in works), timeout_s,
                        f"the {self.backend} broadcast of {what} to the group", 1e-4, stopped)
         except (Stopped, TimeoutError):
             if self.backend == "nccl":  # a Gloo broadcast cannot be interrupted; its own timeout bounds it
-                from torch.distributed.distributed_c10d import _abort_process_group
-
-                _abort_process_group(self.pg)
+                self._dist.distributed_c10d._abort_process_group(self.pg)
             raise
-        for w in self._works:
+        for w in works:
             w.wait()  # raises a failed broadcast's error; NCCL: orders the caller's stream after it
 
     def close(self) -> None:
-        from torch.distributed.distributed_c10d import _world
-
-        if self.pg in _world.pg_map:  # an aborted group is gone already
+        if self.pg in self._dist.distributed_c10d._world.pg_map:  # an aborted group is gone already
             self._dist.destroy_process_group(self.pg)
 
 
@@ -191,8 +163,7 @@ class NcclPublisher(Publisher):
         self.backend, self.torch_backend, self.world_size, self._stop = backend, torch_backend, world_size, stop
         self.collective_timeout_s = collective_timeout_s
         self.rank_devices: dict[int, str] = {0: str(device)}  # rank -> device, from each RankDevice
-        self.bad_frames = 0
-        self.rebuilds = 0  # groups rebuilt for a repeat Hello (torch_dist)
+        self.bad_frames = self.rebuilds = 0  # rebuilds: groups rebuilt for a repeat Hello (torch_dist)
         self._payload = layout.payload_nbytes(self.header)
         self._bufs, self._views = _buffers(self.header, device, packed=backend == "torch_dist")
         self._ctx = zmq.Context()
@@ -243,8 +214,7 @@ class NcclPublisher(Publisher):
         if group:  # servers claim no device: each picks its own GPU
             return
         self.rank_devices = {rank: device for rank, (_, device) in enumerate(claims)}
-        shared = shared_devices(claims)
-        if shared:  # every subscriber is told why
+        if shared := shared_devices(claims):  # every subscriber is told why
             why = (f"nccl: ranks {shared} share a CUDA device (rank -> device: {self.rank_devices}); NCCL needs "
                    "one device per rank: give each actor its own actor.device, or use cuda_ipc on one GPU")
             for peer in self._peers:
@@ -286,16 +256,12 @@ class NcclPublisher(Publisher):
     def _write(self, version: int, named: Mapping[str, torch.Tensor]) -> int:
         if self.backend == "torch_dist":
             self._rejoin()
-        for views in self._views:
-            for name, view in views:
-                view.copy_(named[name])
+        for name, view in self._views:
+            view.copy_(named[name])
         frame = encode(layout.with_version(self.header, version))
         for peer in self._peers:
             self._sock.send_multipart([peer, frame])
-        self._comm.begin()
-        for buf in self._bufs:
-            self._comm.bcast(buf)
-        self._comm.end(self.collective_timeout_s, f"version {version}", self._stop)
+        self._comm.send(self._bufs, self.collective_timeout_s, f"version {version}", self._stop)
         return self._payload
 
     def use_delta(self, full_every: int, cast: torch.dtype | None = None) -> None:
@@ -309,9 +275,7 @@ class NcclPublisher(Publisher):
         for peer in self._peers:
             self._sock.send_multipart([peer, frame])
         if payload.numel():
-            self._comm.begin()
-            self._comm.bcast(payload)
-            self._comm.end(self.collective_timeout_s, f"delta {header.version}", self._stop)
+            self._comm.send([payload], self.collective_timeout_s, f"delta {header.version}", self._stop)
         return payload.numel()
 
     def _close_sockets(self) -> None:
@@ -329,8 +293,7 @@ class NcclPublisher(Publisher):
 
 
 class NcclSubscriber(Subscriber):
-    """Rank >= 1. ``device``: this rank's (``actor.device``), required to be CUDA under NCCL (never
-    a default); under Gloo the buffers are on the CPU and ``device`` is only claimed."""
+    """Rank >= 1. ``device``: this rank's (``actor.device``), claimed to the publisher (buffers: rank_buffer_device)."""
 
     transport = "nccl"
 
@@ -365,17 +328,14 @@ class NcclSubscriber(Subscriber):
 
     def _apply(self, named: Mapping[str, torch.Tensor], after: int) -> tuple[int, int] | None:
         self._link.latest_version()  # queues every header that arrived
-        pending = self._link.pending
-        if not pending:
+        if not (pending := self._link.pending):
             return None
         for header in pending:  # checked before any byte is received into a buffer
             if isinstance(header, WeightUpdateHeader) and layout.layout_hash(header) != self._hash:
                 raise layout.LayoutError(f"nccl subscriber: version {header.version} changed the layout")
         layout.check_targets(self.header, named, role="nccl subscriber")
         if all(isinstance(h, WeightUpdateHeader) for h in pending):  # full versions: keep the newest only
-            self._receive(len(pending), pending[-1].version)
-            self._unpack(named)
-            nbytes = self._payload
+            nbytes = self._one(pending[-1], named, times=len(pending))
         else:  # every rank takes part in every broadcast, so no delta is ever missed: apply each in order
             nbytes = sum(self._one(h, named) for h in pending)
         version = pending[-1].version
@@ -384,30 +344,18 @@ class NcclSubscriber(Subscriber):
             torch.cuda.current_stream(self._bufs[0].device).synchronize()  # honest apply_s
         return version, nbytes
 
-    def _receive(self, versions: int, last: int) -> None:
-        self._comm.begin()
-        for _ in range(versions):
-            for buf in self._bufs:
-                self._comm.bcast(buf)
-        self._comm.end(self.collective_timeout_s, f"version {last}", self._stop)
-
-    def _unpack(self, named: Mapping[str, torch.Tensor]) -> None:
-        for views in self._views:
-            for name, view in views:
-                named[name].copy_(view)
-
-    def _one(self, header, named: Mapping[str, torch.Tensor]) -> int:
+    def _one(self, header, named: Mapping[str, torch.Tensor], times: int = 1) -> int:
+        """Receive ``header``'s version into ``named`` (``times`` full ones into the same buffers: the last stays)."""
         if isinstance(header, WeightUpdateHeader):
-            self._receive(1, header.version)
-            self._unpack(named)
+            self._comm.send(self._bufs * times, self.collective_timeout_s, f"version {header.version}", self._stop)
+            for name, view in self._views:
+                named[name].copy_(view)
             return self._payload
         dtypes = [layout.torch_dtype(d) for d in self.header.dtypes]
         _, total = delta.segments(header.counts, [layout.ITEMSIZE[d] for d in self.header.dtypes])
         payload = torch.empty(total, dtype=torch.uint8, device=self._bufs[0].device)
         if total:
-            self._comm.begin()
-            self._comm.bcast(payload)
-            self._comm.end(self.collective_timeout_s, f"delta {header.version}", self._stop)
+            self._comm.send([payload], self.collective_timeout_s, f"delta {header.version}", self._stop)
         delta.apply(header, payload, [named[n] for n in self.header.names], dtypes)
         return total
 
@@ -426,7 +374,16 @@ class GroupLink(_Closable):
 
     def __init__(self, run_dir: str, timeout_s: float = 60, *, curve: net.Curve | None = None, actor_id: str = "",
                  stop=None):
-        self._ctx, self._sock = _connect(run_dir, timeout_s, curve, stop)
+        path = endpoint_path(run_dir)
+        ep = wait_until(lambda: read_json(path), timeout_s,
+                        f"the weight publisher's endpoint {path}; is the learner up?", stop=stop)
+        self._ctx = zmq.Context()
+        self._sock = net.socket(self._ctx, zmq.DEALER, linger_ms=0)
+        try:
+            net.connect(self._sock, ep["host"], ep["port"], curve)
+        except BaseException:
+            self.close()
+            raise
         self.timeout_s, self._stop = timeout_s, stop
         self.actor_id = actor_id or f"{_socket.gethostname()}:{os.getpid()}"
         self.init: CollectiveInit | None = None
@@ -494,22 +451,6 @@ def _check_group(msg: CollectiveInit) -> CollectiveInit:
     return msg
 
 
-def _connect(run_dir: str, timeout_s: float, curve, stop):
-    """(context, DEALER) connected to the publisher, once its endpoint file exists."""
-    path = endpoint_path(run_dir)
-    ep = wait_until(lambda: read_json(path), timeout_s, f"the weight publisher's endpoint {path}; is the learner up?",
-                    stop=stop)
-    ctx = zmq.Context()
-    sock = net.socket(ctx, zmq.DEALER, linger_ms=0)
-    try:
-        net.connect(sock, ep["host"], ep["port"], curve)
-    except BaseException:
-        sock.close()
-        ctx.term()
-        raise
-    return ctx, sock
-
-
 def _decode_join(frames: list[bytes], group: bool = False) -> tuple[Hello, RankDevice | None] | None:
     """A subscriber's [identity, Hello, RankDevice] frames (a GroupLink's: [identity, Hello]) as
     (its Hello, its device claim or None); None if not that (a stranger, another schema)."""
@@ -539,12 +480,12 @@ def check_backend(backend: str, torch_backend: str, device: torch.device) -> Non
 
 
 def _buffers(header: WeightUpdateHeader, device: torch.device, *, packed: bool):
-    """One uint8 buffer per bucket and its (name, view) pairs, aligned or packed (torch_dist)."""
+    """One uint8 buffer per bucket and the (name, view) pairs into them, aligned or packed (torch_dist)."""
     bufs, views = [], []
     for i, b in enumerate(header.buckets):
         bufs.append(torch.empty(layout.packed_nbytes(header, i) if packed else b.nbytes, dtype=torch.uint8,
                                 device=device))
-        views.append(list(layout.views(header, bufs[-1], i, packed=packed).items()))
+        views += layout.views(header, bufs[-1], i, packed=packed).items()
     return bufs, views
 
 
@@ -561,8 +502,8 @@ def rank_buffer_device(backend: str, device) -> torch.device:
     """A subscriber's receive buffers: on its own CUDA device under NCCL, the CPU under Gloo."""
     if backend != "nccl":
         return torch.device("cpu")
-    dev = torch.device(device) if device is not None else None
-    if dev is None or dev.type != "cuda" or dev.index is None:
+    dev = torch.device(device if device is not None else "cpu")
+    if dev.type != "cuda" or dev.index is None:
         raise ValueError(f"the nccl transport needs each actor on its own CUDA device, but this subscriber's "
                          f"actor.device is {device!r}: set actor.device to 'cuda:N' (core/placement.py)")
     return dev

@@ -1,8 +1,7 @@
 """The ``Launcher`` seam: start every role, watch them, restart what crashed or hung, stop them all.
-:meth:`Launcher.run` is shared (a restart's backoff never holds up the watch of the others; the stop
-order is learner first, so it checkpoints, the buffer last, so in-flight acks land); a launcher
-implements only how one role process is started, polled and signalled.
-"""
+:meth:`Launcher.run` is shared (a restart's backoff never holds up the watch of the others; the stop order is learner
+first, so it checkpoints, the buffer last, so in-flight acks land); a launcher implements only how one role process is
+started, polled and signalled."""
 
 from __future__ import annotations
 
@@ -160,7 +159,6 @@ class Launcher(abc.ABC):
         self._beats[role.name] = heartbeat.Watch(heartbeat.mtime(run_dir, role.name), time.monotonic())
 
     def _wait(self, role: Role, timeout_s: float) -> bool:
-        """Whether the role has exited within ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         while self.returncode(role) is None and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -188,11 +186,9 @@ class Launcher(abc.ABC):
         at most; not one that could not write or found its store damaged: it would fail again. True: done."""
         code, limit = self.returncode(role), self.cfg.run.max_restarts
         if code is None:
-            now = time.monotonic()
-            w = heartbeat.observe(self._beats[role.name], heartbeat.mtime(run_dir, role.name), now)
-            self._beats[role.name] = w
-            quiet = heartbeat.hung_for(w, now, self.cfg.run.heartbeat_timeout_s)
-            if quiet is None:
+            beats, now = self._beats, time.monotonic()
+            w = beats[role.name] = heartbeat.observe(beats[role.name], heartbeat.mtime(run_dir, role.name), now)
+            if (quiet := heartbeat.hung_for(w, now, self.cfg.run.heartbeat_timeout_s)) is None:
                 return False
             self.signal(role, signal.SIGKILL)
             self._wait(role, HUNG_KILL_WAIT_S)
@@ -277,11 +273,10 @@ class Launcher(abc.ABC):
 
 
 class Interrupt:
-    """Ctrl-C / SIGTERM made sticky: the handler records the signal before it raises
-    KeyboardInterrupt, and the watch loop re-raises it while the record stands (a
-    KeyboardInterrupt raised inside a finalizer is swallowed, and the run would go on).
-    While roles run (``deferred``) the handler only records: raised between a Popen.poll's lock
-    and its ``try``, it would leave that lock taken, the role unreaped and stop_all waiting on it."""
+    """Ctrl-C / SIGTERM made sticky: the handler records the signal before it raises KeyboardInterrupt, and the watch
+    loop re-raises it while the record stands (a KeyboardInterrupt raised inside a finalizer is swallowed, and the run
+    would go on). While roles run (``deferred``) the handler only records: raised between a Popen.poll's lock and its
+    ``try``, it would leave that lock taken, the role unreaped and stop_all waiting on it."""
 
     signalled = False
     deferred = False

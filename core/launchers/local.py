@@ -1,7 +1,6 @@
-"""Local launcher: every role a child process of this one, on this host. Children run in their own
-sessions, so a terminal Ctrl-C reaches only the launcher, which then stops the roles in order by
-process id; a child ends with the launcher even when it is SIGKILLed (core/proc.py: die_with_parent).
-"""
+"""Local launcher: every role a child process of this one, on this host. Children run in their own sessions, so a
+terminal Ctrl-C reaches only the launcher, which then stops the roles in order by process id; a child ends with the
+launcher even when it is SIGKILLed (core/proc.py: die_with_parent)."""
 
 from __future__ import annotations
 
@@ -12,26 +11,17 @@ import subprocess
 from core.launchers import ROOT, Launcher, Role
 
 
-def role_env() -> dict[str, str]:
-    """A role's environment: this one's, the checkout on the path, this process as its launcher
-    (core/proc.py: the role ends when it does), one thread unless told, the allocator settings."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    env["DRIFTRL_LAUNCHER_PID"] = str(os.getpid())
-    env.setdefault("OMP_NUM_THREADS", "1")
+def start_process(argv: list[str], log_path: str, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+    """``argv`` in its own session, output appended to ``log_path``; its environment is this one's (+ ``extra_env``)
+    with the checkout on the path and this process as its launcher (core/proc.py: the role ends when it does),
+    one thread and the allocator settings unless told."""
     # glibc otherwise mmaps and unmaps every ~1 MB activation: 700-2000 page faults per learner
     # step; keeping freed memory in the heap made learner steps ~5% and generation ~17% faster
-    env.setdefault("MALLOC_MMAP_THRESHOLD_", "4000000000")
-    env.setdefault("MALLOC_TRIM_THRESHOLD_", "4000000000")
-    env.setdefault("MALLOC_TOP_PAD_", str(256 << 20))
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
-
-
-def start_process(argv: list[str], log_path: str, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
-    """``argv`` in its own session with :func:`role_env` (+ ``extra_env``), output appended to ``log_path``."""
+    env = {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "4000000000", "MALLOC_TRIM_THRESHOLD_": "4000000000",
+           "MALLOC_TOP_PAD_": str(256 << 20), **os.environ, "DRIFTRL_LAUNCHER_PID": str(os.getpid()),
+           "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "PYTHONUNBUFFERED": "1"}
     with open(os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab") as logf:
-        return subprocess.Popen(argv, cwd=ROOT, env={**role_env(), **(extra_env or {})}, stdout=logf,
+        return subprocess.Popen(argv, cwd=ROOT, env={**env, **(extra_env or {})}, stdout=logf,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
 
 

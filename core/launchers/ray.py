@@ -1,10 +1,8 @@
-"""Ray launcher: every role a subprocess of a small Ray actor (:class:`RoleHost`), placed by one
-placement group (a bundle per role, ``ray.*``); ZeroMQ still carries every trajectory. A role dies
-with its host, and a host Ray reports dead counts as the role SIGKILLed (a restart makes a fresh
-host in the same bundle). Hosts are placed before ``config.json`` is written: off the buffer's node
-the sockets bind its IP (CURVE required); off the learner's node, no shared memory (``shm``,
-``cuda_ipc``). ``run.run_dir`` and the checkout must be at the same path on every node.
-"""
+"""Ray launcher: every role a subprocess of a small Ray actor (:class:`RoleHost`), placed by one placement group (a
+bundle per role, ``ray.*``); ZeroMQ still carries every trajectory. A role dies with its host, and a host Ray reports
+dead counts as the role SIGKILLed (a restart makes a fresh host in the same bundle). Hosts are placed before
+``config.json`` is written: off the buffer's node the sockets bind its IP (CURVE required); off the learner's node, no
+shared memory (``shm``, ``cuda_ipc``). ``run.run_dir`` and the checkout must be at the same path on every node."""
 
 from __future__ import annotations
 
@@ -42,8 +40,7 @@ class RoleHost:
     """Runs one role's process on the node Ray placed it on (``start`` before any other call)."""
 
     def where(self) -> dict:
-        return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
-                "pid": os.getpid()}
+        return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address()}
 
     def free_ports(self, host: str, n: int) -> list[int]:
         return [net.free_port(host) for _ in range(n)]
@@ -130,14 +127,12 @@ class RayLauncher(Launcher):
         # a role outlives its host actor by its parent-death SIGTERM, not Ray's SIGKILL of the
         # worker's children: it stops cleanly (its /dev/shm weights go with it) when the launcher dies
         os.environ.setdefault("RAY_kill_child_processes_on_worker_exit", "0")
-        kw = dict(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False,
-                  configure_logging=True)
-        if not self.cfg.ray.address:
-            kw.update(object_store_memory=OBJECT_STORE_BYTES, **local_resources(bs))
+        local = {} if self.cfg.ray.address else dict(object_store_memory=OBJECT_STORE_BYTES, **local_resources(bs))
         # ray.init replaces SIGTERM's handler with sys.exit: the launcher's own (Interrupt) must stay
         handlers = {s: _signal.getsignal(s) for s in (_signal.SIGINT, _signal.SIGTERM)}
         try:
-            ray.init(address=self.cfg.ray.address or None, **kw)
+            ray.init(address=self.cfg.ray.address or None, include_dashboard=False, logging_level=logging.WARNING,
+                     log_to_driver=False, configure_logging=True, **local)
         finally:
             if threading.current_thread() is threading.main_thread():  # (ray.init only sets it there too)
                 for s, h in handlers.items():
@@ -145,16 +140,14 @@ class RayLauncher(Launcher):
                         _signal.signal(s, h)
         self._started_ray = True
 
-    def _host(self, name: str):
-        """The role's host actor, a fresh one in its bundle when it has none."""
+    def _host(self, name: str):  # a fresh host actor in the role's bundle when it has none
         if name not in self._hosts:
-            b = bundles(self.cfg)[self._bundle[name]]
-            strategy = PlacementGroupSchedulingStrategy(placement_group=self._pg,
-                                                        placement_group_bundle_index=self._bundle[name])
-            opts = dict(num_cpus=b["CPU"], num_gpus=b.get("GPU", 0),
-                        resources={k: v for k, v in b.items() if k not in ("CPU", "GPU")},
-                        scheduling_strategy=strategy, name=None, max_restarts=0)
-            self._hosts[name] = RemoteHost.options(**opts).remote()
+            i = self._bundle[name]
+            b = bundles(self.cfg)[i]
+            cpus, gpus = b.pop("CPU"), b.pop("GPU", 0)  # the rest: custom resources
+            strategy = PlacementGroupSchedulingStrategy(placement_group=self._pg, placement_group_bundle_index=i)
+            self._hosts[name] = RemoteHost.options(num_cpus=cpus, num_gpus=gpus, resources=b,
+                                                   scheduling_strategy=strategy, name=None, max_restarts=0).remote()
         return self._hosts[name]
 
     def _call(self, name: str, method: str, *args, timeout_s: float = RPC_TIMEOUT_S):

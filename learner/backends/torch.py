@@ -1,8 +1,7 @@
-"""The plain-PyTorch backend: one process, FP32 master weights, AdamW, on ``learner.device`` (each
-micro-batch moves there; metrics and the tail's numerator stay on the host). The numerator is
-recomputed with the current weights: body under ``body_autocast``, head via ``learner/logprobs.py``.
-With ``learner.context_parallel`` > 1 it is one process per rank, each given the whole batch, running
-its chunk of every row (model/context_parallel.py); the gradients are summed over the group.
+"""The plain-PyTorch backend: FP32 master weights, AdamW, on ``learner.device`` (each micro-batch moves there;
+metrics and the tail's numerator stay on the host). The numerator is recomputed with the current weights: body
+under ``body_autocast``, head via ``learner/logprobs.py``. With ``learner.context_parallel`` > 1, one process
+per rank runs its chunk of every row and the gradients are summed (ARCHITECTURE.md: Precision and the ratio).
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from core import heartbeat, placement, precision
 from learner.advantages import group_advantages
 from learner.backends import Backend, NonFiniteError
-from learner.batching import Batch, by_length, micro_batches
+from learner.batching import TENSORS, Batch, by_length, micro_batches
 from learner.logprobs import token_logprobs
 from learner.losses import LossInputs, make_loss
 from learner.ratio_metrics import ratio_metrics
@@ -44,9 +43,6 @@ def _as_oserror(path: str):
         found = re.search(r"os error (\d+)", str(e))
         code = int(found.group(1)) if found else errno.EIO
         raise OSError(code, os.strerror(code), path) from None
-
-
-_BATCH_TENSORS = ("ids", "key_mask", "mask", "behaviour_logp", "rewards", "staleness", "versions")
 
 
 class TorchBackend(Backend):
@@ -74,11 +70,10 @@ class TorchBackend(Backend):
         model = self.ref if reference else self.model
         lc, s = self.cfg.learner, sampling or self.sampling
         home, batch = batch.ids.device, self._on_device(batch)
-        if self.cp is None:
-            hidden = self._hidden(model, batch.ids[:, :-1], batch.key_mask[:, :-1])
-            sel, targets = batch.mask > 0, batch.ids[:, 1:]
-        else:
-            hidden, sel, targets = self._hidden_cp(model, batch)
+        hidden = self._hidden(model, batch.ids[:, :-1], batch.key_mask[:, :-1])
+        sel, targets = batch.mask > 0, batch.ids[:, 1:]
+        if self.cp is not None:  # this rank's chunk of every row: [N, Tc]
+            sel, targets = self.cp.shard(sel), self.cp.shard(targets)
         h = hidden[sel]
         if not lc.fp32_head:
             h = h.to(DTYPES[precision.dtype_name(lc.body_dtype, h.device)])
@@ -89,14 +84,6 @@ class TorchBackend(Backend):
         if self.cp is not None:  # each rank scored its own tokens: gathered once, the whole batch's on each
             full, ent = self._gather_cp(full, ent, sel, hidden, batch.mask)
         return full.to(home), (ent if ent is None else ent.to(home))
-
-    def _hidden_cp(self, model, batch: Batch):
-        """This rank's chunk of every row: hidden states, scored-token mask and targets ``[N, Tc]``."""
-        cp, ids, key_mask = self.cp, batch.ids, batch.key_mask[:, :-1]
-        pos = torch.arange(key_mask.shape[1], device=ids.device).expand(ids.shape[0], -1)
-        with body_autocast(self.cfg.learner.body_dtype, ids.device.type):
-            hidden = model(cp.shard(ids[:, :-1]), cp.shard(pos), cp.pad(key_mask), cp=cp)
-        return hidden, cp.shard(batch.mask > 0), cp.shard(ids[:, 1:])
 
     def _gather_cp(self, full, ent, sel, hidden, mask):
         """Every rank's ``[N, Tc]`` log-probs -> ``[N, L-1]``; entropies -> the scored tokens', in row order."""
@@ -119,8 +106,7 @@ class TorchBackend(Backend):
             p.grad = g.view_as(p)
 
     def _on_device(self, batch: Batch) -> Batch:
-        return replace(batch, **{f: t.to(self.device) for f in _BATCH_TENSORS
-                                 if (t := getattr(batch, f)) is not None})
+        return replace(batch, **{f: t.to(self.device) for f in TENSORS if (t := getattr(batch, f)) is not None})
 
     # hooks: what another framework's model (learner/backends/megatron.py) does differently
 
@@ -138,10 +124,12 @@ class TorchBackend(Backend):
         return copy.deepcopy(self.model).eval().requires_grad_(False)
 
     def _hidden(self, model, ids, key_mask):
-        """Final-normed hidden states ``[N, T, H]`` of right-padded ``ids`` ``[N, T]``."""
+        """Final-normed hidden states ``[N, T, H]`` of right-padded ``ids`` ``[N, T]`` (CP: ``[N, Tc, H]``)."""
         pos = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
         with body_autocast(self.cfg.learner.body_dtype, ids.device.type):
-            return model(ids, pos, key_mask)
+            if self.cp is None:
+                return model(ids, pos, key_mask)
+            return model(self.cp.shard(ids), self.cp.shard(pos), self.cp.pad(key_mask), cp=self.cp)
 
     def _head_weight(self, model):
         return model.head_weight()
