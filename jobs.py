@@ -12,9 +12,14 @@ import time
 
 import msgspec
 
+from actor.tasks import TASKS, make_task, task_class
 from core import config as C
-from core import launchers, placement, precision
+from core import funnel, launchers, placement, precision
 from core.files import read_json
+from core.metrics import MERGED_FILE, FileTail, read_all
+from learner import checkpoint
+from learner.backends import BACKENDS, make_backend
+from weightsync import DELIVERS, PUBLISHERS, check_devices
 
 log = logging.getLogger("driftrl")
 
@@ -36,10 +41,7 @@ def load_config(toml_path, resume_dir, overrides) -> C.Config:
 def check_seams(cfg: C.Config) -> None:
     """Every seam's config value names a registered implementation (before anything starts)."""
     from actor.engines import ENGINES, engine_class
-    from actor.tasks import TASKS
-    from learner.backends import BACKENDS
     from learner.losses import LOSSES
-    from weightsync import DELIVERS, PUBLISHERS, check_devices
 
     for path, registry in (("actor.engine", ENGINES), ("task.name", TASKS), ("learner.backend", BACKENDS),
                            ("learner.loss", LOSSES), ("weightsync.transport", PUBLISHERS),
@@ -67,8 +69,6 @@ def resolve_model(cfg: C.Config) -> C.Config:
     if path and not os.path.exists(os.path.join(path, "config.json")):
         raise C.ConfigError(f"`$.model.path` = {path!r} has no config.json")
     if not path:
-        from actor.tasks import task_class
-
         t0 = time.time()
         try:
             path = task_class(cfg.task.name).base_model(cfg)
@@ -89,9 +89,7 @@ def contract_check(cfg: C.Config, run_dir: str | None) -> dict:
     import torch
 
     from actor.engines import make_engine
-    from actor.tasks import make_task
-    from learner import checkpoint, contract
-    from learner.backends import make_backend
+    from learner import contract
     from model.sampling import SamplingSpec
     from model.tokenizer import Tokenizer
 
@@ -107,7 +105,6 @@ def contract_check(cfg: C.Config, run_dir: str | None) -> dict:
 
 
 def train(cfg: C.Config, run_dir: str | None = None, monitor=None, on_ready=None) -> launchers.RunResult:
-    """Check the seams, resolve the model and precision, check the contract, run every role."""
     from weightsync.files import remove_dead_region
 
     check_seams(cfg)
@@ -123,10 +120,6 @@ def train(cfg: C.Config, run_dir: str | None = None, monitor=None, on_ready=None
 
 
 def funnel_of(run_dir: str):
-    """The run's discard funnel (core/funnel.py) from its merged metrics."""
-    from core import funnel
-    from core.metrics import MERGED_FILE, FileTail, read_all
-
     return funnel.from_records(read_all(FileTail(os.path.join(run_dir, MERGED_FILE))))
 
 
@@ -139,8 +132,6 @@ def first_eval(run_dir: str) -> float | None:
 def resolve_checkpoint(path: str) -> tuple[str, str | None]:
     """``(model_dir, run config path or None)`` of a run (its ``final_model``, else its newest
     intact checkpoint), a pipeline (its last stage), a checkpoint or a model directory."""
-    from learner import checkpoint
-
     path = os.path.abspath(path)
     if os.path.exists(os.path.join(path, "pipeline.json")):
         path = os.path.join(path, "tiers")

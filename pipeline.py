@@ -17,9 +17,11 @@ import time
 
 import msgspec
 
+import jobs
 from core import config as C
 from core import launchers
 from core.files import atomic_write, read_json
+from core.progress import progress
 
 log = logging.getLogger("driftrl.pipeline")
 STAGES = ("rl1", "distill", "rl2", "tiers")
@@ -75,8 +77,6 @@ def pending(state: dict) -> list[str]:
 
 def run_rl(cfg: C.Config) -> dict:
     """One RL stage, an ordinary run in its own directory; one interrupted before resumes there."""
-    import jobs
-
     run_dir = cfg.run.run_dir
     if os.path.exists(os.path.join(run_dir, "config.json")):
         log.info("resuming %s from its newest checkpoint", run_dir)
@@ -90,7 +90,6 @@ def run_rl(cfg: C.Config) -> dict:
 def run_distill(cfg: C.Config, base_model: str) -> dict:
     """The rl1 policy writes the corpus, the *base* model is fine-tuned on it; each skipped once written."""
     from actor.distill import build_corpus
-    from core.progress import progress
     from learner.sft import finetune
 
     out = cfg.run.run_dir
@@ -112,17 +111,12 @@ def run_distill(cfg: C.Config, base_model: str) -> dict:
 def evaluate_model(cfg: C.Config, model_dir: str, k: int, by: str = "difficulty") -> dict:
     """Held-out accuracy (pass@1 of ``k`` samples) and mean response tokens, overall and per difficulty or tier."""
     from actor.evaluate import task_report
-    from core.progress import progress
 
     r = task_report(cfg, model_dir, k, progress)
     rows = {d: {"accuracy": v["pass@1"], "mean_length": v["mean_length"], "pass@k": v["pass@k"],
                 "prompts": v["prompts"]} for d, v in r[f"by_{by}"].items()}
     return {"accuracy": r["pass@1"], "pass@k": r["pass@k"], "mean_length": r["mean_length"], "k": k,
             ("tiers" if by == "tier" else "by_difficulty"): rows}
-
-
-def tier_report(cfg: C.Config, model_dir: str, k: int) -> dict:
-    return evaluate_model(cfg, model_dir, k, by="tier")
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -143,8 +137,6 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def prepare(ns) -> tuple[str, dict]:
     """The pipeline directory and its base config tree (the model resolved), kept in ``DIR/config.json``."""
-    import jobs
-
     if ns.resume:
         out = os.path.abspath(ns.resume)
         base = read_json(os.path.join(out, "config.json"))
@@ -183,7 +175,7 @@ def run_all(out: str, base: dict, k: int) -> dict:
         state["stages"][stage] = {"status": "done", **info, "seconds": before + time.time() - t0}
         save_state(out, state)
     tiers_cfg = all_configs(base, out, state["evals"])["tiers"]
-    report = {**tier_report(tiers_cfg, state["stages"]["tiers"]["model"], k), "pipeline": out,
+    report = {**evaluate_model(tiers_cfg, state["stages"]["tiers"]["model"], k, by="tier"), "pipeline": out,
               "stages": state["evals"], "seconds": {s: round(state["stages"][s]["seconds"], 1) for s in STAGES}}
     atomic_write(os.path.join(out, "eval.json"), json.dumps(report, indent=1).encode())
     return report

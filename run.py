@@ -13,8 +13,7 @@ installed (``pip install -e .``), or ``python run.py`` from a checkout; the same
     python run.py monitor [RUN_DIR] [--follow] [--speed X]        attach the live view to a job (or replay one)
     python run.py plot [RUN_DIR]                                  PNG figures into RUN_DIR/plots/
 
-The command line; jobs.py (below it, pipeline.py and sweep.py) wires the job. Dataflow, and who
-waits for whom: ARCHITECTURE.md.
+jobs.py (below run.py, pipeline.py and sweep.py) wires the job; dataflow, who waits for whom: ARCHITECTURE.md.
 """
 
 from __future__ import annotations
@@ -67,7 +66,7 @@ def eval_main(args) -> int:
 
     from actor.evaluate import task_report
     from core.progress import progress
-    from pipeline import TIERS, tier_report
+    from pipeline import TIERS, evaluate_model
 
     model_dir, run_cfg = resolve_checkpoint(args.target)
     checkpoint.verify_model(model_dir)
@@ -85,12 +84,10 @@ def eval_main(args) -> int:
         if not args.tiers:
             report["tasks"][name] = task_report(cfg, model_dir, args.k, progress)
             continue
-        report = {**tier_report(cfg, model_dir, args.k), "checkpoint": model_dir, "task": name}
-        for t in TIERS:
-            row = report["tiers"].get(t)
-            if row:
-                print(f"{t:<7} accuracy {row['accuracy']:.3f}  mean response tokens {row['mean_length']:.2f}  "
-                      f"({row['prompts']} prompts)")
+        report = {**evaluate_model(cfg, model_dir, args.k, by="tier"), "checkpoint": model_dir, "task": name}
+        for t, row in ((t, report["tiers"][t]) for t in TIERS if report["tiers"].get(t)):
+            print(f"{t:<7} accuracy {row['accuracy']:.3f}  mean response tokens {row['mean_length']:.2f}  "
+                  f"({row['prompts']} prompts)")
     print(json.dumps(report))
     return 0
 
@@ -134,7 +131,6 @@ def failure_exit(work) -> int:
 
 
 def train_main(args) -> int:
-    """Train (or resume), then evaluate the final model."""
     from actor.evaluate import final_eval
 
     resume_dir = args.target if args.mode == "resume" else None

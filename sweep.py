@@ -108,8 +108,7 @@ def parse_seeds(seeds: int | None, seed_list: str | None) -> list[int]:
     return out
 
 
-def make_plan(tokens: list[str], seeds: list[int], minutes: float | None, config: str | None,
-              out: str | None) -> Plan:
+def make_plan(tokens: list[str], seeds: list[int], minutes: float | None, config: str | None, out: str | None) -> Plan:
     if minutes is not None and not minutes > 0:
         raise SweepError(f"--minutes must be > 0, got {minutes}")
     parsed = [parse_token(t) for t in tokens]
@@ -222,7 +221,6 @@ def table_lags(rows: list[dict]) -> list[str]:
 
 
 def render(rows: list[dict]) -> str:
-    """The table, columns padded to their widest cell, then the rule and the pick."""
     lags = table_lags(rows)
     head = ["setting", "runs", "samples/s", "final reward ± std", "start reward",
             *(f"p99@{s}" for s in lags), "drops", "idle", "steps", "vs best"]
@@ -245,15 +243,13 @@ def render(rows: list[dict]) -> str:
 def plot(rows: list[dict], path: str) -> str | None:
     """samples/s, final reward ± std, ratio p99 by lag; None (and a log line) without matplotlib."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure  # no pyplot: no backend, no global figure to close
     except ImportError:
         log.warning("plot skipped: matplotlib is not installed (pip install matplotlib)")
         return None
     labels = [r["label"] for r in rows]
-    fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4.5))
+    fig = Figure(figsize=(15, 4.5))
+    a, b, c = fig.subplots(1, 3)
     a.bar(labels, [r["samples_per_s"] or 0.0 for r in rows])
     a.set_title("trained samples/s")
     b.errorbar(labels, [r["reward_final"]["mean"] for r in rows],
@@ -268,17 +264,15 @@ def plot(rows: list[dict], path: str) -> str | None:
         ax.tick_params(axis="x", labelrotation=30, labelsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)
     return path
 
 
 def report(plan: Plan, results: list[dict], failed: list[dict], interrupted: bool, wall_s: float) -> dict:
     rows = aggregate(results)
     pick = choice(rows)
-    return {"out": plan.out, "plan": dataclasses.asdict(plan), "spread": "std over seeds (ddof=1)",
-            "rule": SPREAD_RULE, "settings": rows, "pick": pick["label"] if pick else None,
-            "lags": table_lags(rows), "runs": results, "failed": failed,
-            "finished": len(results), "planned": len(plan.runs()), "interrupted": interrupted,
+    return {"out": plan.out, "plan": dataclasses.asdict(plan), "spread": "std over seeds (ddof=1)", "rule": SPREAD_RULE,
+            "settings": rows, "pick": pick["label"] if pick else None, "lags": table_lags(rows), "runs": results,
+            "failed": failed, "finished": len(results), "planned": len(plan.runs()), "interrupted": interrupted,
             "wall_s": wall_s, "runs_wall_s": sum(r["wall_s"] for r in results)}  # this call; every job's
 
 
@@ -353,7 +347,6 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def load_plan(ns: argparse.Namespace) -> Plan:
-    """A new plan or, with --resume, the one in OUT/plan.json."""
     if ns.resume is None:
         plan = make_plan(ns.tokens, parse_seeds(ns.seeds, ns.seed_list), ns.minutes, ns.config, ns.out)
         if os.path.exists(os.path.join(plan.out, "plan.json")):  # its results belong to that plan

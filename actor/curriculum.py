@@ -1,10 +1,6 @@
-"""Response-length limits: a prompt's limit, and the length curriculum's limit over a run.
-
-A prompt's limit is the smallest of ``actor.max_new_tokens``, its tier's ``task.tier_max_new_tokens``
-and, in training, the curriculum's: ``steps`` is a pure function of the batch's start version (a
-restart needs no state); ``clip_rate`` grows once more than ``length_clip_rate`` of the last
-``length_window`` completions run under the current limit were cut by it, and persists the limit
-so a restarted actor keeps it.
+"""Response-length limits: a prompt's limit, and the length curriculum's limit over a run. ``steps`` is a
+pure function of the batch's start version (a restart needs no state); ``clip_rate`` depends on what was
+cut, so it persists its limit for a restarted actor.
 """
 
 from __future__ import annotations
@@ -34,16 +30,14 @@ class LengthCurriculum:
         a = actor_cfg  # length_schedule: "off", "steps" or "clip_rate" (checked by core/config.py)
         self.schedule, self.cap, self.path = a.length_schedule, a.max_new_tokens, path
         self.start, self.grow, self.every = min(a.length_start, self.cap), a.length_grow, a.length_every
-        self.rate = a.length_clip_rate
-        self.window: deque[bool] = deque(maxlen=a.length_window)
+        self.rate, self.window = a.length_clip_rate, deque(maxlen=a.length_window)  # window: cut or not, per completion
         saved = None
         if path and self.schedule == "clip_rate" and (rec := read_json(path)) is not None:
             saved = rec.get("limit") if isinstance(rec, dict) else None
             if isinstance(saved, bool) or not isinstance(saved, Integral) or saved < 1:
                 raise ValueError(f"{path}: `limit` = {saved!r} is not a positive integer (delete the file to "
                                  "restart the length curriculum from actor.length_start)")
-        # a resume may lower the cap: the saved limit never exceeds what the buffer now admits
-        self.current = self.start if saved is None else min(self.cap, int(saved))
+        self.current = self.start if saved is None else min(self.cap, int(saved))  # a resume may lower the cap
 
     def limit(self, version: int) -> int:
         if self.schedule == "off":

@@ -1,9 +1,5 @@
-"""Self-distillation, the actor's half: a corpus of the policy's shortest correct answers.
-
-Per training prompt the policy samples ``distill.samples`` completions as the actors sample and the
-shortest correct one is kept (as sampled, EOS included); ``learner/sft.py`` fine-tunes the *base*
-model on the corpus, so stage 2 starts short and right. With ``distill.compress_prompt`` each kept
-answer is also rewritten once, the rewrite kept only if correct and strictly shorter.
+"""Self-distillation, the actor's half: a corpus of the policy's shortest correct answers per training prompt
+(as sampled, EOS included); ``learner/sft.py`` fine-tunes the *base* model on it, so stage 2 starts short and right.
 """
 
 from __future__ import annotations
@@ -71,7 +67,8 @@ def build_corpus(cfg, policy_dir: str, out_path: str, progress=None) -> dict:
     torch.set_num_threads(cfg.actor.threads)
     with loaded(cfg, policy_dir) as (engine, task):
         if engine.env is not None:  # an SFT row has no mask: it would train the environment's tokens
-            raise ValueError(f"task {cfg.task.name!r} runs multi-turn episodes: self-distillation does not take them yet")
+            raise ValueError(f"task {cfg.task.name!r} runs multi-turn episodes: self-distillation does not "
+                             "take them yet")
         prompts = train_prompts(task, dc.prompts, cfg.run.seed)
         samples, rewards = sample_k(engine, task, prompts, dc.samples, progress,
                                     [prompt_limit(cfg, p) for p in prompts])
@@ -91,8 +88,7 @@ def build_corpus(cfg, policy_dir: str, out_path: str, progress=None) -> dict:
     return {"prompts": len(prompts), "samples": len(flat), "corpus": len(rows),
             "mean_length_all": _mean([len(s.tokens) for s, _ in flat]),
             "mean_length_correct": _mean([len(s.tokens) for s, r in flat if is_correct(r, s.finish_reason)]),
-            "mean_length_selected": _mean(selected),
-            "mean_length_kept": _mean([len(r["completion"]) for r in rows]),
+            "mean_length_selected": _mean(selected), "mean_length_kept": _mean([len(r["completion"]) for r in rows]),
             # pass@1 as actor/evaluate.py counts it (reward > 0.5), so it compares with eval figures
             "accuracy_policy": _mean([float(r > 0.5) for _, r in flat]),
             "compress_tried": len(rows) if dc.compress_prompt else 0, "compress_accepted": accepted,

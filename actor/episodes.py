@@ -1,9 +1,7 @@
-"""Multi-turn episodes, token in and token out. The engine's turn loop (``Engine._episodes``) samples until
-EOS or one of the environment's ``pause_ids`` (a tool call's end); the environment appends its answer as token
-ids, never re-tokenising what was sampled, with mask 0: no behaviour log-prob, no loss, no ratio, and the
-version of the sampled token before it, so staleness and the tail read as for one completion. Tools run in the
-reward pool's sandboxed processes (actor/rewards.py): one that fails, hangs past ``task.tools.timeout_s`` or
-breaks a limit answers an error observation, counted; a stuck tool never stalls the actor.
+"""Multi-turn episodes, token in and token out (ARCHITECTURE.md, Seams): the environment's answer to a paused
+sample is appended as token ids with mask 0. Tools run in the reward pool's sandboxed processes
+(actor/rewards.py): one that fails, hangs past ``task.tools.timeout_s`` or breaks a limit answers an error
+observation, counted; a stuck tool never stalls the actor.
 """
 
 from __future__ import annotations
@@ -81,10 +79,12 @@ class ToolFormat:
         return None if start < 0 or not text.endswith(self.pause) else text[start + len(self.opener): -len(self.pause)]
 
 
-QWEN_RESPONSE = "<|im_end|>\n<|im_start|>user\n<tool_response>\n{result}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+QWEN_RESPONSE = ("<|im_end|>\n<|im_start|>user\n<tool_response>\n{result}\n</tool_response><|im_end|>\n"
+                 "<|im_start|>assistant\n")
 FORMATS = {  # brackets: the built-in character-level tokenizer's; qwen: Qwen2/Qwen3 chat templates' tool tokens
     "brackets": ToolFormat("[", "]", "={result}\n", "=error\n"),
-    "qwen": ToolFormat("<tool_call>", "</tool_call>", QWEN_RESPONSE, QWEN_RESPONSE.replace("{result}", "error: {result}")),
+    "qwen": ToolFormat("<tool_call>", "</tool_call>", QWEN_RESPONSE,
+                       QWEN_RESPONSE.replace("{result}", "error: {result}")),
 }
 
 
@@ -92,7 +92,8 @@ class ToolEnvironment(Environment):
     """Calls ``tool`` ("module:function", call text -> result text) in a sandboxed pool, started on the first call."""
 
     def __init__(self, cfg_tools, tokenizer, tool: str):
-        name = cfg_tools.format if cfg_tools.format != "auto" else "qwen" if _has(tokenizer, "</tool_call>") else "brackets"
+        name = cfg_tools.format if cfg_tools.format != "auto" else (
+            "qwen" if len(tokenizer.encode("</tool_call>")) == 1 else "brackets")
         self.cfg, self.tok, self.tool, self.fmt = cfg_tools, tokenizer, tool, FORMATS[name]
         pause = tokenizer.encode(self.fmt.pause)
         if len(pause) != 1:
@@ -112,10 +113,9 @@ class ToolEnvironment(Environment):
         return [self.tok.encode(t) for t in texts]
 
     def _pool(self) -> RewardPool:
-        c = self.cfg
         if self.pool is None:
-            self.pool = RewardPool(self.tool, c.workers, c.timeout_s, counters=TOOL_COUNTERS,
-                                   sandbox=Sandbox(c.cpu_s, c.memory_mb, c.network))
+            self.pool = RewardPool(self.tool, self.cfg.workers, self.cfg.timeout_s, counters=TOOL_COUNTERS,
+                                   sandbox=Sandbox(self.cfg.cpu_s, self.cfg.memory_mb, self.cfg.network))
         return self.pool
 
     def metrics(self) -> dict[str, float]:
@@ -128,24 +128,15 @@ class ToolEnvironment(Environment):
 
 def _turn(s: Sample) -> list[int]:
     """The last turn's sampled tokens."""
-    if s.mask is None or 0 not in s.mask:
-        return s.tokens
-    return s.tokens[len(s.mask) - s.mask[::-1].index(0):]
+    return s.tokens if s.mask is None or 0 not in s.mask else s.tokens[len(s.mask) - s.mask[::-1].index(0):]
 
 
-def _has(tokenizer, token: str) -> bool:
-    return len(tokenizer.encode(token)) == 1
-
-
-def environment(task, cfg_tools=None) -> ToolEnvironment | None:
-    """The task's environment: a tool environment when ``task.tools.tool`` (or the task's ``tool``) names one."""
-    cfg_tools = cfg_tools or task.cfg.tools
-    tool = cfg_tools.tool or getattr(task, "tool", "")
-    return ToolEnvironment(cfg_tools, task.tok, tool) if tool else None
+def environment(task) -> ToolEnvironment | None:
+    tool = task.cfg.tools.tool or getattr(task, "tool", "")
+    return ToolEnvironment(task.cfg.tools, task.tok, tool) if tool else None
 
 
 def episode_metrics(completions) -> dict[str, float]:
-    """Turns per episode, sampled tokens per turn and environment tokens per episode of a batch's completions."""
     n_turns = [turns(np.frombuffer(c.mask, np.uint8) if c.mask else None) for c in completions]
     sampled = [int(c.sampled().sum()) for c in completions]
     return {"episode/turns": float(np.mean(n_turns)), "episode/turn_tokens": float(sum(sampled) / sum(n_turns)),

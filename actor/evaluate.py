@@ -1,7 +1,6 @@
-"""Held-out evaluation: the actor's in-run eval, the run's final eval, and ``run.py eval`` (pass@1:
-the mean over prompts of c/k; pass@k: the share of prompts with c >= 1, over k samples each).
-Everything samples as the actors sample (the engine built from ``cfg.actor``, not a greedy
-variant), each prompt under its tier's limit.
+"""Held-out evaluation: the actor's in-run eval, the run's final eval, and ``run.py eval`` (pass@1, pass@k).
+Everything samples as the actors sample (the engine built from ``cfg.actor``, not a greedy variant), each
+prompt under its tier's limit.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ SEQUENCES_PER_CALL = 256  # fills an engine batch, bounds its memory
 
 @contextlib.contextmanager
 def loaded(cfg, model_dir: str):
-    """``(engine, task)`` of ``cfg`` on the model in ``model_dir`` (with the task's environment), both closed on exit."""
+    """``(engine, task)`` of ``cfg`` on ``model_dir`` (with the task's environment), both closed on exit."""
     engine = make_engine(cfg.actor, model_dir, seed=cfg.run.seed)
     task = make_task(cfg.task, Tokenizer.from_dir(model_dir))
     engine.env = episodes.environment(task)
@@ -82,8 +81,7 @@ def sample_k(engine: Engine, task: Task, prompts, k: int, progress=None,
              limits: list[int] | None = None) -> tuple[list[list], list[list[float]]]:
     """``k`` samples of every prompt and their rewards (a ``k``-list each), about ``SEQUENCES_PER_CALL``
     per engine call; ``progress(n)`` after each call with its number of prompts."""
-    samples, rewards = [], []
-    chunk = max(1, SEQUENCES_PER_CALL // k)
+    samples, rewards, chunk = [], [], max(1, SEQUENCES_PER_CALL // k)
     for start in range(0, len(prompts), chunk):
         part = [p for p in prompts[start:start + chunk] for _ in range(k)]
         budget = None if limits is None else [b for b in limits[start:start + chunk] for _ in range(k)]
@@ -98,13 +96,11 @@ def sample_k(engine: Engine, task: Task, prompts, k: int, progress=None,
 
 def task_report(cfg: C.Config, model_dir: str, k: int, progress_factory) -> dict:
     with loaded(cfg, model_dir) as (engine, task):
-        prompts = task.eval_set(cfg.run.eval_prompts)
-        t0 = time.time()
+        prompts, t0 = task.eval_set(cfg.run.eval_prompts), time.time()
         with progress_factory(f"eval {cfg.task.name}", len(prompts)) as advance:
             samples, rewards = sample_k(engine, task, prompts, k, advance, [prompt_limit(cfg, p) for p in prompts])
     correct = (np.asarray(rewards, dtype=float).reshape(len(prompts), k) > 0.5).astype(float)
     lengths = np.asarray([[len(s.tokens) for s in ss] for ss in samples], dtype=float).reshape(len(prompts), k)
     return {**pass_at(correct), "k": k, "mean_length": float(lengths.mean()), "prompts": len(prompts),
-            "seconds": round(time.time() - t0, 1),
-            "by_tier": _split(prompts, correct, lengths, lambda p: p.tier),
+            "seconds": round(time.time() - t0, 1), "by_tier": _split(prompts, correct, lengths, lambda p: p.tier),
             "by_difficulty": _split(prompts, correct, lengths, lambda p: p.difficulty)}

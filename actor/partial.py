@@ -1,12 +1,7 @@
-"""Resume inside a generation. A long batch is minutes of generation per sequence; an actor that is killed
-or restarted would throw its unfinished tokens away. So the worker saves the batch it is generating -- each
-group's prompt, its finished samples and each unfinished sample's prefix (tokens, behaviour log-probs,
-per-token versions) -- at most every ``actor.partial_save_s`` seconds and at a graceful stop: one msgpack file,
-replaced by rename. A restarted actor continues those sequences from their prefixes (prefilled under the
-weights of the day, each token keeping its version, so staleness and ratios stay exact) before it samples new
-prompts. A group whose oldest token is already beyond ``buffer.max_staleness`` is dropped and counted. A
-group handed to the client while the file lists it carries its seq there, so a restart re-sends it under
-that seq and the buffer's exactly-once identity makes it a duplicate rather than a second training.
+"""Resume inside a generation (ARCHITECTURE.md, Recovery): the batch being generated -- finished samples and
+each unfinished sample's prefix with its log-probs and versions -- saved as one msgpack file, replaced by rename;
+a restarted actor continues it. A group handed over while the file lists it keeps its seq there, so a restart
+re-sends it under that seq and the buffer answers "duplicate" rather than training it twice.
 """
 
 from __future__ import annotations
@@ -104,18 +99,13 @@ def load(where: str, actor_id: str, group_size: int) -> SavedBatch | None:
     return batch
 
 
-def oldest(g: SavedGroup, version: int) -> int:
-    """The oldest version among a group's saved tokens; ``version`` (fresh) when it has none yet."""
-    return min((v for s in g.samples if s is not None for v in s.versions), default=version)
-
-
 def split(batch: SavedBatch, version: int, max_staleness: int) -> tuple[list[SavedGroup], list[SavedGroup]]:
     """``(kept, dropped)``: a group whose oldest token is already more than ``max_staleness`` behind
     ``version`` would be refused by the buffer however it ends, so it is not continued."""
     kept, dropped = [], []
-    for g in batch.groups:
-        stale = staleness(version, oldest(g, version)) > max_staleness and g.seq < 0
-        (dropped if stale else kept).append(g)
+    for g in batch.groups:  # the oldest saved token's version; ``version`` (fresh) when it has none yet
+        oldest = min((v for s in g.samples if s is not None for v in s.versions), default=version)
+        (dropped if staleness(version, oldest) > max_staleness and g.seq < 0 else kept).append(g)
     return kept, dropped
 
 

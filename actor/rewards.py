@@ -1,7 +1,6 @@
-"""Reward checking in killable worker processes, as a thread cannot be stopped (the pool, its counters and why it
-is hand-written: ARCHITECTURE.md, Seams). A worker runs the checker in its main thread (math-verify's
-``signal.alarm`` needs it). A NaN/inf score or a frame over :data:`MAX_FRAME_BYTES` is an error; ``timeout_s``
-runs from the hand-over. Tools (:meth:`RewardPool.call`: payload -> str) run here too, in an optional :class:`Sandbox`.
+"""Reward checking (and tools: :meth:`RewardPool.call`) in killable worker processes, as a thread cannot be stopped
+(the pool, its counters and why it is hand-written: ARCHITECTURE.md, Seams). A worker runs the checker in its main
+thread (math-verify's ``signal.alarm`` needs it).
 """
 from __future__ import annotations
 
@@ -27,6 +26,7 @@ import msgspec
 
 from actor.tasks import Prompt, Task
 from core.messages import ScoreReply, ScoreRequest
+from core.proc import die_with_parent
 
 log = logging.getLogger("driftrl.rewards")
 READY = -1  # the id of a worker's first reply: loaded (or not)
@@ -69,8 +69,7 @@ class _Worker:
     def __init__(self, argv: list[str], env: dict[str, str]):
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         self.fd = self.proc.stdout.fileno()  # kept: still the selector's key after the pipe is closed
-        self.buf, self.ready, self.job = bytearray(), False, None
-        self.deadline = time.monotonic() + START_TIMEOUT_S
+        self.buf, self.ready, self.job, self.deadline = bytearray(), False, None, time.monotonic() + START_TIMEOUT_S
 
     def read(self) -> list[ScoreReply] | None:
         """The complete replies that have arrived; None at EOF (the process is gone)."""
@@ -109,12 +108,9 @@ class RewardPool:
         self.scorer, self.timeout_s = scorer, float(timeout_s)
         self.counts = dict.fromkeys(counters, 0.0)  # the task's metrics
         self._checks, self._timeouts, self._errors = counters
-        self._argv = [sys.executable, "-m", "actor.rewards", "--scorer", scorer]
-        if sandbox is not None:
-            self._argv += ["--sandbox", msgspec.json.encode(sandbox).decode()]
-        self._sel = selectors.DefaultSelector()
-        self._workers: list[_Worker] = []
-        self._closed = False
+        self._argv = [sys.executable, "-m", "actor.rewards", "--scorer", scorer,
+                      *(["--sandbox", msgspec.json.encode(sandbox).decode()] if sandbox is not None else [])]
+        self._sel, self._workers, self._closed = selectors.DefaultSelector(), [], False
         try:
             for _ in range(workers):
                 self._workers.append(self._spawn())
@@ -168,10 +164,9 @@ class RewardPool:
         self._sel.close()
 
     def _spawn(self) -> _Worker:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-        env["DRIFTRL_LAUNCHER_PID"] = str(os.getpid())  # die_with_parent in the worker watches us
-        env["OMP_NUM_THREADS"] = env["OPENBLAS_NUM_THREADS"] = "1"  # one thread: unshare() needs it (sandbox)
+        env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               "DRIFTRL_LAUNCHER_PID": str(os.getpid()),  # die_with_parent in the worker watches us
+               "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}  # one thread: unshare() needs it (sandbox)
         w = _Worker(self._argv, env)
         self._sel.register(w.fd, selectors.EVENT_READ, w)
         return w
@@ -258,10 +253,7 @@ class PooledTask(Task):
     building a task to sample prompts starts no process); truncated answers score 0 unchecked."""
 
     scorer = ""  # "module:function"
-
-    def __init__(self, cfg_task, tokenizer):
-        super().__init__(cfg_task, tokenizer)
-        self._pool: RewardPool | None = None
+    _pool: RewardPool | None = None
 
     @abc.abstractmethod
     def payload(self, prompt: Prompt, text: str) -> dict:
@@ -313,8 +305,7 @@ def _send(stream, reply: ScoreReply) -> None:
 def _reply(i: int, result) -> ScoreReply:
     if isinstance(result, str):
         return ScoreReply(i, text=result)
-    score = float(result)
-    return ScoreReply(i, score) if math.isfinite(score) else ScoreReply(i, error=f"score is {score!r}")
+    return ScoreReply(i, score) if math.isfinite(score := float(result)) else ScoreReply(i, error=f"score is {score!r}")
 
 
 class _NoNetwork(socket.socket):
@@ -340,8 +331,6 @@ def _limit_cpu(cpu_s: float) -> None:
 
 def main(argv=None) -> int:
     """A pool's worker process: it exits at EOF on stdin, and dies with the pool's process."""
-    from core.proc import die_with_parent
-
     ap = argparse.ArgumentParser(description="A reward-pool worker (started by actor.rewards.RewardPool).")
     ap.add_argument("--scorer", required=True, help="module:function")
     ap.add_argument("--sandbox", type=lambda s: msgspec.json.decode(s, type=Sandbox), help="Sandbox as JSON")

@@ -1,8 +1,5 @@
-"""Rollout worker: sample G completions per prompt, score them, stream RolloutGroups to the buffer.
-
-Loop: adopt the newest weights -> wait for admission (core/admission.py) -> generate -> score ->
-send (kept until the buffer acknowledges) -> emit metrics; actor 0 also runs the held-out eval
-every ``run.eval_every`` versions.
+"""Rollout worker: sample G completions per prompt, score them, stream RolloutGroups to the buffer (its loop:
+ARCHITECTURE.md, Dataflow); actor 0 also runs the held-out eval every ``run.eval_every`` versions.
 """
 
 from __future__ import annotations
@@ -57,18 +54,18 @@ class _Batch:
         b = cls(saved.start_version, prompts, [g.limit for g in groups], len(groups[0].samples))
         b.done = [[None if s is None else Sample(list(s.tokens), list(s.logprobs), list(s.versions), s.finish_reason,
                            s.mask) for s in g.samples] for g in groups]
-        b.seqs = {i: g.seq for i, g in enumerate(groups) if g.seq >= 0}
+        b.seqs, b.saved = {i: g.seq for i, g in enumerate(groups) if g.seq >= 0}, True  # the file lists it
         return b
 
     def saved_form(self, actor_id: str, running: dict[tuple[int, int], Sample]) -> partial.SavedBatch:
-        """What to save: every group but those left out, a finished sample whole, a running one's prefix
-        (``running``, by (group, sample)), and the seq of a group already handed over."""
+        """What to save: a finished sample whole, a running one's prefix (``running``, by (group, sample))."""
         groups = []
         for i, (p, done) in enumerate(zip(self.prompts, self.done)):
             seq = self.seqs.get(i)
             if seq == -1:  # left out (no signal): nothing to continue or send
                 continue
-            samples = [_saved(s if s is not None and s.finish_reason else running.get((i, j), s)) for j, s in enumerate(done)]
+            samples = [_saved(s if s is not None and s.finish_reason else running.get((i, j), s))
+                       for j, s in enumerate(done)]
             groups.append(partial.SavedGroup(p.id, list(p.tokens), p.tier, p.difficulty, p.answer, self.limits[i],
                                              samples, -1 if seq is None else seq))
         return partial.SavedBatch(actor_id, self.start_version, groups)
@@ -90,12 +87,10 @@ class RolloutWorker:
     restart: dict[str, int] = {}  # what a resume continued and dropped (actor/partial.py), once resumed
 
     def __init__(self, cfg: C.Config, run_dir: str, index: int, stop: threading.Event | None = None):
-        self.cfg, self.run_dir, self.index = cfg, run_dir, index
-        self.actor_id = f"actor{index}"
+        self.cfg, self.run_dir, self.index, self.actor_id = cfg, run_dir, index, f"actor{index}"
         self.stop = stop or threading.Event()  # set by SIGTERM (core.proc.stop_event)
         self.task = make_task(cfg.task, Tokenizer.from_dir(cfg.model.path))
-        # validated here as run.py validates it, so an actor started by hand fails the same way
-        self.device = placement.actor_device(cfg, index)
+        self.device = placement.actor_device(cfg, index)  # validated as run.py does: started by hand, it fails alike
         check_devices(cfg)  # the transport's device rules too, as run.py checks them
         a = msgspec.structs.replace(cfg.actor, device=str(self.device))
         weights = engine_class(a.engine).weight_source(cfg, run_dir, self.actor_id, stop=self.stop, device=self.device)
@@ -122,9 +117,8 @@ class RolloutWorker:
                 raise TimeoutError("no weights published by the learner")
             self._beat()
             self.stop.wait(0.05)  # SIGTERM cuts the pause short
-        share = self.cfg.learner.groups_per_step // self.cfg.actor.num_actors
-        self.admission = Admission.resumed(share, self.cfg.buffer.max_staleness, self.engine.version,
-                                           self.client.outstanding)
+        self.admission = Admission.resumed(self.cfg.learner.groups_per_step // self.cfg.actor.num_actors,
+                                           self.cfg.buffer.max_staleness, self.engine.version, self.client.outstanding)
         self.rng = random.Random(hash((self.cfg.run.seed, self.index, self.engine.version)) & 0xFFFFFFFF)
         return True
 
@@ -132,14 +126,12 @@ class RolloutWorker:
         heartbeat.beat(self.run_dir, self.actor_id)
 
     def _on_step(self) -> None:
-        """Once per engine step: the heartbeat, and the batch saved every ``actor.partial_save_s``."""
         self._beat()
         every = self.cfg.actor.partial_save_s
         if every and self._batch is not None and time.monotonic() - self._saved_at >= every:
             self.save_partial()
 
     def save_partial(self) -> None:
-        """Save the batch in generation with each running sample's prefix (actor/partial.py)."""
         b, progress = self._batch, self.engine.progress()
         running = {self._where[k]: s for k, s in progress.items() if k < len(self._where)}
         partial.save(self.partial_path, b.saved_form(self.actor_id, running))
@@ -152,8 +144,7 @@ class RolloutWorker:
         if saved is None:
             return None
         kept, dropped = partial.split(saved, self.engine.version, self.cfg.buffer.max_staleness)
-        handed = [g for g in kept if g.seq >= 0]
-        kept = [g for g in kept if g.seq < 0]
+        handed, kept = [g for g in kept if g.seq >= 0], [g for g in kept if g.seq < 0]
         self.generated, self.dropped_at_restart = self.generated + len(dropped), len(dropped)
         self._lost_by_len = self._lost_by_len or collections.Counter()
         self._lost_by_len.update(funnel.length_bucket(max((len(s.tokens) for s in g.samples if s), default=0))
@@ -170,9 +161,7 @@ class RolloutWorker:
         if not kept:
             partial.clear(self.partial_path)
             return None
-        b = _Batch.resumed(saved, kept)
-        b.saved = True  # the file lists it
-        return b
+        return _Batch.resumed(saved, kept)
 
     def _wait_for_admission(self) -> tuple[int, float]:
         t0 = time.time()
@@ -194,8 +183,7 @@ class RolloutWorker:
     def run(self) -> None:
         if not self._wait_for_weights():
             return
-        resumed = self._resume()
-        if resumed is not None:
+        if (resumed := self._resume()) is not None:
             self.admission.start(len(resumed.prompts))  # admitted before the restart: they count again
             self._generate(resumed, 0.0)
         while not self.stop.is_set():
@@ -212,8 +200,7 @@ class RolloutWorker:
         return _Batch(v, prompts, self.limits(prompts, v), self.cfg.actor.group_size)
 
     def _generate(self, batch: _Batch, waited: float) -> None:
-        # buffer.stale_strategy = wait holds the learner for the groups in generation
-        self.client.in_flight(batch.start_version)
+        self.client.in_flight(batch.start_version)  # buffer.stale_strategy = wait holds the learner for these
         t0, sending, groups = time.time(), 0.0, []
         try:
             for group in self.generate_groups(batch):  # each sent as soon as its last sample is done
@@ -268,10 +255,9 @@ class RolloutWorker:
             if all(map(fin, done)):
                 yield self._finish(batch, i)
         self._where = [(i, j) for i, done in enumerate(batch.done) for j, s in enumerate(done) if not fin(s)]
-        for index, sample in self.engine.stream(
-                [list(batch.prompts[i].tokens) for i, _ in self._where],
-                max_new_tokens=[batch.limits[i] for i, _ in self._where],
-                prefixes=[batch.done[i][j] for i, j in self._where]):
+        for index, sample in self.engine.stream([list(batch.prompts[i].tokens) for i, _ in self._where],
+                                                max_new_tokens=[batch.limits[i] for i, _ in self._where],
+                                                prefixes=[batch.done[i][j] for i, j in self._where]):
             self._beat()  # a long batch is not a hang
             i, j = self._where[index]
             self.curriculum.observe(sample.finish_reason, batch.limits[i])
@@ -282,8 +268,7 @@ class RolloutWorker:
     def _finish(self, batch: _Batch, i: int) -> M.RolloutGroup:
         """Score group ``i``; its seq goes into the partial file (when that lists the batch) before the
         group reaches the client, so a restart in between sends it again under the same seq."""
-        prompt, samples = batch.prompts[i], batch.done[i]
-        rewards = self.task.rewards([(prompt, s.tokens) for s in samples])
+        rewards = self.task.rewards([(batch.prompts[i], s.tokens) for s in batch.done[i]])
         seq = batch.seqs[i] = -1 if self._no_signal(rewards) else self.client.next_seq()  # -1: not to be sent
         if batch.saved:
             self.save_partial()
@@ -292,14 +277,12 @@ class RolloutWorker:
     def _group(self, batch: _Batch, i: int, seq: int, rewards=None) -> M.RolloutGroup:
         prompt, samples = batch.prompts[i], batch.done[i]
         rewards = rewards if rewards is not None else self.task.rewards([(prompt, s.tokens) for s in samples])
-        return M.group_from_samples(
-            samples, rewards, actor_id=self.actor_id, seq=seq, group_id=f"{self.actor_id}-{prompt.id}",
-            task=self.task.name, tier=prompt.tier, prompt=prompt.tokens, start_version=batch.start_version,
-            created_at=time.time())
+        return M.group_from_samples(samples, rewards, actor_id=self.actor_id, seq=seq, task=self.task.name,
+                                    group_id=f"{self.actor_id}-{prompt.id}", tier=prompt.tier, prompt=prompt.tokens,
+                                    start_version=batch.start_version, created_at=time.time())
 
     def limits(self, prompts, version: int) -> list[int]:
-        cur = self.curriculum.limit(version)
-        return [prompt_limit(self.cfg, p, cur) for p in prompts]
+        return [prompt_limit(self.cfg, p, self.curriculum.limit(version)) for p in prompts]
 
     def _emit(self, batch: _Batch, groups, gen_s: float, waited: float) -> None:
         done, v = [c for g in groups for c in g.completions], self.engine.version
@@ -331,7 +314,6 @@ class RolloutWorker:
         })
 
     def _episode_metrics(self, batch: _Batch, groups) -> dict[str, float]:
-        """Turns, lengths and tool-call outcomes; the task's own rates over every episode of the batch."""
         items = [(p, s.tokens) for p, done in zip(batch.prompts, batch.done) for s in done if s is not None]
         return {**episodes.episode_metrics([c for g in groups for c in g.completions]), **self.engine.env.metrics(),
                 **self.task.episode_metrics(items)}
@@ -341,8 +323,7 @@ class RolloutWorker:
         if not self.eval_set or (self.last_eval >= 0 and v < self.last_eval + self.cfg.run.eval_every):
             return
         self.last_eval = v
-        # sampled as training samples now: the same tier limits and curriculum limit
-        extra: dict = {}
+        extra: dict = {}  # sampled as training samples now: the same tier limits and curriculum limit
         reward, length = evaluate(self.engine, self.task, self.eval_set, self.limits(self.eval_set, v), extra)
         self.metrics.emit(v, {"eval/reward": reward, "eval/length": length, "eval/version": float(v), **extra})
 
@@ -373,10 +354,8 @@ def main(argv=None) -> None:
     finally:
         worker.client.settle(SETTLE_S)  # the buffer is still up: the last acks make the funnel's books close
         worker.metrics.emit(worker.engine.version, worker.funnel_metrics())
-        worker.client.close()
-        worker.engine.close()
-        worker.task.close()
-        worker.metrics.close()
+        for part in (worker.client, worker.engine, worker.task, worker.metrics):
+            part.close()
         log.info("actor %d stopped", args.index)
 
 

@@ -26,6 +26,8 @@ Port = Annotated[int, Meta(ge=0, le=65535)]  # 0 = pick a free port at launch
 MIN_FRAME_BYTES = 64 << 10  # buffer.max_frame_bytes: a frame carries whole groups; below this, not one
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]  # auto: core/precision.py
 Device = str  # "auto" | "cpu" | "cuda" | "cuda:N" (core/placement.py)
+TIERS = ("default", "low", "medium", "high")
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # ray.util.placement_group's
 
 
 class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -100,7 +102,7 @@ class TaskSection(_Section):
     difficulty_tiers: dict[str, str] = {}  # str(Prompt.difficulty) -> tier (pipeline tier_by=pass_rate)
     reward_workers: PosInt = 2  # scorer processes; a hung or crashed check scores 0, counted
     reward_timeout_s: PosFloat = 10.0
-    tools: ToolsSection = msgspec.field(default_factory=lambda: ToolsSection())  # [task.tools]
+    tools: ToolsSection = msgspec.field(default_factory=ToolsSection)  # [task.tools]
 
 
 class SGLangSection(_Section):  # actor.engine = "sglang" (actor/engines/sglang.py): the server, its deadlines
@@ -116,8 +118,7 @@ class ActorSection(_Section):
     engine: str = "torch"  # actor/engines/ ENGINES: "torch" (embedded) or "sglang" (a server, GPU)
     group_size: Annotated[int, Meta(ge=2)] = 8
     groups_per_batch: PosInt = 16  # prompts decoded together by one engine batch
-    # a group whose rewards are all equal is not sent when learner.kl_beta = 0: its advantages are 0
-    skip_uniform_groups: bool = True
+    skip_uniform_groups: bool = True  # with learner.kl_beta = 0, a group of equal rewards (advantages 0) is not sent
     max_new_tokens: PosInt = 8
     max_batch: PosInt = 256  # continuous batching: sequences decoded at once
     # length curriculum (actor/curriculum.py): length_start, + length_grow every length_every versions
@@ -134,11 +135,10 @@ class ActorSection(_Section):
     dtype: Dtype = "auto"  # the engine's numerics (FP32 softmax and LM head either way)
     fp32_attn_softmax: bool = True
     threads: PosInt = 1
-    # the batch in generation, unfinished prefixes included, saved at most this often (actor/partial.py): a
-    # restarted actor continues it; 0 = off. Short batches finish before the first save and cost nothing
+    # the batch in generation, prefixes included, saved this often (actor/partial.py) for a restarted actor; 0 = off
     partial_save_s: NonNegFloat = 10.0
     device: Device | list[Device] = "auto"  # one for every actor, or a list with one per actor
-    sglang: SGLangSection = msgspec.field(default_factory=lambda: SGLangSection())  # [actor.sglang]
+    sglang: SGLangSection = msgspec.field(default_factory=SGLangSection)  # [actor.sglang]
 
 
 class BufferSection(_Section):
@@ -343,10 +343,6 @@ def from_dict(tree: dict) -> Config:
     return cfg
 
 
-TIERS = ("default", "low", "medium", "high")
-PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # ray.util.placement_group's
-
-
 def validate(cfg: Config) -> None:
     """Cross-field rules that per-field types cannot state (token limits: within what the buffer admits)."""
     _check_finite(msgspec.to_builtins(cfg))
@@ -364,8 +360,7 @@ def validate(cfg: Config) -> None:
     if over := {k: n for k, n in t.tier_max_new_tokens.items() if n > cap}:
         raise ConfigError(f"`$.task.tier_max_new_tokens` = {over} exceeds `$.actor.max_new_tokens` = {cap}")
     if cfg.actor.length_schedule != "off" and cfg.actor.length_start > cap:
-        raise ConfigError(f"`$.actor.length_start` = {cfg.actor.length_start} exceeds "
-                          f"`$.actor.max_new_tokens` = {cap}")
+        raise ConfigError(f"`$.actor.length_start` = {cfg.actor.length_start} exceeds `$.actor.max_new_tokens` = {cap}")
     if r.placement_strategy not in PLACEMENT_STRATEGIES:
         raise ConfigError(f"`$.ray.placement_strategy` = {r.placement_strategy!r} is not one of "
                           f"{', '.join(PLACEMENT_STRATEGIES)}")
@@ -399,7 +394,6 @@ def _check_finite(node, path: str = "$") -> None:
 
 
 def _validate_model(m: ModelSection) -> None:
-    """The built-in model's shape: whole heads, an even head_dim (RoPE)."""
     h, n, kv = m.hidden_size, m.num_heads, m.num_kv_heads
     for bad, why in ((h % n, f"`$.model.hidden_size` = {h} is not a multiple of `$.model.num_heads` = {n}"),
                      (n % kv, f"`$.model.num_heads` = {n} is not a multiple of `$.model.num_kv_heads` = {kv}"),
@@ -409,7 +403,6 @@ def _validate_model(m: ModelSection) -> None:
 
 
 def _validate_context_parallel(cfg: Config) -> None:
-    """A CP degree the backend implements, with at least one token position per rank."""
     cp, room = cfg.learner.context_parallel, cfg.buffer.max_prompt_tokens + cfg.actor.max_new_tokens
     if cp > 1 and cfg.learner.backend == "megatron":
         raise ConfigError(f"`$.learner.context_parallel` = {cp} needs learner.backend='torch': megatron-core's "
@@ -436,10 +429,8 @@ def _validate_net(n: NetSection) -> None:
     if curve and not net.client_keys(n):
         raise ConfigError("CURVE without a client allow-list admits any key pair: set "
                           "`$.net.curve_client_public` (one key or a list)")
-    keys = [("curve_server_public", n.curve_server_public), ("curve_server_secret", n.curve_server_secret),
-            ("curve_client_secret", n.curve_client_secret)]
-    keys += [(f"curve_client_public[{i}]", k) for i, k in enumerate(net.client_keys(n))]
-    for name, key in keys:
+    keys = [(m, getattr(n, m)) for m in ("curve_server_public", "curve_server_secret", "curve_client_secret")]
+    for name, key in keys + [(f"curve_client_public[{i}]", k) for i, k in enumerate(net.client_keys(n))]:
         try:
             if key:
                 net.check_curve_key(key)

@@ -21,6 +21,13 @@ TOKEN_DTYPE = np.dtype("<i4")
 LOGPROB_DTYPE = np.dtype("<f4")
 VERSION_DTYPE = np.dtype("<i4")
 MASK_DTYPE = np.dtype("u1")
+# the fast path compares byte lengths as element counts
+assert TOKEN_DTYPE.itemsize == LOGPROB_DTYPE.itemsize == VERSION_DTYPE.itemsize
+_FINISH_REASONS = ("stop", "length")
+_MAX_LOGPROB = 1e-4  # float32 rounding may push log(1) a hair above 0; anything more is a bug
+_MIN_LOGPROB = -1e4  # a sampled token's is above ~-100 in float32; far below is no probability
+MAX_ABS_REWARD = 1e6  # beyond it a reward is a scorer's bug: its square would overflow float32
+MAX_TEXT_CHARS = 256  # group_id, task, tier, finish_reason
 
 
 class _Msg(msgspec.Struct, frozen=True, array_like=True, tag=True, omit_defaults=False):
@@ -32,8 +39,7 @@ class Hello(_Msg, tag="hello"):
     id: str
     schema_version: int = SCHEMA_VERSION
     token: str = ""  # the run's secret (core.net.run_secret): a socket is trusted only after a Hello with it
-    # learner only: the step and version of the weights it holds; the buffer serves again the groups
-    # trained after that step (a restarted learner lost them), except those whose every token is newer
+    # learner only: its weights' step and version; the buffer serves again the groups trained since (ARCHITECTURE.md)
     step: int = -1
     version: int = -1
 
@@ -73,8 +79,7 @@ class Completion(msgspec.Struct, frozen=True, array_like=True):
 
 
 def staleness(learner_version: int, oldest_version):
-    """The one definition of staleness (ARCHITECTURE.md: Versions and staleness): the learner's
-    version minus the oldest policy version among a sample's or a group's tokens (ints or arrays)."""
+    """The one definition of staleness (ARCHITECTURE.md: Versions and staleness), of ints or arrays."""
     return learner_version - oldest_version
 
 
@@ -129,15 +134,12 @@ class Acks(_Msg, tag="acks"):
 
 
 class InFlight(_Msg, tag="in_flight"):
-    # actor -> buffer, when it changes: the start version of the actor's oldest group still being
-    # generated (-1: none); buffer.stale_strategy = "wait" holds the learner for such groups
-    oldest: int
+    oldest: int  # on change: start version of the actor's oldest group in generation (-1: none); stale_strategy=wait
 
 
 class Control(_Msg, tag="control"):
-    # the learner's control state, passed on by the buffer to every actor when it changes (and to
-    # an actor that says Hello once it departed from the config): the staleness limit admission
-    # follows and whether new groups may start
+    # the learner's control state, passed on by the buffer to the actors (when: ARCHITECTURE.md, "Versions
+    # and staleness"): the staleness limit admission follows and whether new groups may start
     max_staleness: int
     pause: bool
 
@@ -146,13 +148,9 @@ class SampleRequest(_Msg, tag="sample_req"):
     request_id: int
     num_groups: int
     learner_version: int
-    # the learner's staleness limit (control.adaptive_staleness) for the buffer and, through Control,
-    # the actors; -1: unchanged
-    max_staleness: int = -1
+    max_staleness: int = -1  # control.adaptive_staleness: the buffer's and (via Control) actors' limit; -1: unchanged
     pause_actors: bool = False  # guard_action = pause_actors: the actors start no new group while set
-    # every step up to this one is in a checkpoint a fallback could still load: the buffer forgets
-    # the groups trained by then (-1: none yet)
-    covered_step: int = -1
+    covered_step: int = -1  # newest step a fallback checkpoint holds (-1: none): the buffer forgets groups up to it
 
 
 class SampleBatch(_Msg, tag="sample_batch"):
@@ -201,8 +199,7 @@ class DeltaHeader(_Msg, tag="ws_delta"):
 
 
 class IpcSlot(_Msg, tag="ws_ipc"):
-    """One device slot, as a reader opens it; the handle fields are ``_share_cuda_()``'s."""
-
+    # one device slot, as a reader opens it; the handle fields are ``_share_cuda_()``'s
     slot: int
     device: int
     handle: bytes | None
@@ -287,20 +284,17 @@ def _cap(items: int) -> Meta:
 def bounded_group(limits: Limits) -> type:
     """RolloutGroup with array lengths bounded by ``limits``: its decoder refuses a frame at the first
     array header above them, before allocating (two million empty completions cost nothing)."""
-    tok, item = Annotated[bytes, _cap(limits.max_new_tokens * TOKEN_DTYPE.itemsize)], TOKEN_DTYPE.itemsize
-    text = Annotated[str, Meta(max_length=MAX_TEXT_CHARS)]
-    comp = msgspec.defstruct("Completion", [("tokens", tok), ("logprobs", tok), ("versions", tok), ("finish_reason", text),
-                                            ("mask", Annotated[bytes, _cap(limits.max_new_tokens)])],
-                             bases=(Completion,), module=__name__)
-    return msgspec.defstruct(
-        "RolloutGroup", [("group_id", text), ("task", text), ("tier", text),
-                         ("prompt_tokens", Annotated[bytes, _cap(limits.max_prompt_tokens * item)]),
-                         ("completions", Annotated[list[comp], _cap(limits.group_size)])],
-        bases=(RolloutGroup,), tag="group", module=__name__)
+    item, text = TOKEN_DTYPE.itemsize, Annotated[str, Meta(max_length=MAX_TEXT_CHARS)]
+    tok, mask = Annotated[bytes, _cap(limits.max_new_tokens * item)], Annotated[bytes, _cap(limits.max_new_tokens)]
+    fields = [("tokens", tok), ("logprobs", tok), ("versions", tok), ("finish_reason", text), ("mask", mask)]
+    comp = msgspec.defstruct("Completion", fields, bases=(Completion,), module=__name__)
+    fields = [("group_id", text), ("task", text), ("tier", text),
+              ("prompt_tokens", Annotated[bytes, _cap(limits.max_prompt_tokens * item)]),
+              ("completions", Annotated[list[comp], _cap(limits.group_size)])]
+    return msgspec.defstruct("RolloutGroup", fields, bases=(RolloutGroup,), tag="group", module=__name__)
 
 
 def group_decoder(limits: Limits, *others) -> msgspec.msgpack.Decoder:
-    """The decoder of a socket that receives RolloutGroups within ``limits`` (and ``others``)."""
     return decoder(Union[(*others, bounded_group(limits))])
 
 
@@ -336,15 +330,6 @@ class InvalidMessage(ValueError):
     def __init__(self, reason: str, detail: str = ""):
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
-
-
-_FINISH_REASONS = ("stop", "length")
-_MAX_LOGPROB = 1e-4  # float32 rounding may push log(1) a hair above 0; anything more is a bug
-_MIN_LOGPROB = -1e4  # a sampled token's is above ~-100 in float32; far below is no probability
-MAX_ABS_REWARD = 1e6  # beyond it a reward is a scorer's bug: its square would overflow float32
-MAX_TEXT_CHARS = 256  # group_id, task, tier, finish_reason
-# the fast path compares byte lengths as element counts
-assert TOKEN_DTYPE.itemsize == LOGPROB_DTYPE.itemsize == VERSION_DTYPE.itemsize
 
 
 def validate_group(g: RolloutGroup, limits: Limits = NO_LIMITS) -> tuple[int, int]:
@@ -387,17 +372,16 @@ def _completions_pass(g: RolloutGroup, limits: Limits) -> tuple[int, int] | None
     item = TOKEN_DTYPE.itemsize
     cap = min(limits.max_new_tokens or math.inf, limits.context - len(g.prompt_tokens) // item if limits.context
               else math.inf) * item
-    comps = g.completions
-    for c in comps:
+    for c in g.completions:
         n = len(c.tokens)
         if n % item or n > cap or len(c.logprobs) != n or len(c.versions) != n \
                 or c.finish_reason not in _FINISH_REASONS or not abs(c.reward) <= MAX_ABS_REWARD \
                 or (c.mask and not _mask_ok(c)):
             return None
-    ids = np.frombuffer(b"".join([g.prompt_tokens, *[c.tokens for c in comps]]), dtype=TOKEN_DTYPE)
+    ids = np.frombuffer(b"".join([g.prompt_tokens, *[c.tokens for c in g.completions]]), dtype=TOKEN_DTYPE)
     if not _ids_ok(ids, limits.vocab_size):
         return None
-    lp = np.frombuffer(b"".join([c.logprobs for c in comps]), dtype=LOGPROB_DTYPE)
+    lp = np.frombuffer(b"".join([c.logprobs for c in g.completions]), dtype=LOGPROB_DTYPE)
     if not lp.size:
         return g.start_version, g.start_version
     # max() propagates NaN and NaN <= x is False: one test rejects NaN, +inf and positives; min() -inf
@@ -454,10 +438,9 @@ def _explain_completions(g: RolloutGroup, limits: Limits) -> None:
 
 def make_completion(tokens, logprobs, versions, finish_reason: str, reward: float, mask=None) -> Completion:
     """A Completion from array-likes, in the wire dtypes; ``mask`` None: every token sampled."""
-    return Completion(np.ascontiguousarray(tokens, dtype=TOKEN_DTYPE).tobytes(),
-                      np.ascontiguousarray(logprobs, dtype=LOGPROB_DTYPE).tobytes(),
-                      np.ascontiguousarray(versions, dtype=VERSION_DTYPE).tobytes(), finish_reason, float(reward),
-                      b"" if mask is None else np.ascontiguousarray(mask, dtype=MASK_DTYPE).tobytes())
+    return Completion(np.asarray(tokens, TOKEN_DTYPE).tobytes(), np.asarray(logprobs, LOGPROB_DTYPE).tobytes(),
+                      np.asarray(versions, VERSION_DTYPE).tobytes(), finish_reason, float(reward),
+                      b"" if mask is None else np.asarray(mask, MASK_DTYPE).tobytes())
 
 
 def group_from_samples(samples, rewards, *, actor_id: str, seq: int, group_id: str, task: str, tier: str,

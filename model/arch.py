@@ -1,8 +1,6 @@
-"""What a checkpoint's config.json says, and whether driftrl's decoder can run it exactly: one
-:class:`Family` row per family (its switches and transformers' defaults for omitted keys);
-:meth:`ArchConfig.from_hf` keeps unparsed keys in ``extra`` so :meth:`ArchConfig.to_hf` writes back
-exactly the input's keys. Whatever the decoder would only approximate is refused before any weight is read.
-"""
+"""What a checkpoint's config.json says, and whether the decoder runs it exactly: whatever it would only
+approximate is refused before any weight is read. One :class:`Family` per ``model_type``; keys not parsed stay
+in ``extra``, so :meth:`ArchConfig.to_hf` writes back exactly the input's keys."""
 
 from __future__ import annotations
 
@@ -40,8 +38,7 @@ FAMILIES = {
     "qwen2": Family("Qwen2ForCausalLM", qk_norm=False, fixed_qkv_bias=True, keys=COMMON_KEYS, sliding=True,
                     defaults=dict(_COMMON_DEFAULTS, **_QWEN_SIZES)),
     "qwen3": Family("Qwen3ForCausalLM", qk_norm=True, fixed_qkv_bias=False, keys=(*COMMON_KEYS, "attention_bias"),
-                    sliding=True,
-                    defaults={**_COMMON_DEFAULTS, **_QWEN_SIZES, "head_dim": 128, "attention_bias": False}),
+                    sliding=True, defaults=_COMMON_DEFAULTS | _QWEN_SIZES | {"head_dim": 128, "attention_bias": False}),
 }
 
 
@@ -109,10 +106,8 @@ class ArchConfig:
         else:  # no key the input lacked: a top-level rope_theta beside rope_parameters' own would mislead
             own = {k: getattr(self, k) for k in fam.keys if k in self.source_keys}
         out = {**own, **self.extra}
-        if dtype is not None:
-            for key in [k for k in ("dtype", "torch_dtype") if k in self.extra] or ["dtype", "torch_dtype"]:
-                out[key] = dtype
-        return out
+        keys = [k for k in ("dtype", "torch_dtype") if k in self.extra] or ["dtype", "torch_dtype"]
+        return out if dtype is None else out | dict.fromkeys(keys, dtype)
 
     @classmethod
     def from_hf(cls, d: dict) -> "ArchConfig":
@@ -147,14 +142,11 @@ def _refuse_sliding(d: dict) -> None:
     """Layers slide when layer_types says so, or else from max_window_layers on with use_sliding_window."""
     kinds = d.get("layer_types")
     if kinds:
-        sliding = [i for i, kind in enumerate(kinds) if kind != "full_attention"]
-        if sliding:
+        if sliding := [i for i, kind in enumerate(kinds) if kind != "full_attention"]:
             raise ValueError(f"config.json layer_types={kinds!r}: layers {sliding} are not full attention; "
                              "sliding-window attention is not supported")
         return
-    if d.get("use_sliding_window") and d.get("sliding_window", 4096) is not None:
-        first, layers = d.get("max_window_layers", 28), d.get("num_hidden_layers", 32)
-        if first < layers:
-            raise ValueError(f"config.json use_sliding_window=True (sliding_window={d.get('sliding_window', 4096)}, "
-                             f"max_window_layers={first} < num_hidden_layers={layers}): sliding-window attention "
-                             "is not supported")
+    first, layers = d.get("max_window_layers", 28), d.get("num_hidden_layers", 32)
+    if d.get("use_sliding_window") and (window := d.get("sliding_window", 4096)) is not None and first < layers:
+        raise ValueError(f"config.json use_sliding_window=True (sliding_window={window}, max_window_layers={first} "
+                         f"< num_hidden_layers={layers}): sliding-window attention is not supported")

@@ -15,12 +15,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def body_autocast(dtype_name: str, device: str = "cpu"):
     """The body's matmuls in ``dtype_name`` (``auto``: core/precision.py); FP32: no autocast."""
     dtype_name = precision.dtype_name(dtype_name, device)
-    if dtype_name == "float32":
-        return contextlib.nullcontext()
-    return torch.autocast(device, dtype=DTYPES[dtype_name])
+    return contextlib.nullcontext() if dtype_name == "float32" else torch.autocast(device, dtype=DTYPES[dtype_name])
 
 
-def _island(device_type: str = "cpu"):
+def _island(device_type: str):
     """No autocast inside the island: a BF16 autocast would round its FP32 matmuls back to BF16."""
     if torch.is_autocast_enabled(device_type):
         return torch.autocast(device_type, enabled=False)
@@ -33,8 +31,7 @@ def attention_probs(a, b, bias, scale: float, dim: int, fp32: bool, dtype: torch
     body's ``dtype`` (in BF16 a logit of 20 is known only to 0.06)."""
     with _island(a.device.type):
         if not fp32:
-            scores = torch.matmul(a.to(dtype), b.to(dtype)) * scale
-            return torch.softmax(scores + bias.to(dtype), dim=dim)
+            return torch.softmax(torch.matmul(a.to(dtype), b.to(dtype)) * scale + bias.to(dtype), dim=dim)
         wide = torch.promote_types(a.dtype, torch.float32)  # a float64 reference stays float64
         return torch.softmax(torch.matmul(a.to(wide), b.to(wide)) * scale + bias.to(wide), dim=dim)
 

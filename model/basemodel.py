@@ -1,8 +1,7 @@
-"""The tiny base model of a built-in task: pre-trained deterministically on text the task writes (the
-skill latent, for RL to elicit), cached under a hash of the recipe, built in a temporary directory
-renamed into place. Worked solutions only for the first :data:`METHOD_FRAC` of the steps: long
-division was learnt from them alone in ~600 steps, not begun after 1200 at 70% bare answers (measured).
-"""
+"""The tiny base model of a built-in task: pre-trained deterministically on text the task writes (the skill
+latent, for RL to elicit), cached under a hash of the recipe, built in a temporary directory renamed into place.
+Worked solutions only for the first :data:`METHOD_FRAC` of the steps: long division was learnt from them alone in
+~600 steps, not begun after 1200 at 70% bare answers (measured)."""
 
 from __future__ import annotations
 
@@ -14,6 +13,7 @@ import random
 import shutil
 import tempfile
 import time
+from pathlib import Path
 
 import msgspec
 import torch
@@ -125,8 +125,7 @@ def pretrain(cfg, task, files: dict[str, bytes], special_ids: dict, out_dir: str
 
 def verified(model_dir: str) -> str:
     """``model_dir`` if its weights hash to its build record's ``sha256`` (a shipped model)."""
-    with open(os.path.join(model_dir, "driftrl_base.json")) as f:
-        want = json.load(f)["sha256"]
+    want = json.loads(Path(model_dir, "driftrl_base.json").read_text())["sha256"]
     path = os.path.join(model_dir, "model.safetensors")
     with open(path, "rb") as f:
         got = hashlib.file_digest(f, "sha256").hexdigest()

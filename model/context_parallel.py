@@ -1,14 +1,11 @@
-"""Context parallelism: each sequence split along its length across the ranks of a torch.distributed
-group (Gloo on CPU, NCCL on GPU), so no rank holds a whole trace's activations. Every attention layer
-trades the sequence split for a head split with one all-to-all, computes full causal attention for
-its heads through the decoder's own attention (the same FP32 island), and trades back with one more:
-one collective each way per layer, where ring attention needs CP - 1 sequential KV steps.
+"""Context parallelism: each sequence split along its length across a torch.distributed group (Gloo on CPU,
+NCCL on GPU), so no rank holds a whole trace's activations. Each attention layer trades the sequence split for a
+head split with one all-to-all, attends over the whole sequence through the decoder's own attention (the same
+FP32 island) and trades back: one collective each way per layer, where ring attention needs CP - 1 KV steps.
 
-Heads: query heads are dealt out in order, ``ceil(nh / CP)`` per rank, the last rank's spare slots
-filled with copies of the last head whose outputs are dropped (9 heads on 2 ranks: 5 + 5). Each rank
-receives only the KV heads its query heads read; a KV head read by two ranks' queries is sent to
-both, so fewer KV heads than ranks (or 3 KV heads on 2 ranks) works, at the price of that
-replication. When head counts divide by CP each rank gets whole KV groups and nothing is replicated.
+Heads (:func:`head_plan`): ``ceil(nh / CP)`` query heads per rank in order, spare slots holding copies of the last
+head, their outputs dropped (9 heads on 2 ranks: 5 + 5). A rank receives only the KV heads its queries read, one
+read by two ranks going to both (so fewer KV heads than ranks works); none is sent twice when CP divides both counts.
 """
 
 from __future__ import annotations
@@ -36,10 +33,9 @@ class _AllToAll(torch.autograd.Function):
 
 
 class _Gather(torch.autograd.Function):
-    """All ranks' chunks concatenated along dim 1. Every rank computes the same loss from the whole,
-    so the gradient of a rank's own chunk is its slice of the (identical) incoming gradient.
-    ``anchor`` (the rank's hidden states) gets a zero gradient: a rank none of whose tokens is scored
-    still runs its backward, whose all-to-alls the other ranks wait for."""
+    """All ranks' chunks concatenated along dim 1. Every rank computes the same loss from the whole, so the gradient
+    of a rank's chunk is its slice of the (identical) incoming one. ``anchor`` (the rank's hidden states) gets a zero
+    gradient: a rank none of whose tokens is scored still runs its backward, whose all-to-alls the others wait for."""
 
     @staticmethod
     def forward(ctx, x, anchor, group):
@@ -56,9 +52,8 @@ class _Gather(torch.autograd.Function):
 
 
 def head_plan(nh: int, nkv: int, size: int, rank: int):
-    """``(q_index, kv_index, local)``: the query heads sent to each rank (``size * m``), the KV heads
-    sent to each rank (``size * k``), and, for this rank's ``m`` query slots, which received KV head
-    each reads (None when they read consecutive whole groups, as the decoder's grouping expects)."""
+    """``(q_index, kv_index, local)``: the query and the KV heads sent to each rank (``size * m``, ``size * k``) and
+    which received KV head each of this rank's ``m`` query slots reads (None: consecutive whole groups, as grouped)."""
     m, rep = -(-nh // size), nh // nkv
     q_index = [min(h, nh - 1) for h in range(size * m)]
     needs = [sorted({q_index[r * m + i] // rep for i in range(m)}) for r in range(size)]
@@ -70,24 +65,22 @@ def head_plan(nh: int, nkv: int, size: int, rank: int):
 
 
 class ContextParallel:
-    """One model's split over ``group``: :meth:`shard` a sequence tensor, :meth:`attend` per layer,
-    :meth:`gather` the per-token results once."""
+    """One model's split over ``group``: :meth:`shard` its inputs, :meth:`attend` per layer, :meth:`gather` once."""
 
     def __init__(self, group, nh: int, nkv: int, device=None):
-        self.group, self.size, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
-        self.nh = nh
+        self.group, self.size, self.rank, self.nh = group, dist.get_world_size(group), dist.get_rank(group), nh
         q_index, kv_index, local = head_plan(nh, nkv, self.size, self.rank)
         self.q_index, self.kv_index = torch.tensor(q_index, device=device), torch.tensor(kv_index, device=device)
         self.local = None if local is None else torch.tensor(local, device=device)
 
-    def pad(self, x, dim: int = 1):
-        """``x`` padded with zeros (False) along ``dim`` to a multiple of the group's size."""
-        extra = -x.shape[dim] % self.size
-        return F.pad(x, (0, 0) * (x.dim() - 1 - dim) + (0, extra)) if extra else x
+    def pad(self, x):
+        """``x`` padded with zeros (False) along dim 1 to a multiple of the group's size."""
+        extra = -x.shape[1] % self.size
+        return F.pad(x, (0, 0) * (x.dim() - 2) + (0, extra)) if extra else x
 
-    def shard(self, x, dim: int = 1):
-        """This rank's contiguous chunk of ``x`` (padded) along ``dim``."""
-        return self.pad(x, dim).chunk(self.size, dim=dim)[self.rank]
+    def shard(self, x):
+        """This rank's contiguous chunk of ``x`` (padded) along dim 1."""
+        return self.pad(x).chunk(self.size, dim=1)[self.rank]
 
     def gather(self, x, length: int, anchor):
         """``[N, Tc, ...]`` chunks of every rank -> ``[N, length, ...]`` on each (padding cut); ``anchor``:
@@ -95,9 +88,9 @@ class ContextParallel:
         return _Gather.apply(x, anchor, self.group)[:, :length]
 
     def attend(self, q, k, v, attention):
-        """``attention(q, k, v)`` (``[B, heads, T, hd]`` -> ``[B, T, heads * hd]``) over the whole sequence
-        for this rank's heads, from and back to this rank's tokens ``[B, Tc, nh * hd]``: q, k and v
-        travel together in one all-to-all (in q's FP32 after RoPE; v returns to its dtype)."""
+        """``attention(q, k, v)`` (``[B, heads, T, hd]`` -> ``[B, T, heads * hd]``) for this rank's heads over the
+        whole sequence, from and back to its tokens ``[B, Tc, nh * hd]``; q, k, v share one all-to-all in q's FP32
+        (after RoPE), v then cast back to its dtype."""
         b, _, tc, hd = q.shape
         parts = [x.index_select(1, i).view(b, self.size, -1, tc, hd)
                  for x, i in ((q, self.q_index), (k, self.kv_index), (v, self.kv_index))]
@@ -113,8 +106,7 @@ class ContextParallel:
 
 
 def group_of(size: int, device: torch.device):
-    """The default process group, joined from the launcher's environment (``MASTER_ADDR``,
-    ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``) when not yet; its size must be ``size``."""
+    """The default process group, joined from torch.distributed's environment when not yet, of ``size`` ranks."""
     if not dist.is_initialized():
         if missing := [k for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE") if k not in os.environ]:
             raise ValueError(f"learner.context_parallel={size} needs one learner process per CP rank, each with "

@@ -1,12 +1,8 @@
-"""One compact decoder for the Llama, Qwen2 and Qwen3 families (switches: ``model/arch.py``), our own
-rather than transformers': the actor swaps weights under a live KV cache, and the learner controls
-attention and head precision. Names, shapes and numerics follow transformers exactly
-(tests/unit/test_families.py), so weights travel under HF names. RMSNorm and rope cos/sin stay FP32.
-"""
+"""One decoder for the Llama, Qwen2 and Qwen3 families (switches: model/arch.py), ours rather than transformers':
+the actor swaps weights under a live KV cache, the learner controls attention and head precision. Names, shapes
+and numerics follow transformers exactly (tests/unit/test_families.py). RMSNorm and rope cos/sin stay FP32."""
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -14,10 +10,8 @@ import torch.nn.functional as F
 
 from model.arch import ArchConfig
 from model.attention import DTYPES, attention_probs, attention_values, body_autocast  # noqa: F401 (re-exports)
+from model.kvcache import KVCache
 from model.rope import inv_freq
-
-if TYPE_CHECKING:
-    from model.kvcache import KVCache
 
 
 class RMSNorm(nn.Module):
@@ -103,14 +97,6 @@ class Layer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Body(nn.Module):
-    def __init__(self, cfg: ArchConfig):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Layer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-
 class Rotary(nn.Module):
     """FP32 cos/sin ``[B, 1, T, hd]`` of each position, times the rope type's attention factor."""
 
@@ -139,7 +125,9 @@ class Decoder(nn.Module):
     def __init__(self, cfg: ArchConfig):
         super().__init__()
         self.cfg = cfg
-        self.model = Body(cfg)
+        self.model = nn.ModuleDict(dict(embed_tokens=nn.Embedding(cfg.vocab_size, cfg.hidden_size),  # HF's names
+                                        layers=nn.ModuleList(Layer(cfg, i) for i in range(cfg.num_hidden_layers)),
+                                        norm=RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)))
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg)
@@ -170,8 +158,7 @@ class Decoder(nn.Module):
         x = self.model.embed_tokens(input_ids)
         s = key_mask.shape[1]
         t = input_ids.shape[1] if cp is None else s  # CP: each rank's attention takes every query
-        causal = torch.ones(t, s, dtype=torch.bool, device=x.device).tril(diagonal=s - t)
-        allowed = causal[None, None] & key_mask[:, None, None, :]
+        allowed = torch.ones(t, s, dtype=torch.bool, device=x.device).tril(diagonal=s - t) & key_mask[:, None, None, :]
         bias = torch.zeros(allowed.shape, dtype=torch.float32, device=x.device)
         bias.masked_fill_(~allowed, torch.finfo(torch.float32).min)
         cos, sin = self.rotary(position_ids)

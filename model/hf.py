@@ -1,17 +1,15 @@
-"""HF-format model directories (safetensors, sharded or not, plus tokenizer files) <-> :class:`Decoder`.
-Loading checks config.json and the safetensors headers (names, shapes, float dtypes) before reading
-anything -- never a partly random model -- then reads a shard at a time (peak: the model plus one
-tensor); pickled ``*.bin`` is refused. Saving keeps the input's config keys and writes a tied head
-once, so transformers loads the directory as is.
-"""
+"""HF model directories (safetensors, sharded or not, plus tokenizer files) <-> :class:`Decoder`. Loading checks
+config.json and the safetensors headers before reading anything (never a partly random model), then reads a
+shard at a time (peak: the model plus one tensor); pickled ``*.bin`` is refused. Saving keeps the input's config
+keys and writes a tied head once, so transformers loads the directory as is."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import time
+from pathlib import Path
 
 import torch
 from safetensors import safe_open
@@ -30,17 +28,14 @@ IGNORED_SUFFIX = "rotary_emb.inv_freq"
 
 
 def read_config(path: str) -> dict:
-    with open(os.path.join(path, "config.json")) as f:
-        return json.load(f)
+    return json.loads(Path(path, "config.json").read_text())
 
 
 def weight_files(path: str) -> list[str]:
     """The safetensors files of ``path``: the shards its index names, or ``model.safetensors``."""
     if os.path.exists(os.path.join(path, INDEX)):
-        with open(os.path.join(path, INDEX)) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-        absent = [name for name in files if not os.path.exists(os.path.join(path, name))]
-        if absent:
+        files = sorted(set(json.loads(Path(path, INDEX).read_text())["weight_map"].values()))
+        if absent := [name for name in files if not os.path.exists(os.path.join(path, name))]:
             raise FileNotFoundError(f"{path}/{INDEX} lists shards that are not there: {absent}")
         return files
     if os.path.exists(os.path.join(path, "model.safetensors")):
@@ -66,7 +61,7 @@ def _headers(path: str, files: list[str]) -> dict[str, tuple[str, tuple[int, ...
 
 def _check(path: str, cfg: ArchConfig, found: dict, expected: dict) -> None:
     """ValueError listing every tensor that is missing, unexpected, misshapen or not a float."""
-    names = {k for k in found if not k.endswith(IGNORED_SUFFIX)}
+    names = set(found)
     if cfg.tie_word_embeddings:
         names.discard("lm_head.weight")  # a tied copy some writers keep; compared after reading
     missing, unexpected = sorted(set(expected) - names), sorted(names - set(expected))
@@ -86,7 +81,7 @@ def _read(path: str, files: list[str], found: dict) -> dict[str, torch.Tensor]:
     state, start, total = {}, time.perf_counter(), 0
     for i, name in enumerate(files, 1):
         t0, nbytes = time.perf_counter(), 0
-        keys = [k for k, (file, _, _) in found.items() if file == name and not k.endswith(IGNORED_SUFFIX)]
+        keys = [k for k, (file, _, _) in found.items() if file == name]
         with safe_open(os.path.join(path, name), framework="pt") as f:
             for key in keys:
                 tensor = f.get_tensor(key)
@@ -103,7 +98,7 @@ def load_pretrained(path: str) -> Decoder:
     """The model in ``path``, its weights cast to FP32 as they are read."""
     cfg = ArchConfig.from_hf(read_config(path))
     files = weight_files(path)
-    found = _headers(path, files)
+    found = {k: v for k, v in _headers(path, files).items() if not k.endswith(IGNORED_SUFFIX)}
     _check(path, cfg, found, Decoder.shapes(cfg))
     state = _read(path, files, found)
     head = state.pop("lm_head.weight", None) if cfg.tie_word_embeddings else None  # a tied head's stored copy
@@ -115,13 +110,7 @@ def load_pretrained(path: str) -> Decoder:
 
 def tokenizer_files(model_dir: str) -> dict[str, bytes]:
     """The tokenizer files ``model_dir`` has, to be written beside new weights."""
-    out = {}
-    for name in TOKENIZER_FILES:
-        p = os.path.join(model_dir, name)
-        if os.path.exists(p):
-            with open(p, "rb") as f:
-                out[name] = f.read()
-    return out
+    return {name: Path(model_dir, name).read_bytes() for name in TOKENIZER_FILES if Path(model_dir, name).exists()}
 
 
 def save_pretrained(model: Decoder, path: str, extra_files: dict[str, bytes] | None = None) -> None:
@@ -133,13 +122,10 @@ def save_pretrained(model: Decoder, path: str, extra_files: dict[str, bytes] | N
     os.makedirs(path, exist_ok=True)
     t0 = time.perf_counter()
     state = {k: v.detach().to(target).contiguous() for k, v in model.state_dict().items()}
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(os.path.join(path, INDEX))  # a leftover index would make loaders read old shards
+    Path(path, INDEX).unlink(missing_ok=True)  # a leftover index would make loaders read old shards
     save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(model.cfg.to_hf(names[target]), f, indent=2)
+    Path(path, "config.json").write_text(json.dumps(model.cfg.to_hf(names[target]), indent=2))
     for name, data in (extra_files or {}).items():
-        with open(os.path.join(path, name), "wb") as f:
-            f.write(data)
+        Path(path, name).write_bytes(data)
     log.info("saved %s (%s): %.1f MB in %.2f s", path, names[target],
              sum(v.numel() * v.element_size() for v in state.values()) / 1e6, time.perf_counter() - t0)

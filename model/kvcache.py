@@ -1,8 +1,7 @@
-"""The actor's KV cache: preallocated per-slot K/V (zeroed: a masked column is never NaN), a length
-per slot, the cached attention. A forward over B rows uses slots [0, B) unless :meth:`bind` names
-others; its T new tokens are the last T of the S columns (T > 1: a prefill of empty rows or lock-step;
-T = 1 may mix lengths). GQA stacks a kv head's queries (``repeat_interleave`` took 33 of ~200 ms).
-"""
+"""The actor's KV cache: preallocated per-slot K/V (zeroed: a masked column is never NaN), a length per slot,
+the cached attention. A forward over B rows uses slots [0, B) unless :meth:`bind` names others; its T new tokens
+are the last T of the S columns (T > 1: a prefill of empty rows or lock-step; T = 1 may mix lengths). GQA stacks
+a kv head's queries (``repeat_interleave`` took 33 of ~200 ms)."""
 
 from __future__ import annotations
 
@@ -12,8 +11,6 @@ from model.attention import attention_probs, attention_values
 
 
 class KVCache:
-    """Preallocated K/V for ``slots`` rows of up to ``max_len`` positions, one length per row."""
-
     def __init__(self, cfg, slots: int, max_len: int, dtype, device="cpu"):
         shape = (slots, cfg.num_key_value_heads, max_len, cfg.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
@@ -36,9 +33,8 @@ class KVCache:
     def move(self, src: int, dst: int) -> None:
         """Copy slot ``src``'s sequence into slot ``dst``: once, instead of a gather on every later step."""
         n = int(self.lengths[src])
-        for k, v in zip(self.k, self.v):
-            k[dst, :, :n] = k[src, :, :n]
-            v[dst, :, :n] = v[src, :, :n]
+        for buf in (*self.k, *self.v):
+            buf[dst, :, :n] = buf[src, :, :n]
         self.lengths[dst] = n
 
     def _targets(self, b: int, t: int):
@@ -48,9 +44,8 @@ class KVCache:
                 raise RuntimeError(f"KV cache overflow: a forward over {b} rows, the cache has {self.slots} slots")
             rows = self._rows if self._rows is not None else torch.arange(b, device=self.lengths.device)
             pos = self.lengths[rows][:, None] + torch.arange(t, device=rows.device)
-            if int(pos[:, -1].max()) >= self.max_len:
-                raise RuntimeError(f"KV cache overflow: position {int(pos[:, -1].max())} in a cache of "
-                                   f"{self.max_len} positions per slot")
+            if (end := int(pos[:, -1].max())) >= self.max_len:
+                raise RuntimeError(f"KV cache overflow: position {end} in a cache of {self.max_len} positions per slot")
             self._where = rows[:, None], pos
         return self._where
 

@@ -1,8 +1,7 @@
-"""Rotary embeddings: a checkpoint's rope settings (transformers 4's ``rope_scaling`` or 5's
-``rope_parameters``) -> inverse frequencies and cos/sin scale, operation for operation as
-``modeling_rope_utils`` in FP32 (bit-identical). default, linear, llama3, yarn; ``dynamic`` and
-``longrope`` follow the running length, which a KV cache written earlier cannot: refused.
-"""
+"""Rotary embeddings: a checkpoint's rope settings (transformers 4's ``rope_scaling``, 5's ``rope_parameters``)
+-> inverse frequencies and cos/sin scale, bit-identical to ``modeling_rope_utils`` (FP32, the same operations):
+default, linear, llama3, yarn. ``dynamic`` and ``longrope`` follow the running length, which a KV cache written
+earlier cannot: refused."""
 
 from __future__ import annotations
 
@@ -10,23 +9,19 @@ import math
 
 import torch
 
-SCALED = ("llama3", "yarn", "longrope")  # the types that carry original_max_position_embeddings
 
-
-def rope_parameters(d: dict, max_position_embeddings: int, default_theta: float = 10000.0) -> dict:
+def rope_parameters(d: dict, max_position_embeddings: int) -> dict:
     """The effective rope settings of config dict ``d`` (``rope_type``, ``rope_theta``, the type's keys)."""
     raw = d.get("rope_scaling") or d.get("rope_parameters") or {}
     if not isinstance(raw, dict):
         raise ValueError(f"config.json rope_scaling/rope_parameters={raw!r}: expected an object")
     if raw and all(isinstance(v, dict) for v in raw.values()):
         raise ValueError(f"config.json rope_parameters keyed by layer type ({sorted(raw)}) is not supported")
-    p = dict(raw)
+    p = {k: v for k, v in raw.items() if k != "type"}
     p["rope_type"] = raw.get("rope_type", raw.get("type", "default"))
-    p.pop("type", None)
     if p.get("rope_theta") is None:
-        p["rope_theta"] = d.get("rope_theta") or default_theta
-    if p["rope_type"] in SCALED:
-        # a top-level original_max_position_embeddings (Phi-3 style) wins, as in transformers
+        p["rope_theta"] = d.get("rope_theta") or 10000.0
+    if p["rope_type"] in ("llama3", "yarn", "longrope"):  # a top-level value (Phi-3 style) wins, as in transformers
         p["original_max_position_embeddings"] = d.get(
             "original_max_position_embeddings", p.get("original_max_position_embeddings", max_position_embeddings))
     _check(p, d)

@@ -26,17 +26,13 @@ def truncation_mask(logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tenso
     rules on temperature-scaled logits: top-k keeps ties of the k-th; top-p then keeps the smallest
     prefix of the top-k-renormalised distribution reaching ``top_p``, the top token always)."""
     keep = torch.ones_like(logits, dtype=torch.bool)
-    vocab = logits.shape[-1]
-    if 0 < top_k < vocab:
-        kth = logits.topk(top_k, dim=-1).values[..., -1:]
-        keep &= logits >= kth
+    if 0 < top_k < logits.shape[-1]:
+        keep &= logits >= logits.topk(top_k, dim=-1).values[..., -1:]
     if top_p < 1.0:
-        masked = logits.masked_fill(~keep, float("-inf"))
-        sorted_logits, order = masked.sort(dim=-1, descending=True)
+        sorted_logits, order = logits.masked_fill(~keep, float("-inf")).sort(dim=-1, descending=True)
         probs = sorted_logits.to(torch.promote_types(logits.dtype, torch.float32)).softmax(dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs
-        keep_sorted = mass_before < top_p
-        keep &= torch.zeros_like(keep).scatter(-1, order, keep_sorted)
+        keep &= torch.zeros_like(keep).scatter(-1, order, mass_before < top_p)
     return keep
 
 

@@ -1,9 +1,7 @@
-"""A model directory's own tokenizer and special token ids. First hit wins: bos -- config.json,
-tokenizer_config.json; eos -- generation_config.json, config.json, tokenizer_config.json; pad --
-config.json, tokenizer_config.json, the first EOS (padding is masked: any id will do). Chat templates
-render as transformers' ``apply_chat_template`` does, in jinja2's immutable sandbox: a checkpoint's
-template is untrusted code.
-"""
+"""A model directory's own tokenizer and special token ids, first hit winning: bos -- config.json,
+tokenizer_config.json; eos -- generation_config.json, config.json, tokenizer_config.json; pad -- config.json,
+tokenizer_config.json, the first EOS (padding is masked: any id will do). Chat templates render as transformers'
+``apply_chat_template`` does, in jinja2's immutable sandbox: a checkpoint's template is untrusted code."""
 
 from __future__ import annotations
 
@@ -12,16 +10,14 @@ import json
 import os
 from dataclasses import dataclass
 from datetime import datetime
+from pathlib import Path
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
-def _read(path: str) -> dict:
-    if not os.path.exists(path):
-        return {}
-    with open(path) as f:
-        return json.load(f)
+def _read(*path: str) -> dict:
+    return json.loads(Path(*path).read_text()) if Path(*path).exists() else {}
 
 
 def _ids(value) -> tuple[int, ...]:
@@ -36,10 +32,8 @@ def _token_name(value) -> str | None:
 
 def read_chat_template(path: str, tok_config: dict) -> str | None:
     """``chat_template.jinja``, else tokenizer_config.json's (its "default" of a list); None if neither."""
-    file = os.path.join(path, CHAT_TEMPLATE_FILE)
-    if os.path.exists(file):
-        with open(file, encoding="utf-8") as f:
-            return f.read()
+    if (file := Path(path, CHAT_TEMPLATE_FILE)).exists():
+        return file.read_text(encoding="utf-8")
     value = tok_config.get("chat_template")
     if value is None or isinstance(value, str):
         return value
@@ -73,8 +67,9 @@ class Tokenizer:
     def decode(self, ids) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
-    def apply_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None) -> list[int]:
-        """Token ids of ``messages`` (and ``tools``' JSON schemas) as transformers' ``apply_chat_template`` gives them."""
+    def apply_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                   tools: list | None = None) -> list[int]:
+        """Token ids of ``messages`` (and ``tools``' schemas) as transformers' ``apply_chat_template`` gives them."""
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template (no chat_template.jinja, no chat_template "
                              "in tokenizer_config.json)")
@@ -107,10 +102,9 @@ class Tokenizer:
         file = os.path.join(path, "tokenizer.json")
         if not os.path.exists(file):
             raise FileNotFoundError(f"{path} has no tokenizer.json")
-        tok_config = _read(os.path.join(path, "tokenizer_config.json"))
-        return cls.build(HFTokenizer.from_file(file), _read(os.path.join(path, "config.json")),
-                         _read(os.path.join(path, "generation_config.json")), tok_config,
-                         read_chat_template(path, tok_config))
+        tok_config = _read(path, "tokenizer_config.json")
+        return cls.build(HFTokenizer.from_file(file), _read(path, "config.json"), _read(path, "generation_config.json"),
+                         tok_config, read_chat_template(path, tok_config))
 
     @classmethod
     def build(cls, tok, config: dict, generation: dict, tok_config: dict,
@@ -134,18 +128,15 @@ def _compile(template: str):
     import jinja2.ext  # >= 3.1.6 (pyproject): older versions have known sandbox escapes
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[_generation_tag(), jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
-    env.globals.update(raise_exception=_raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt),
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt),
                        namespace=_namespace_class())
     return env.from_string(template)
-
-
-def _raise_exception(message):
-    from jinja2.exceptions import TemplateError
-
-    raise TemplateError(message)
 
 
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
@@ -157,7 +148,6 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
 def _generation_tag():
     """``{% generation %}...{% endgeneration %}`` (transformers' training-mask tag): renders its body."""
     import jinja2.ext
-    from jinja2 import nodes
 
     class Generation(jinja2.ext.Extension):
         tags = {"generation"}
@@ -165,7 +155,7 @@ def _generation_tag():
         def parse(self, parser):
             lineno = next(parser.stream).lineno
             body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
 
         def _body(self, caller):
             return caller()
@@ -185,8 +175,7 @@ def _namespace_class():
 
     class TemplateNamespace(Namespace):
         def __init__(*args, **kwargs):  # noqa: N805 -- jinja's signature trick: `self` may be a key
-            self, rest = args[0], args[1:]
-            attrs = dict(*rest, **kwargs)
+            self, attrs = args[0], dict(*args[1:], **kwargs)
             for name in attrs:
                 check(name)
             Namespace.__init__(self, attrs)

@@ -36,12 +36,9 @@ class Engine(abc.ABC):
     name = ""
     receives = "tensors"  # weightsync.DELIVERS; or "group": a server joining a torch.distributed group
     stop = None  # a threading.Event the worker sets on SIGTERM; a long generate checks it per step
-    # stream(prefixes=...): continue sequences from saved prefixes (actor/partial.py); _stream takes ``prefixes``
-    supports_prefixes = False
+    supports_prefixes = False  # stream(prefixes=...) continues saved prefixes; _stream then takes ``prefixes``
     on_step = None  # the worker's heartbeat, once per decode step if the engine has steps (no hang)
-    # an Environment (actor/episodes.py): a sequence that samples one of its pause_ids finishes its turn
-    # ("tool"), gets the environment's tokens and continues from its prefix; stream returns whole episodes
-    env = None
+    env = None  # an Environment (actor/episodes.py): stream runs the turns and returns whole episodes
     _outer: list[int] = []  # the episode loop's current round: inner stream index -> outer prompt index
     _paused: dict[int, Sample] = {}  # samples between two turns, by outer index
 
@@ -80,14 +77,13 @@ class Engine(abc.ABC):
                 raise ValueError(f"max_new_tokens{'' if one else f'[{i}]'} = {b!r}: a limit is an integer >= 1")
         if not prompts:
             return iter(())
-        limits = [int(b) for b in limits]
-        if prefixes is not None and any(prefixes) or self.env is not None:
-            self._check_prefixes(prefixes or [None] * n, limits)
-        if self.env is not None:
-            return self._episodes(prompts, limits, greedy, list(prefixes or [None] * n))
-        if prefixes is None or not any(prefixes):
+        limits, prefixes = [int(b) for b in limits], list(prefixes or [None] * n)
+        if not any(prefixes) and self.env is None:  # an engine without prefixes is never given any
             return self._stream(prompts, limits, greedy)
-        return self._stream(prompts, limits, greedy, prefixes=list(prefixes))
+        self._check_prefixes(prefixes, limits)
+        if self.env is not None:
+            return self._episodes(prompts, limits, greedy, prefixes)
+        return self._stream(prompts, limits, greedy, prefixes=prefixes)
 
     def _episodes(self, prompts, limits, greedy, samples) -> Iterator[tuple[int, Sample]]:
         """Rounds of turns: the environment answers every sample paused at a call, then one stream continues

@@ -1,8 +1,7 @@
 """The SGLang engine (ARCHITECTURE.md, Seams), its server run from its own venv as SGLang pins its own torch
 (``actor.sglang.python``); ``.ci/sglang-contract`` checks the bodies against SGLang's structs. With top-k/top-p on,
 the behaviour log-probs are those of the renormalised support the token was drawn from
-(``output_token_sampling_logprobs``). A failed weight update poisons the engine until it has restarted its server
-and re-pulled a whole version. ``update_weights_from_tensor`` is not used: it pickles.
+(``output_token_sampling_logprobs``). ``update_weights_from_tensor`` is not used: it pickles.
 """
 
 from __future__ import annotations
@@ -31,8 +30,7 @@ HEALTH_PATH = "/health_generate"  # /health answers 200 without generating unles
 PAUSE_MODE = "retract"  # running requests go back to the queue and are recomputed on continue
 POLL_S = 0.2  # how often a wait looks at the server process and the stop event
 STOP_GRACE_S = 15.0  # SIGTERM -> SIGKILL
-# the server is on loopback: an http_proxy in the environment must not route requests to it
-_HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+_HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # on loopback: never through an http_proxy
 
 
 class SGLangError(RuntimeError):
@@ -67,20 +65,15 @@ def truncates(spec: SamplingSpec) -> bool:
 
 def sampling_params(spec: SamplingSpec, max_new_tokens: int, eos_ids, greedy: bool) -> dict:
     """SGLang ``sampling_params`` (temperature 0 is its greedy, no ``top_k`` its whole vocabulary)."""
-    body = {"max_new_tokens": int(max_new_tokens), "temperature": 0.0 if greedy else float(spec.temperature),
-            "top_p": float(spec.top_p), "stop_token_ids": sorted({int(t) for t in eos_ids})}
-    if spec.top_k > 0:
-        body["top_k"] = int(spec.top_k)
-    return body
+    return {"max_new_tokens": int(max_new_tokens), "temperature": 0.0 if greedy else float(spec.temperature),
+            "top_p": float(spec.top_p), "stop_token_ids": sorted({int(t) for t in eos_ids}),
+            **({"top_k": int(spec.top_k)} if spec.top_k > 0 else {})}
 
 
 def generate_body(prompt: list[int], params: dict, *, sampling_mask: bool) -> dict:
     """One ``/generate`` body: ``input_ids`` (driftrl tokenises), output-token log-probs only."""
-    body = {"input_ids": [int(t) for t in prompt], "sampling_params": params, "return_logprob": True,
-            "stream": False}
-    if sampling_mask:
-        body["return_sampling_mask"] = True
-    return body
+    return {"input_ids": [int(t) for t in prompt], "sampling_params": params, "return_logprob": True,
+            "stream": False, **({"return_sampling_mask": True} if sampling_mask else {})}
 
 
 def init_group_body(host: str, port: int, rank_offset: int, world_size: int) -> dict:
@@ -93,8 +86,7 @@ def init_group_body(host: str, port: int, rank_offset: int, world_size: int) -> 
 
 def bucket_bodies(header) -> list[dict]:
     """One ``/update_weights_from_distributed`` body per bucket, in the order the learner broadcasts."""
-    shapes = dict(zip(header.names, header.shapes))
-    last = len(header.buckets) - 1
+    shapes, last = dict(zip(header.names, header.shapes)), len(header.buckets) - 1
     return [{"names": list(b.names), "dtypes": [b.dtype] * len(b.names), "shapes": [list(shapes[n]) for n in b.names],
              "group_name": GROUP_NAME, "load_format": "flattened_bucket", "flush_cache": i == last,
              "weight_version": str(header.version) if i == last else None}
@@ -123,10 +115,9 @@ def token_versions(meta: dict, n: int, fallback: int) -> list[int]:
     """Per-token versions from ``meta_info["weight_versions"]`` spans [start, end), else ``fallback``."""
     out = [fallback] * n
     for span in meta.get("weight_versions") or []:
-        try:
+        v = fallback  # unless a number: "default" when the server started without --weight-version
+        with contextlib.suppress(TypeError, ValueError):
             v = int(span.get("version"))
-        except (TypeError, ValueError):
-            v = fallback  # "default": the server started without --weight-version
         for i in range(max(0, int(span["start"])), min(n, int(span["end"]))):
             out[i] = v
     return out
@@ -142,11 +133,10 @@ def parse_sample(out: dict, fallback_version: int, *, sampling_mask: bool) -> Sa
     ids = out.get("output_ids")
     if ids is not None and list(ids) != tokens:
         raise SGLangError(f"output_ids ({len(ids)}) and output_token_logprobs ({len(tokens)}) disagree")
-    logprobs = [float(e[0]) for e in entries]
-    if sampling_mask:
-        logprobs = [float(x) for x in meta.get("output_token_sampling_logprobs") or []]
-        if len(logprobs) != len(tokens):
-            raise SGLangError(f"output_token_sampling_logprobs has {len(logprobs)} entries for {len(tokens)} tokens")
+    logprobs = ([float(x) for x in meta.get("output_token_sampling_logprobs") or []] if sampling_mask
+                else [float(e[0]) for e in entries])
+    if len(logprobs) != len(tokens):
+        raise SGLangError(f"output_token_sampling_logprobs has {len(logprobs)} entries for {len(tokens)} tokens")
     return Sample(tokens, logprobs, token_versions(meta, len(tokens), fallback_version),
                   finish_reason(meta.get("finish_reason")))
 
@@ -249,8 +239,7 @@ class SGLangEngine(Engine):
                  max_batch: int = 256, weights=None, start_timeout_s: float = 600.0,
                  update_timeout_s: float = 300.0, restart=None):
         super().__init__(weights)
-        self.server, self.spec = server, spec
-        self.eos_ids = sorted({int(t) for t in eos_ids})
+        self.server, self.spec, self.eos_ids = server, spec, sorted({int(t) for t in eos_ids})
         self.max_new_tokens, self.max_batch = max_new_tokens, max_batch
         self.start_timeout_s, self.update_timeout_s = start_timeout_s, update_timeout_s
         self.restart = restart  # () -> SGLangServer: a fresh server on the model directory
@@ -343,9 +332,9 @@ class SGLangEngine(Engine):
         mask = truncates(self.spec) and not greedy
         prefixes = prefixes or [None] * len(prompts)
         stops = [*self.eos_ids, *(self.env.pause_ids if self.env is not None else ())]
-        bodies = [generate_body(p + (q.tokens if q else []), sampling_params(self.spec, n - len(q.tokens if q else ()),
-                                                                             stops, greedy), sampling_mask=mask)
-                  for p, n, q in zip(prompts, limits, prefixes)]
+        sent = [q.tokens if q else [] for q in prefixes]
+        bodies = [generate_body(p + d, sampling_params(self.spec, n - len(d), stops, greedy), sampling_mask=mask)
+                  for p, n, d in zip(prompts, limits, sent)]
         pool = cf.ThreadPoolExecutor(min(self.max_batch, len(bodies)), thread_name_prefix="sglang")
         try:
             futures = {pool.submit(self.server.post, "/generate", b): i for i, b in enumerate(bodies)}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -31,19 +31,16 @@ class _Seq:
     index: int
     prompt: list[int]
     budget: int
-    out: Sample = field(default_factory=lambda: Sample([], [], [], ""))  # finish_reason "" while running
+    out: Sample  # finish_reason "" while running
 
     @classmethod
     def of(cls, index: int, prompt: list[int], budget: int, prefix: Sample | None) -> "_Seq":
         """A saved prefix is prefilled with the prompt; the next token is sampled after it."""
-        if prefix is None:
-            return cls(index, list(prompt), budget)
-        out = prefix.copy("")
+        out = Sample([], [], [], "") if prefix is None else prefix.copy("")
         return cls(index, list(prompt) + out.tokens, budget, out)
 
 
 def _grown(need: int, have: int, factor: float, cap: int | None = None) -> int:
-    """``have`` if enough, else the larger of ``need`` and ``have * factor`` (at most ``cap``)."""
     return have if need <= have else max(need, min(math.ceil(have * factor), math.inf if cap is None else cap))
 
 
@@ -117,8 +114,7 @@ class TorchEngine(Engine):
         cache = self._cache_for(min(self.max_batch, len(prompts)), longest)
         waiting = deque(_Seq.of(i, p, b, q) for i, (p, b, q) in enumerate(zip(prompts, limits, prefixes or
                                                                                  [None] * len(prompts))))
-        running: list[_Seq | None] = []  # running[i] lives in cache slot i
-        self._running = running
+        self._running = running = []  # running[i] lives in cache slot i
         while True:
             if self.stop is not None and self.stop.is_set():
                 raise EngineStopped("stopped mid-generation")
@@ -162,12 +158,11 @@ class TorchEngine(Engine):
                 running[slot] = waiting.popleft()
                 fresh.append(slot)
         while None in running:
-            if running[-1] is None:
-                running.pop()
-                continue
-            hole = running.index(None)
-            cache.move(len(running) - 1, hole)
-            running[hole] = running.pop()
+            if running[-1] is not None:
+                hole = running.index(None)
+                cache.move(len(running) - 1, hole)
+                running[hole] = running[-1]
+            running.pop()
         return fresh
 
     def _prefill(self, cache: KVCache, running: list[_Seq], fresh: list[int], greedy: bool) -> None:

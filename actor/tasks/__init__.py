@@ -89,12 +89,10 @@ def stable_hash(text: str, size: int = 4) -> int:
 
 
 def held_out(key: str, frac: float, digest_size: int = 4) -> bool:
-    """Whether ``key`` is in the eval split: a stable hash of it falls within ``frac``."""
     return stable_hash(key, digest_size) % 10_000 < frac * 10_000
 
 
 def tier_of(difficulty: float) -> str:
-    """The tier of a difficulty normalised to [0, 1]: thirds, "low" to "high"."""
     return "low" if difficulty < 1 / 3 else "medium" if difficulty < 2 / 3 else "high"
 
 

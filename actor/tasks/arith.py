@@ -1,8 +1,6 @@
-"""Built-in verifiable task: multi-digit addition with an exact-match reward.
-
-Prompt ``"<s>47+38="``, expected completion ``"85</s>"``. Operand pairs are split into train and
-held-out by a hash, so held-out pairs are never seen in pre-training or RL. The tiny base model's
-tokenizer is character-level, so the model spends its capacity on arithmetic, not on merges.
+"""Built-in verifiable task: multi-digit addition, ``"<s>47+38="`` -> ``"85</s>"``, exact match. Operand pairs
+are split into train and held-out by a hash, so held-out pairs are never seen in pre-training or RL. The tiny
+base model's tokenizer is character-level: its capacity goes to arithmetic, not to merges.
 """
 
 from __future__ import annotations
@@ -56,6 +54,7 @@ def tiny_base_model(task_cls, cfg, chars: Sequence[str] = CHARS) -> str:
 
 class ArithTask(Task):
     name = "arith"
+    chars = CHARS  # the symbols of its tiny base model's tokenizer
 
     def sample(self, rng: random.Random, split: str = "train") -> Prompt:
         hi = 10**self.cfg.digits - 1
@@ -78,4 +77,4 @@ class ArithTask(Task):
 
     @classmethod
     def base_model(cls, cfg) -> str:
-        return tiny_base_model(cls, cfg)
+        return tiny_base_model(cls, cfg, cls.chars)

@@ -1,10 +1,8 @@
 """Built-in tool task: addition of operands too long for the tiny model to add unaided, with a calculator.
-
-Prompt ``"<s>48213+90377="``; an episode may call the tool, ``[48213+90377]``, get ``=138590\n`` from the
-environment (actor/episodes.py) and answer ``138590</s>``; the reward is exact match of the last line. The
-base model saw the tool used in ``model.pretrain_worked_frac`` of its answers, otherwise guessing (the sum
-with probability ``pretrain_correct_frac``, else its digits backwards): RL has to raise the rate of correct
-tool use, and with it the accuracy.
+``"<s>48213+90377="``: an episode may call ``[48213+90377]``, get ``=138590\n`` from the environment
+(actor/episodes.py) and answer ``138590</s>`` (exact match of the last line). The base model saw the tool used
+in ``model.pretrain_worked_frac`` of its answers, else guessing as arith's does: RL has to raise the rate of
+correct tool use, and with it the accuracy.
 """
 
 from __future__ import annotations
@@ -15,9 +13,8 @@ import operator
 import random
 
 from actor.tasks import Prompt
-from actor.tasks.arith import CHARS, ArithTask, tiny_base_model
+from actor.tasks.arith import CHARS, ArithTask
 
-CALC_CHARS = [*CHARS, "[", "]"]
 MAX_CALL_CHARS = 200
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 
@@ -44,6 +41,7 @@ def _eval(node) -> int:
 class CalcTask(ArithTask):
     name = "calc"
     tool = "actor.tasks.calc:calculator"
+    chars = [*CHARS, "[", "]"]
 
     def reward(self, prompt: Prompt, completion_ids) -> float:
         text = self.completion_text(completion_ids)
@@ -64,7 +62,3 @@ class CalcTask(ArithTask):
         calls = [t[1:t.index("]")] if t.startswith("[") and "]" in t else None for t in texts]
         return {"tool/use_rate": sum(c is not None for c in calls) / max(len(items), 1),
                 "tool/correct_rate": sum(c == p.id for c, (p, _) in zip(calls, items)) / max(len(items), 1)}
-
-    @classmethod
-    def base_model(cls, cfg) -> str:
-        return tiny_base_model(cls, cfg, CALC_CHARS)

@@ -1,11 +1,7 @@
-"""Procedural tasks of ``reasoning-gym``, scored by each dataset's own scorer in the reward pool.
-
-``task.datasets`` are mixed uniformly per prompt (repeat a name to weight it). Each split is its own
-procedural stream, and an item is eval only if a hash of its question falls within ``task.eval_frac``.
-The tier is the third of where the item's values sit in its metadata's difficulty ranges. The answer
-scored is the last ``<answer>`` tag's text, else the whole completion. The payload names the item and
-the worker regenerates it (a JSON round trip would turn tuple grids into lists); a question hash
-guards that it regenerated the same.
+"""Procedural tasks of ``reasoning-gym``, scored by each dataset's own scorer in the reward pool. ``task.datasets``
+are mixed uniformly per prompt (repeat a name to weight it); each split is its own procedural stream, an item eval
+only if a hash of its question falls within ``task.eval_frac``. The payload names the item and the worker
+regenerates it (a JSON round trip would turn tuple grids into lists); a question hash guards that it is the same.
 """
 
 from __future__ import annotations
@@ -102,8 +98,7 @@ class GymTask(PooledTask):
 # the scorer, run in a reward-pool worker
 def warmup() -> None:
     """Import reasoning-gym before the first answer's clock starts (~2 s)."""
-    import reasoning_gym  # noqa: F401
-    import reasoning_gym.utils  # noqa: F401
+    import reasoning_gym.utils  # the package with it  # noqa: F401
 
 
 def score(payload: dict) -> float:

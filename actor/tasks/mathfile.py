@@ -1,10 +1,6 @@
-"""Math problems from a JSONL or parquet file, scored by ``math-verify`` in the reward pool.
-
-Rows: ``prompt``, ``answer``, optional ``id`` (else a hash of the prompt), ``difficulty`` or
-``level`` (a number or MATH's "Level 3"), each checked on load. ``task.eval_path`` is the eval split,
-else a hash of each id holds out ``task.eval_frac``; the tier is the row's third of the difficulty
-range. math-verify's own ``signal.alarm`` bounds each phase at a third of the per-answer budget, so
-a slow expression usually scores 0 inside it and the pool's kill stays the backstop.
+"""Math problems from a JSONL or parquet file (rows: :class:`Row`, checked on load), scored by ``math-verify``
+in the reward pool. math-verify's own ``signal.alarm`` bounds each phase at a third of the per-answer budget,
+so a slow expression usually scores 0 inside it and the pool's kill stays the backstop.
 """
 
 from __future__ import annotations
@@ -30,61 +26,51 @@ class Row(msgspec.Struct):
     difficulty: int | float | None = None
 
 
-def _level(value, where: str) -> float | None:
-    if value is None or isinstance(value, (int, float)):
-        return None if value is None else float(value)
-    m = re.fullmatch(r"\s*(?:level\s*)?(-?\d+(?:\.\d+)?)\s*", value, flags=re.IGNORECASE)
-    if m is None:
-        raise ValueError(f"{where}: field `level` = {value!r} is not a number or 'Level N'")
-    return float(m.group(1))
-
-
 def _problem(raw, where: str) -> dict:
     try:
         row = msgspec.convert(raw, Row)
     except msgspec.ValidationError as e:
         raise ValueError(f"{where}: {str(e).replace('`$.', 'field `')}") from None
-    if not row.prompt.strip():
-        raise ValueError(f"{where}: field `prompt` is empty")
-    answer = str(row.answer).strip()
-    if not answer:
-        raise ValueError(f"{where}: field `answer` is empty")
-    level = _level(row.level, where)
+    answer, level = str(row.answer).strip(), row.level
+    for name, value in (("prompt", row.prompt.strip()), ("answer", answer)):
+        if not value:
+            raise ValueError(f"{where}: field `{name}` is empty")
+    if isinstance(level, str):  # MATH's "Level 3"
+        m = re.fullmatch(r"\s*(?:level\s*)?(-?\d+(?:\.\d+)?)\s*", level, flags=re.IGNORECASE)
+        if m is None:
+            raise ValueError(f"{where}: field `level` = {level!r} is not a number or 'Level N'")
+        level = m.group(1)
+    difficulty = row.difficulty if row.difficulty is not None else level
     pid = str(row.id) if row.id is not None else hashlib.blake2b(row.prompt.encode(), digest_size=8).hexdigest()
     return {"id": pid, "prompt": row.prompt, "answer": answer,
-            "difficulty": float(row.difficulty) if row.difficulty is not None else level}
+            "difficulty": None if difficulty is None else float(difficulty)}
 
 
-def _jsonl_rows(path: str):
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    yield json.loads(line), f"{path} line {n}"
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path} line {n}: not JSON ({e})") from None
-
-
-def _parquet_rows(path: str):
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise ValueError(f"{path} is parquet, which needs pyarrow: pip install pyarrow (or the extra: "
-                         "pip install 'driftrl[tasks]'), or convert the file to JSONL") from None
-    for n, raw in enumerate(pq.read_table(path).to_pylist(), 1):
-        yield raw, f"{path} row {n}"
+def _rows(path: str):
+    """``(row, where)`` for every row of a parquet or JSONL file."""
+    if path.endswith(".parquet"):
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise ValueError(f"{path} is parquet, which needs pyarrow: pip install pyarrow (or the extra: "
+                             "pip install 'driftrl[tasks]'), or convert the file to JSONL") from None
+        yield from ((raw, f"{path} row {n}") for n, raw in enumerate(pq.read_table(path).to_pylist(), 1))
+    else:
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        yield json.loads(line), f"{path} line {n}"
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"{path} line {n}: not JSON ({e})") from None
 
 
 def load_problems(path: str) -> list[dict]:
     if not os.path.exists(path):
         raise FileNotFoundError(f"task file {path!r} does not exist")
-    if path.endswith(".parquet"):
-        rows = _parquet_rows(path)
-    elif path.endswith((".jsonl", ".json", ".ndjson")):
-        rows = _jsonl_rows(path)
-    else:
+    if not path.endswith((".parquet", ".jsonl", ".json", ".ndjson")):
         raise ValueError(f"task file {path!r}: expected .jsonl or .parquet")
-    problems = [_problem(raw, where) for raw, where in rows]
+    problems = [_problem(raw, where) for raw, where in _rows(path)]
     if not problems:
         raise ValueError(f"task file {path!r} has no rows")
     return problems
@@ -107,9 +93,8 @@ class MathTask(PooledTask):
 
     def _split(self, rows: list[dict], eval_rows: list[dict] | None) -> dict[str, list[dict]]:
         if eval_rows is None:
-            frac = self.cfg.eval_frac
-            eval_rows = [p for p in rows if held_out(p["id"], frac)]
-            rows = [p for p in rows if not held_out(p["id"], frac)]
+            eval_rows = [p for p in rows if held_out(p["id"], self.cfg.eval_frac)]
+            rows = [p for p in rows if not held_out(p["id"], self.cfg.eval_frac)]
         for split, part in (("train", rows), ("eval", eval_rows)):
             if not part:
                 raise ValueError(f"task.path {self.cfg.path!r}: no rows left for the {split} split "
@@ -143,7 +128,6 @@ def _gold(answer: str, alarm_s: int):
 
 
 def score(payload: dict) -> float:
-    """1.0 iff math-verify finds the completion ``payload["text"]`` equal to ``payload["answer"]``."""
     from math_verify import parse, verify
 
     alarm_s = max(1, int(float(payload.get("budget_s", 10.0)) / 3))  # a third of the answer's budget

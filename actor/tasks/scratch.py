@@ -1,11 +1,8 @@
-"""Built-in reasoning task: long division, where writing the working out pays.
-
-Prompt ``"<s>7653/3="``; a completion answers directly, ``"2551</s>"``, or first writes ``r`` and
-the running remainder after each dividend digit: ``r1100:2551</s>``. Reward 1.0 iff EOS was
-produced and the text after the last ``:`` is the quotient; the working is never graded. Each
-quotient digit depends on every earlier remainder, which a tiny model answering directly must
-carry in one forward pass, so written working measurably raises accuracy. Divisors 3, 6, 7, 9:
-a remainder modulo 2, 4, 5 or 8 can be read off the last digits, needing no working.
+"""Built-in reasoning task: long division, where writing the working out pays. ``"<s>7653/3="`` is answered
+directly, ``"2551</s>"``, or after ``r`` and the running remainder after each dividend digit, ``r1100:2551</s>``;
+only the text after the last ``:`` is graded. Each quotient digit depends on every earlier remainder, which a tiny
+model answering directly must carry in one forward pass, so written working measurably raises accuracy. Divisors
+3, 6, 7, 9: a remainder modulo 2, 4, 5 or 8 can be read off the last digits, needing no working.
 """
 
 from __future__ import annotations
@@ -85,10 +82,9 @@ class ScratchTask(Task):
         return prompt.answer if rng.random() < model_cfg.pretrain_correct_frac else digitwise_quotient(a, k)
 
     def pretrain_recipe(self, model_cfg) -> dict:
-        recipe = {"min_digits": self.cfg.min_digits, "format": FORMAT_VERSION, "worked": model_cfg.pretrain_worked_frac}
-        if model_cfg.pretrain_redundant_frac:  # only when set: earlier models' keys stay valid
-            recipe["redundant"] = model_cfg.pretrain_redundant_frac
-        return recipe
+        redundant = model_cfg.pretrain_redundant_frac  # in the key only when set: earlier models' keys stay valid
+        return {"min_digits": self.cfg.min_digits, "format": FORMAT_VERSION, "worked": model_cfg.pretrain_worked_frac,
+                **({"redundant": redundant} if redundant else {})}
 
     @classmethod
     def base_model(cls, cfg) -> str:
