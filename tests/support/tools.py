@@ -18,9 +18,9 @@ def scripted(payload: dict):
     if op == "sleep":
         while True:
             time.sleep(3600)
-    if op == "spin":
+    if op == "spin":  # burns CPU until the sandbox's per-call CPU limit kills the worker
         while True:
-            pass
+            sum(range(10_000))
     if op == "alloc":
         return f"allocated {len(bytearray(2 << 30))} bytes"
     if op == "connect":
