@@ -6,25 +6,19 @@ re-sends it under that seq and the buffer answers "duplicate" rather than traini
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import os
+import pathlib
 
 import msgspec
 
+from actor.engines import Sample
 from core.files import atomic_write
 from core.messages import staleness
 
 log = logging.getLogger(__name__)
-
-
-class SavedSample(msgspec.Struct, array_like=True, frozen=True):
-    tokens: list[int]
-    logprobs: list[float]
-    versions: list[int]
-    finish_reason: str = ""  # "": a prefix still being generated
-    mask: list[int] | None = None  # an episode's: 1 sampled, 0 the environment's (actor/episodes.py)
+SavedSample = Sample  # saved as it is generated: finish_reason "" for a prefix still being generated
 
 
 class SavedGroup(msgspec.Struct, array_like=True, frozen=True):
@@ -34,7 +28,7 @@ class SavedGroup(msgspec.Struct, array_like=True, frozen=True):
     difficulty: float
     answer: str
     limit: int  # its samples' max_new_tokens
-    samples: list[SavedSample | None]  # None: not started
+    samples: list[Sample | None]  # None: not started
     seq: int = -1  # >= 0: complete, and handed to the client with this seq
 
 
@@ -59,8 +53,7 @@ def save(where: str, batch: SavedBatch) -> None:
 
 
 def clear(where: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(where)
+    pathlib.Path(where).unlink(missing_ok=True)
 
 
 def _problem(g: SavedGroup, group_size: int) -> str:
@@ -82,8 +75,7 @@ def load(where: str, actor_id: str, group_size: int) -> SavedBatch | None:
     """The batch an earlier incarnation saved, checked; None if there is none. A file that does not decode
     or does not fit this run is set aside (``.bad``) with a warning: its groups are generated anew."""
     try:
-        with open(where, "rb") as f:
-            raw = f.read()
+        raw = pathlib.Path(where).read_bytes()
     except FileNotFoundError:
         return None
     try:

@@ -39,8 +39,6 @@ CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
 LOGGED_ERRORS = 10  # the first errors are logged with their message, then every 100th
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _HEADER = struct.Struct("!I")
-
-
 _ENCODER = msgspec.msgpack.Encoder()
 _REQUESTS = msgspec.msgpack.Decoder(ScoreRequest)
 _REPLIES = msgspec.msgpack.Decoder(ScoreReply)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import collections
 import logging
-import os
+import pathlib
 import random
 import threading
 import time
@@ -52,8 +52,7 @@ class _Batch:
     def resumed(cls, saved: partial.SavedBatch, groups: list[partial.SavedGroup]) -> "_Batch":
         prompts = [Prompt(g.prompt_id, tuple(g.prompt), g.tier, g.difficulty, g.answer) for g in groups]
         b = cls(saved.start_version, prompts, [g.limit for g in groups], len(groups[0].samples))
-        b.done = [[None if s is None else Sample(list(s.tokens), list(s.logprobs), list(s.versions), s.finish_reason,
-                           s.mask) for s in g.samples] for g in groups]
+        b.done = [[None if s is None else s.copy() for s in g.samples] for g in groups]
         b.seqs, b.saved = {i: g.seq for i, g in enumerate(groups) if g.seq >= 0}, True  # the file lists it
         return b
 
@@ -64,15 +63,11 @@ class _Batch:
             seq = self.seqs.get(i)
             if seq == -1:  # left out (no signal): nothing to continue or send
                 continue
-            samples = [_saved(s if s is not None and s.finish_reason else running.get((i, j), s))
+            samples = [s if s is not None and s.finish_reason else running.get((i, j), s)
                        for j, s in enumerate(done)]
             groups.append(partial.SavedGroup(p.id, list(p.tokens), p.tier, p.difficulty, p.answer, self.limits[i],
                                              samples, -1 if seq is None else seq))
         return partial.SavedBatch(actor_id, self.start_version, groups)
-
-
-def _saved(s: Sample | None) -> partial.SavedSample | None:
-    return None if s is None else partial.SavedSample(s.tokens, s.logprobs, s.versions, s.finish_reason, s.mask)
 
 
 class RolloutWorker:
@@ -336,8 +331,7 @@ def main(argv=None) -> None:
     die_with_parent()
     log = setup_logging(f"actor{args.index}")
     stop = stop_event()
-    with open(os.path.join(args.run_dir, "config.json"), "rb") as f:
-        cfg = C.from_json(f.read())
+    cfg = C.from_json(pathlib.Path(args.run_dir, "config.json").read_bytes())
     torch.set_num_threads(cfg.actor.threads)
     try:
         worker = RolloutWorker(cfg, args.run_dir, args.index, stop)

@@ -1,8 +1,7 @@
 """``python run.py monitor [RUN_DIR]``: the live view of a job started in another terminal. It reads
 the roles' files under ``run_dir/metrics/`` (an older run: its ``metrics.jsonl``) and never writes into
 the run or sends the job a byte, so detaching cannot disturb it and a finished run replays. The job runs
-while the launcher pid of ``pids.json`` lives.
-"""
+while the launcher pid of ``pids.json`` lives."""
 
 from __future__ import annotations
 
@@ -13,9 +12,11 @@ import os
 import sys
 import time
 
+from core import config as C
 from core.messages import MetricRecords
 from core.files import read_json, run_file
 from core.metrics import MERGED_FILE, METRICS_DIR, FileTail, MetricsFollower, read_all, regular
+from core.monitor import Monitor
 from core.proc import pid_alive
 
 Follower = MetricsFollower | FileTail
@@ -55,8 +56,6 @@ def metrics_path(run_dir: str) -> str:
 
 def run_config(run_dir: str):
     """The run's config (the view's budgets); the defaults if unreadable."""
-    from core import config as C
-
     try:
         return C.from_dict(read_json(os.path.join(run_dir, "config.json")))
     except C.ConfigError:  # also when missing (None) or torn
@@ -105,8 +104,6 @@ def follow(monitor, follower: Follower, run_dir: str, keep_waiting: bool, poll_s
 
 def attach(run_dir: str, keep_waiting: bool = False, speed: float = 0.0, console=None, live: str = "auto") -> int:
     """Follow a running job, or replay a finished one; 0 when it ends. ``live``: this terminal's monitor.live."""
-    from core.monitor import Monitor
-
     role_files = os.path.isdir(os.path.join(run_dir, METRICS_DIR))
     follower = MetricsFollower(run_dir) if role_files else FileTail(metrics_path(run_dir))
     monitor = Monitor(run_config(run_dir), console, live)

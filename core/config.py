@@ -31,7 +31,7 @@ PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # ray
 
 
 class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    pass
+    """A config table: an unknown key in it is an error."""
 
 
 class RunSection(_Section):

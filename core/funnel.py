@@ -53,9 +53,6 @@ class Funnel:
     def lost(self) -> dict[str, float]:
         return {r: n for r in REASONS if (n := self.total(r))}
 
-    def by_length(self) -> dict[str, float]:
-        return {b: n for b in BUCKETS if (n := self.total("len/" + b))}
-
     def balance(self) -> float:
         """generated - (trained + lost + resident + in flight): 0 when every role's last counts are in."""
         return self.total("generated") - self.total("trained") - sum(self.lost().values()) \
@@ -75,8 +72,8 @@ class Funnel:
 
     def length_line(self) -> str | None:
         """``lost by response length: <=64 40, <=256 16``; None with nothing lost."""
-        by_len = self.by_length()
-        return "lost by response length: " + ", ".join(f"{b} {n:.0f}" for b, n in by_len.items()) if by_len else None
+        by_len = [f"{b} {n:.0f}" for b in BUCKETS if (n := self.total("len/" + b))]
+        return "lost by response length: " + ", ".join(by_len) if by_len else None
 
 
 def from_records(records) -> Funnel:

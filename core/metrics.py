@@ -16,6 +16,7 @@ from numbers import Real
 
 import msgspec
 
+from core.config import ConfigError
 from core.files import atomic_write, read_json
 from core.messages import MetricRecords
 
@@ -343,8 +344,6 @@ class TensorBoardWriter:
         try:
             from tensorboardX import SummaryWriter
         except ImportError:
-            from core.config import ConfigError
-
             raise ConfigError("`$.metrics.tensorboard` = true needs tensorboardX: "
                               "pip install -e '.[tensorboard]'") from None
         self._make = SummaryWriter

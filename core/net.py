@@ -138,9 +138,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def bind(sock: zmq.Socket, host: str, port: int = 0, curve: Curve | None = None) -> int:
-    """Bind ``sock`` on ``host:port`` (0 = any free port; ``*``: every interface); the bound port."""
-    if host != "*":
-        check_host(host)
+    """Bind ``sock`` on ``host:port`` (0 = any free port); the bound port."""
+    check_host(host)
     if curve is not None:
         if not curve.server_secret:
             raise InsecureBindError("CURVE server needs its secret key")

@@ -1,8 +1,7 @@
 """``python run.py plot [RUN_DIR]``: PNG figures of a run from its ``metrics.jsonl`` (a pipeline
 directory: one figure across its RL stages), over the learner step; step -1 records (restarts, drawn
 as vertical lines) go at the learner step nearest in time. A metric nobody logged says "not logged".
-The last stdout line is ``{"plots": [paths]}``.
-"""
+The last stdout line is ``{"plots": [paths]}``."""
 
 from __future__ import annotations
 

@@ -59,7 +59,7 @@ def pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:  # alive, someone else's
-        pass
+        return True
     return True
 
 

@@ -4,6 +4,7 @@ so an untrusted checkpoint cannot run code; a failed write raises :class:`WriteE
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import logging
@@ -60,9 +61,7 @@ def save(ckpt_root: str, step: int, backend, meta: dict) -> str:
     final = os.path.join(ckpt_root, f"step_{step:06d}")
 
     def write(tmp: str) -> None:
-        py_state = random.getstate()
-        full_meta = {**meta, **backend.save_state(tmp), "step": step,
-                     "python_rng": [py_state[0], list(py_state[1]), py_state[2]]}
+        full_meta = {**meta, **backend.save_state(tmp), "step": step, "python_rng": random.getstate()}
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump(full_meta, f, indent=2)
         _write_manifest(tmp)
@@ -114,10 +113,8 @@ def _prune(ckpt_root: str) -> None:
 
 
 def complete_checkpoints(ckpt_root: str) -> list[str]:
-    if not os.path.isdir(ckpt_root):
-        return []
-    names = sorted(n for n in os.listdir(ckpt_root) if n.startswith("step_"))
-    return [os.path.join(ckpt_root, n) for n in names if os.path.exists(os.path.join(ckpt_root, n, MARKER))]
+    markers = glob.glob(os.path.join(glob.escape(ckpt_root), "step_*", MARKER))
+    return sorted(os.path.dirname(m) for m in markers)
 
 
 def latest(ckpt_root: str) -> str | None:

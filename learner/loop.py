@@ -182,13 +182,13 @@ class LearnerLoop:
         """One optimiser step on ``groups`` -> ``(metrics, batch)``; ``(None, None)`` if skipped."""
         try:
             batch = collate(groups, self.version, vocab_size=self.cfg.model.vocab_size)
-            m, verdict = self._guarded_step(batch)
+            m = self.backend.step(batch, self._check)
         except Exception as e:  # noqa: BLE001 -- any failure of one batch must not end the run
             self._skip(groups, e)
             return None, None
         self._skips_in_a_row = 0
-        self._on_verdict(verdict, groups)
-        if verdict.blocks_step:
+        self._on_verdict(self._verdict, groups)
+        if self._verdict.blocks_step:
             self._emit_control()
             return None, None
         self.version += 1
@@ -200,15 +200,10 @@ class LearnerLoop:
         self.consumed_groups += len(batch.keys)
         return m, batch
 
-    def _guarded_step(self, batch):
-        """``Backend.step`` with the guard-rails before the optimiser -> ``(metrics, verdict)``."""
-        verdicts = []
-
-        def check(m) -> bool:
-            verdicts.append(self.control.observe(self.step + 1, m))
-            return verdicts[0].blocks_step
-
-        return self.backend.step(batch, check), verdicts[0]
+    def _check(self, m: dict) -> bool:
+        """``Backend.step``'s check: the guard-rails before the optimiser (the verdict kept)."""
+        self._verdict = self.control.observe(self.step + 1, m)
+        return self._verdict.blocks_step
 
     def _on_verdict(self, verdict, groups: list[M.RolloutGroup]) -> None:
         """Log the staleness decision and carry out the guard action (see the module docstring)."""

@@ -29,10 +29,8 @@ def attention_probs(a, b, bias, scale: float, dim: int, fp32: bool, dtype: torch
     """softmax(a @ b * scale + bias) over ``dim``. ``fp32`` (the island): operands upcast exactly,
     FP32 scores and softmax -- what a GPU tensor core computes from BF16 inputs. Off: all in the
     body's ``dtype`` (in BF16 a logit of 20 is known only to 0.06)."""
+    wide = torch.promote_types(a.dtype, torch.float32) if fp32 else dtype  # a float64 reference stays float64
     with _island(a.device.type):
-        if not fp32:
-            return torch.softmax(torch.matmul(a.to(dtype), b.to(dtype)) * scale + bias.to(dtype), dim=dim)
-        wide = torch.promote_types(a.dtype, torch.float32)  # a float64 reference stays float64
         return torch.softmax(torch.matmul(a.to(wide), b.to(wide)) * scale + bias.to(wide), dim=dim)
 
 

@@ -10,7 +10,6 @@ import json
 import logging
 import os
 import random
-import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -135,11 +134,7 @@ def verified(model_dir: str) -> str:
 
 
 def ensure_base_model(cfg, build=None, task_recipe: dict | None = None) -> str:
-    """``cfg.model.path`` if set, else the cached tiny model, built on first use by ``build(out_dir)``."""
-    if cfg.model.path:
-        if not os.path.exists(os.path.join(cfg.model.path, "config.json")):
-            raise FileNotFoundError(f"model.path={cfg.model.path!r} has no config.json")
-        return cfg.model.path
+    """The cached tiny model of a run without ``model.path``, built on first use by ``build(out_dir)``."""
     name = f"base-{cfg.task.name}-{recipe_key(cfg, task_recipe)}"
     if os.path.isdir(os.path.join(SHIPPED, name)):
         return verified(os.path.join(SHIPPED, name))
@@ -147,8 +142,8 @@ def ensure_base_model(cfg, build=None, task_recipe: dict | None = None) -> str:
     if os.path.exists(os.path.join(final, "driftrl_base.json")):
         return final
     os.makedirs(os.path.dirname(final), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".build-", dir=os.path.dirname(final))
-    try:
+    with tempfile.TemporaryDirectory(prefix=".build-", dir=os.path.dirname(final),
+                                     ignore_cleanup_errors=True) as tmp:  # nothing left once renamed
         log.info("building the tiny base model into %s (first use only)", final)
         build(tmp)
         try:
@@ -156,6 +151,4 @@ def ensure_base_model(cfg, build=None, task_recipe: dict | None = None) -> str:
         except OSError:
             if not os.path.exists(os.path.join(final, "driftrl_base.json")):
                 raise  # someone else's build did not finish either: surface it
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return final

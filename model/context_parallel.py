@@ -1,12 +1,10 @@
 """Context parallelism: each sequence split along its length across a torch.distributed group (Gloo on CPU,
-NCCL on GPU), so no rank holds a whole trace's activations. Each attention layer trades the sequence split for a
-head split with one all-to-all, attends over the whole sequence through the decoder's own attention (the same
-FP32 island) and trades back: one collective each way per layer, where ring attention needs CP - 1 KV steps.
-
-Heads (:func:`head_plan`): ``ceil(nh / CP)`` query heads per rank in order, spare slots holding copies of the last
-head, their outputs dropped (9 heads on 2 ranks: 5 + 5). A rank receives only the KV heads its queries read, one
-read by two ranks going to both (so fewer KV heads than ranks works); none is sent twice when CP divides both counts.
-"""
+NCCL on GPU), so no rank holds a whole trace's activations. Each attention layer trades the sequence split for
+a head split with one all-to-all, attends over the whole sequence with the decoder's attention (the same FP32
+island) and trades back: one collective each way per layer, where ring attention needs CP - 1 KV steps. Heads
+(:func:`head_plan`): ``ceil(nh / CP)`` query heads per rank in order, spare slots copying the last head, their
+outputs dropped (9 heads on 2 ranks: 5 + 5). A rank receives only the KV heads its queries read (fewer KV
+heads than ranks works); none is sent twice when CP divides both counts."""
 
 from __future__ import annotations
 

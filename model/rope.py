@@ -18,18 +18,12 @@ def rope_parameters(d: dict, max_position_embeddings: int) -> dict:
     if raw and all(isinstance(v, dict) for v in raw.values()):
         raise ValueError(f"config.json rope_parameters keyed by layer type ({sorted(raw)}) is not supported")
     p = {k: v for k, v in raw.items() if k != "type"}
-    p["rope_type"] = raw.get("rope_type", raw.get("type", "default"))
+    kind = p["rope_type"] = raw.get("rope_type", raw.get("type", "default"))
     if p.get("rope_theta") is None:
         p["rope_theta"] = d.get("rope_theta") or 10000.0
-    if p["rope_type"] in ("llama3", "yarn", "longrope"):  # a top-level value (Phi-3 style) wins, as in transformers
+    if kind in ("llama3", "yarn", "longrope"):  # a top-level value (Phi-3 style) wins, as in transformers
         p["original_max_position_embeddings"] = d.get(
             "original_max_position_embeddings", p.get("original_max_position_embeddings", max_position_embeddings))
-    _check(p, d)
-    return p
-
-
-def _check(p: dict, d: dict) -> None:
-    kind = p["rope_type"]
     if kind not in INIT:
         raise ValueError(f"config.json rope type {kind!r} is not supported (driftrl implements {sorted(INIT)}; "
                          f"'dynamic' and 'longrope' depend on the running sequence length)")
@@ -40,6 +34,7 @@ def _check(p: dict, d: dict) -> None:
     for key in REQUIRED[kind]:
         if p.get(key) is None:
             raise ValueError(f"config.json rope type {kind!r} needs {key!r} (got {p.get(key)!r})")
+    return p
 
 
 def _base(theta: float, dim: int) -> torch.Tensor:

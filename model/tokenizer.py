@@ -12,6 +12,11 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+import jinja2.ext  # >= 3.1.6 (pyproject): older versions have known sandbox escapes
+from jinja2.exceptions import SecurityError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.utils import Namespace
+
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
@@ -80,8 +85,6 @@ class Tokenizer:
 
     def wants_chat(self, mode: str) -> bool:
         """Whether prompts go through the chat template under task.chat_template = ``mode``."""
-        if mode not in ("auto", "on", "off"):
-            raise ValueError(f"task.chat_template = {mode!r}: expected auto, on or off")
         if mode == "on" and self.chat_template is None:
             raise ValueError("task.chat_template = 'on' but the model's tokenizer has no chat template "
                              f"(no {CHAT_TEMPLATE_FILE}, no chat_template in tokenizer_config.json)")
@@ -125,17 +128,14 @@ class Tokenizer:
 
 @functools.lru_cache(maxsize=16)
 def _compile(template: str):
-    import jinja2.ext  # >= 3.1.6 (pyproject): older versions have known sandbox escapes
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_generation_tag(), jinja2.ext.loopcontrols])
+                                        extensions=[_Generation, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt),
-                       namespace=_namespace_class())
+                       namespace=_TemplateNamespace)
     return env.from_string(template)
 
 
@@ -144,44 +144,35 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-@functools.cache
-def _generation_tag():
+class _Generation(jinja2.ext.Extension):
     """``{% generation %}...{% endgeneration %}`` (transformers' training-mask tag): renders its body."""
-    import jinja2.ext
 
-    class Generation(jinja2.ext.Extension):
-        tags = {"generation"}
+    tags = {"generation"}
 
-        def parse(self, parser):
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
 
-        def _body(self, caller):
-            return caller()
-
-    return Generation
+    def _body(self, caller):
+        return caller()
 
 
-@functools.cache
-def _namespace_class():
+class _TemplateNamespace(Namespace):
     """jinja's ``namespace`` refusing underscore-prefixed names (transformers' ``TemplateNamespace``)."""
-    from jinja2.exceptions import SecurityError
-    from jinja2.utils import Namespace
 
-    def check(name):
+    def __init__(*args, **kwargs):  # noqa: N805 -- jinja's signature trick: `self` may be a key
+        self, attrs = args[0], dict(*args[1:], **kwargs)
+        for name in attrs:
+            _TemplateNamespace._check(name)
+        Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name, value):
+        _TemplateNamespace._check(name)  # not self._check: a Namespace's attributes are its keys
+        Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name):
         if isinstance(name, str) and name.startswith("_"):
-            raise SecurityError(f"chat templates cannot store underscore-prefixed names on a namespace: {name!r}")
-
-    class TemplateNamespace(Namespace):
-        def __init__(*args, **kwargs):  # noqa: N805 -- jinja's signature trick: `self` may be a key
-            self, attrs = args[0], dict(*args[1:], **kwargs)
-            for name in attrs:
-                check(name)
-            Namespace.__init__(self, attrs)
-
-        def __setitem__(self, name, value):
-            check(name)
-            Namespace.__setitem__(self, name, value)
-
-    return TemplateNamespace
+            raise SecurityError(f"chat templates cannot store underscore-prefixed names on a namespace: "
+                                f"{name!r}")

@@ -8,9 +8,8 @@ PUBLISHERS = {"shm": "weightsync.files:ShmPublisher", "filesystem": "weightsync.
 SUBSCRIBERS = {"shm": "weightsync.files:ShmSubscriber", "filesystem": "weightsync.files:FsSubscriber",
                "nccl": "weightsync.nccl:NcclSubscriber", "cuda_ipc": "weightsync.cuda_ipc:CudaIpcSubscriber",
                "torch_dist": "weightsync.nccl:GroupLink"}
-# what an engine receives (Engine.receives; the driver checks the pair: jobs.check_seams) -> the transports
-# that deliver it: "tensors" (a subscriber copies or maps into the engine's own tensors) or "group" (a
-# server joins a torch.distributed group and receives the broadcasts itself; its subscriber is a GroupLink)
+# what an engine receives (Engine.receives; jobs.check_seams) -> its transports: "tensors" (a subscriber
+# copies or maps into the engine's tensors) or "group" (its server receives the broadcasts itself: GroupLink)
 DELIVERS = {"tensors": ("shm", "filesystem", "nccl", "cuda_ipc"), "group": ("torch_dist",)}
 # the transports that can send a version as its changed elements (weightsync/delta.py; check_devices says why)
 DELTA = ("shm", "filesystem", "nccl")

@@ -45,16 +45,15 @@ class _Closable(contextlib.AbstractContextManager):
             self._close()
 
     def _close(self) -> None:
-        pass
+        """The transport's part: nothing by default."""
 
     def __exit__(self, *exc):
         self.close()
 
 
 class Publisher(_Closable):
-    """Learner side. ``_write`` returns the payload bytes, or None when the transport dropped that version (cuda_ipc
-    with every device slot in use): ``publish`` then returns None. A transport that sends deltas defines
-    ``_write_delta(header, payload)`` (1-D uint8, laid out by weightsync/delta.py), returning the same."""
+    """Learner side. ``_write`` returns the payload bytes, or None when the transport dropped that version
+    (cuda_ipc, every slot in use): ``publish`` then returns None; a delta transport's ``_write_delta`` too."""
 
     transport = "?"
     _write_delta = None
@@ -125,8 +124,7 @@ class Subscriber(_Closable):
         self.stats = SubscriberStats()
 
     @classmethod
-    def from_config(cls, cfg, run_dir: str, timeout_s: float = 60, *, stop=None, device=None,
-                    actor_id: str = "") -> "Subscriber":
+    def from_config(cls, cfg, run_dir: str, timeout_s: float, *, stop, device, actor_id: str) -> Subscriber:
         return cls(run_dir, timeout_s, device=device, stop=stop)
 
     @abc.abstractmethod

@@ -85,16 +85,15 @@ class _Control(ShmPublisher):
 
 
 class CudaIpcPublisher(Publisher):
-    """``slots`` device copies (default ``2 + max_readers``: one visible, one being written, one
-    per reader copying; a publish never waits)."""
+    """``2 + max_readers`` device slots (one visible, one being written, one per reader copying): no waits."""
 
     transport = "cuda_ipc"
 
     def __init__(self, run_dir: str, template: Mapping[str, torch.Tensor], bucket_bytes: int = 64 << 20, *,
-                 max_readers: int = 4, slots: int | None = None, share=share_cuda):
+                 max_readers: int = 4, share=share_cuda):
         super().__init__(layout.header_for(-1, template, bucket_bytes))
         self.device = next(iter(template.values())).device
-        self.slots = 2 + max_readers if slots is None else slots
+        self.slots = 2 + max_readers
         nbytes = layout.total_nbytes(self.header)
         flats = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(self.slots)]
         self.views = [list(map(layout.views(self.header, flat).get, self.header.names)) for flat in flats]
@@ -145,10 +144,8 @@ class CudaIpcSubscriber(Subscriber):
         return got.version, layout.payload_nbytes(rec.layout)
 
     def _open(self, rec: IpcSlot) -> torch.Tensor:
-        if self._control.dir != self._opened_from:
-            # a restarted learner's directory: the old handles point at a dead process's memory
-            self._opened.clear()
-            self._opened_from = self._control.dir
+        if self._control.dir != self._opened_from:  # a restarted learner: the old handles are dead memory
+            self._opened, self._opened_from = {}, self._control.dir
         key = (rec.handle, rec.offset_bytes)
         if key not in self._opened:
             self._opened[key] = self._opener(rec)

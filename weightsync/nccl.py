@@ -17,7 +17,9 @@ from typing import Mapping, Union
 
 import msgspec
 import torch
+import torch.distributed as dist
 import zmq
+from torch.distributed import distributed_c10d as c10d
 
 from core import net
 from core.files import atomic_write, read_json
@@ -83,22 +85,12 @@ class _GlooComm:
     """The same broadcasts over torch's Gloo process group, on CPU tensors (tests, CPU hosts)."""
 
     def __init__(self, world: int, uid: bytes, rank: int, timeout_s: float, store=None):
-        import torch.distributed as dist
-
         host, port = uid.decode().rsplit(":", 1)
         timeout = datetime.timedelta(seconds=timeout_s)
         self.store = store or dist.TCPStore(host, int(port), world, False, timeout=timeout)
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout, opts._devices = timeout, [dist.ProcessGroupGloo.create_device(hostname=host)]
         self.pg = dist.ProcessGroupGloo(self.store, rank, world, opts)
-
-    @staticmethod
-    def new_store(host: str, world: int, timeout_s: float):
-        import torch.distributed as dist
-
-        timeout = datetime.timedelta(seconds=timeout_s)
-        store = dist.TCPStore(host, 0, world, True, timeout=timeout, wait_for_workers=False)
-        return store, f"{host}:{store.port}".encode()
 
     def send(self, bufs: list[torch.Tensor], timeout_s: float, what: str, stopped=None) -> None:
         for buf in bufs:  # bounded by the group's own timeout
@@ -115,36 +107,34 @@ class _TorchGroup:
     and ``new_group`` rendezvouses through the default store, which the servers never see."""
 
     def __init__(self, store, world: int, backend: str, timeout_s: float):
-        import torch.distributed as dist
-        from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
-
         # with an eagerly bound default group, torch would split the new NCCL communicator from the
         # learner's own (ncclCommSplit), which the servers' ranks are not part of
-        if dist.is_initialized() and dist.distributed_c10d._get_default_group().bound_device_id is not None:
+        if dist.is_initialized() and c10d._get_default_group().bound_device_id is not None:
             raise ValueError("weightsync.transport=torch_dist: the learner's default process group is bound to a "
                              "device (init_process_group(device_id=...)), so torch would split the servers' group "
                              "from it; initialise the learner's group without device_id")
-        self._dist, self.backend, self.store = dist, backend, store  # the TCPStore master: it must outlive the group
-        self.pg, _ = _new_process_group_helper(world, 0, [], Backend(backend), PrefixStore(GROUP_NAME, store),
-                                               group_name=GROUP_NAME, timeout=datetime.timedelta(seconds=timeout_s))
-        _world.pg_group_ranks[self.pg] = {r: r for r in range(world)}  # destroy_process_group reads it
+        self.backend, self.store = backend, store  # the TCPStore master: it must outlive the group
+        self.pg, _ = c10d._new_process_group_helper(
+            world, 0, [], c10d.Backend(backend), c10d.PrefixStore(GROUP_NAME, store), group_name=GROUP_NAME,
+            timeout=datetime.timedelta(seconds=timeout_s))
+        c10d._world.pg_group_ranks[self.pg] = {r: r for r in range(world)}  # destroy_process_group reads it
 
     def send(self, bufs: list[torch.Tensor], timeout_s: float, what: str, stopped=None) -> None:
         # group_src: a rank of this group, whatever the learner's own default group numbers it
-        works = [self._dist.broadcast(buf, group=self.pg, group_src=0, async_op=True) for buf in bufs]
+        works = [dist.broadcast(buf, group=self.pg, group_src=0, async_op=True) for buf in bufs]
         try:  # a server that never receives stalls every rank
             wait_until(lambda: all(w.is_completed() for w in works), timeout_s,
                        f"the {self.backend} broadcast of {what} to the group", 1e-4, stopped)
         except (Stopped, TimeoutError):
             if self.backend == "nccl":  # a Gloo broadcast cannot be interrupted; its own timeout bounds it
-                self._dist.distributed_c10d._abort_process_group(self.pg)
+                c10d._abort_process_group(self.pg)
             raise
         for w in works:
             w.wait()  # raises a failed broadcast's error; NCCL: orders the caller's stream after it
 
     def close(self) -> None:
-        if self.pg in self._dist.distributed_c10d._world.pg_map:  # an aborted group is gone already
-            self._dist.destroy_process_group(self.pg)
+        if self.pg in c10d._world.pg_map:  # an aborted group is gone already
+            dist.destroy_process_group(self.pg)
 
 
 class NcclPublisher(Publisher):
@@ -164,7 +154,6 @@ class NcclPublisher(Publisher):
         self.collective_timeout_s = collective_timeout_s
         self.rank_devices: dict[int, str] = {0: str(device)}  # rank -> device, from each RankDevice
         self.bad_frames = self.rebuilds = 0  # rebuilds: groups rebuilt for a repeat Hello (torch_dist)
-        self._payload = layout.payload_nbytes(self.header)
         self._bufs, self._views = _buffers(self.header, device, packed=backend == "torch_dist")
         self._ctx = zmq.Context()
         self._sock = net.socket(self._ctx, zmq.ROUTER, linger_ms=1000)
@@ -224,8 +213,10 @@ class NcclPublisher(Publisher):
     def _new_comm(self, device: torch.device | None = None):
         """Send every peer its CollectiveInit and make rank 0's communicator (torch_dist: a fresh
         store, its port chosen by the OS, and group; the servers connect once they have the inits)."""
-        store, uid = ((None, _NcclComm.new_id()) if self.backend == "nccl"
-                      else _GlooComm.new_store(self._host, self.world_size, self.collective_timeout_s))
+        timeout = datetime.timedelta(seconds=self.collective_timeout_s)
+        store = None if self.backend == "nccl" else dist.TCPStore(self._host, 0, self.world_size, True,
+                                                                   timeout=timeout, wait_for_workers=False)
+        uid = _NcclComm.new_id() if store is None else f"{self._host}:{store.port}".encode()
         for rank, peer in enumerate(self._peers, start=1):
             self._sock.send_multipart([peer, encode(CollectiveInit(rank, self.world_size, self.backend, uid,
                                                                    self.header))])
@@ -262,7 +253,7 @@ class NcclPublisher(Publisher):
         for peer in self._peers:
             self._sock.send_multipart([peer, frame])
         self._comm.send(self._bufs, self.collective_timeout_s, f"version {version}", self._stop)
-        return self._payload
+        return layout.payload_nbytes(self.header)
 
     def use_delta(self, full_every: int, cast: torch.dtype | None = None) -> None:
         if self.backend == "torch_dist":
@@ -318,8 +309,7 @@ class NcclSubscriber(Subscriber):
             raise
 
     @classmethod
-    def from_config(cls, cfg, run_dir: str, timeout_s: float = 60, *, stop=None, device=None,
-                    actor_id: str = "") -> "NcclSubscriber":
+    def from_config(cls, cfg, run_dir: str, timeout_s: float, *, stop, device, actor_id: str) -> Subscriber:
         return cls(run_dir, timeout_s, curve=net.curve_from_config(cfg.net), device=device, actor_id=actor_id,
                    stop=stop)
 
@@ -393,8 +383,7 @@ class GroupLink(_Closable):
         self.restarts = 0  # the engine's server restarts
 
     @classmethod
-    def from_config(cls, cfg, run_dir: str, timeout_s: float = 60, *, stop=None, device=None,
-                    actor_id: str = "") -> "GroupLink":
+    def from_config(cls, cfg, run_dir: str, timeout_s: float, *, stop, device, actor_id: str) -> GroupLink:
         # a server says hello once it is up and gets its rank once every peer has: wait as long as the publisher
         return cls(run_dir, max(timeout_s, cfg.weightsync.join_timeout_s), curve=net.curve_from_config(cfg.net),
                    actor_id=actor_id, stop=stop)
@@ -430,8 +419,7 @@ class GroupLink(_Closable):
 
     def latest_version(self) -> int:
         """Queue every header that arrived (non-blocking); the newest queued version, else -1."""
-        while self._recv() is not None:
-            pass
+        list(iter(self._recv, None))  # each message until none is waiting
         return self.pending[-1].version if self.pending else -1
 
     def metrics(self) -> dict[str, float]:  # no bytes and no skipped versions: the engine's pushes set only the times

@@ -7,19 +7,19 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from numbers import Integral
+
+import msgspec
 
 from core.registry import resolve
 from model.sampling import SamplingSpec
 
 
-@dataclass
-class Sample:
+class Sample(msgspec.Struct, array_like=True):  # also the partial file's form of a sample (actor/partial.py)
     tokens: list[int]
     logprobs: list[float]
     versions: list[int]
-    finish_reason: str  # "stop" | "length"; "tool" inside an episode's turn (never returned by stream)
+    finish_reason: str = ""  # "stop" | "length"; "tool" inside an episode's turn; "": running
     mask: list[int] | None = None  # per token: 1 sampled, 0 the environment's (actor/episodes.py); None: all sampled
 
     def copy(self, finish_reason: str | None = None) -> "Sample":

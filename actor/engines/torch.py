@@ -33,12 +33,6 @@ class _Seq:
     budget: int
     out: Sample  # finish_reason "" while running
 
-    @classmethod
-    def of(cls, index: int, prompt: list[int], budget: int, prefix: Sample | None) -> "_Seq":
-        """A saved prefix is prefilled with the prompt; the next token is sampled after it."""
-        out = Sample([], [], [], "") if prefix is None else prefix.copy("")
-        return cls(index, list(prompt) + out.tokens, budget, out)
-
 
 def _grown(need: int, have: int, factor: float, cap: int | None = None) -> int:
     return have if need <= have else max(need, min(math.ceil(have * factor), math.inf if cap is None else cap))
@@ -112,8 +106,9 @@ class TorchEngine(Engine):
                 prefixes: list[Sample | None] | None = None) -> Iterator[tuple[int, Sample]]:
         longest = max(len(p) + b for p, b in zip(prompts, limits))
         cache = self._cache_for(min(self.max_batch, len(prompts)), longest)
-        waiting = deque(_Seq.of(i, p, b, q) for i, (p, b, q) in enumerate(zip(prompts, limits, prefixes or
-                                                                                 [None] * len(prompts))))
+        # a saved prefix is prefilled with the prompt; the next token is sampled after it
+        outs = [Sample([], [], []) if q is None else q.copy("") for q in prefixes or [None] * len(prompts)]
+        waiting = deque(_Seq(i, list(prompts[i]) + o.tokens, limits[i], o) for i, o in enumerate(outs))
         self._running = running = []  # running[i] lives in cache slot i
         while True:
             if self.stop is not None and self.stop.is_set():

@@ -20,11 +20,8 @@ FORMAT_VERSION = 1  # bump when the corpus format changes: it keys the cached ba
 
 
 def remainders(a: int, k: int) -> str:
-    r, out = 0, []
-    for c in str(a):
-        r = (10 * r + int(c)) % k
-        out.append(str(r))
-    return "".join(out)
+    """The running remainder after each dividend digit: that of the number its digits so far make."""
+    return "".join(str(int(str(a)[:n]) % k) for n in range(1, len(str(a)) + 1))
 
 
 def worked_text(a: int, k: int) -> str:

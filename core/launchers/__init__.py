@@ -23,6 +23,7 @@ from core import config as C
 from core import heartbeat, net
 from core.files import atomic_write
 from core.metrics import METRICS_DIR, MetricsWriter, follower_for, read_all
+from core.monitor import Monitor
 from core.proc import EXIT_CORRUPT_LOG, EXIT_WRITE_FAILED
 from core.registry import resolve
 
@@ -181,7 +182,7 @@ class Launcher(abc.ABC):
         pids = {"launcher": os.getpid(), **{r.name: r.handle.pid for r in procs if r.handle}}
         atomic_write(os.path.join(run_dir, "pids.json"), json.dumps(pids).encode(), durable=False, mode=0o600)
 
-    def _check_role(self, role: Role, learner: Role, run_dir: str, restarts: collections.Counter, metrics) -> bool:
+    def _check_role(self, role: Role, run_dir: str, restarts: collections.Counter, metrics) -> bool:
         """Schedule a crashed or hung (then SIGKILLed) role's restart after its backoff, ``run.max_restarts`` times
         at most; not one that could not write or found its store damaged: it would fail again. True: done."""
         code, limit = self.returncode(role), self.cfg.run.max_restarts
@@ -192,7 +193,7 @@ class Launcher(abc.ABC):
                 return False
             self.signal(role, signal.SIGKILL)
             self._wait(role, HUNG_KILL_WAIT_S)
-        elif code == 0 and role is learner:
+        elif code == 0 and role.name == "learner":
             return True
         elif code in (EXIT_WRITE_FAILED, EXIT_CORRUPT_LOG):
             fix = "once it can write" if code == EXIT_WRITE_FAILED else "after the repair it names"
@@ -213,7 +214,6 @@ class Launcher(abc.ABC):
         """Until the learner finishes its budget: feed the view at its refresh rate (at least every
         FEED_MAX_S, so metrics.jsonl keeps up), start due restarts, check every role."""
         restarts: collections.Counter = collections.Counter()
-        learner = next(r for r in procs if r.name == "learner")
         while True:
             Interrupt.check()
             now = time.monotonic()
@@ -223,7 +223,7 @@ class Launcher(abc.ABC):
             monitor.refresh()
             for role in procs:
                 if role.name not in self._due:
-                    if self._check_role(role, learner, run_dir, restarts, metrics):
+                    if self._check_role(role, run_dir, restarts, metrics):
                         return
                 elif time.monotonic() >= self._due[role.name]:
                     del self._due[role.name]
@@ -233,8 +233,6 @@ class Launcher(abc.ABC):
 
     def run(self, run_dir: str | None = None, monitor=None, on_ready=None) -> RunResult:
         """Prepare, start, watch until the learner finishes its budget, then stop everything."""
-        from core.monitor import Monitor
-
         t0 = time.time()
         self.cfg, run_dir = self.prepare(run_dir)
         follower = follower_for(self.cfg, run_dir)

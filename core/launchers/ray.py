@@ -64,7 +64,6 @@ RemoteHost = ray.remote(RoleHost) if ray is not None else None
 class RayRole:  # Role.handle under Ray
     pid: int
     host: object
-    node_id: str
     code: int | None = None
 
 
@@ -179,9 +178,9 @@ class RayLauncher(Launcher):
 
     def spawn(self, role: Role, run_dir: str) -> None:
         extra = {k: v for k, v in os.environ.items() if k.startswith("DRIFTRL_") and k != "DRIFTRL_LAUNCHER_PID"}
-        node_id = self._where(role.name)["node_id"]  # a fresh host's bundle may be on another node by now
+        self._where(role.name)  # waits (start_timeout_s) for a fresh host's worker to start
         pid = self._call(role.name, "start", role.argv, role.log_path, extra)
-        role.handle = RayRole(pid, self._hosts[role.name], node_id)
+        role.handle = RayRole(pid, self._hosts[role.name])
 
     def returncode(self, role: Role) -> int | None:
         h = role.handle

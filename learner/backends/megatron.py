@@ -125,25 +125,21 @@ def build_gpt(arch: ArchConfig, lc) -> GPTModel:
     return model
 
 
-def _layer_rows(arch: ArchConfig, i: int):
-    m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
-    a, s = m + "self_attention.", h + "self_attn."
-    yield m + "input_layernorm.weight", (h + "input_layernorm.weight",)
-    yield m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",)
-    yield m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",)
-    yield m + "mlp.linear_fc1.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight")
-    yield a + "linear_qkv.weight", tuple(f"{s}{x}_proj.weight" for x in "qkv")
-    yield a + "linear_proj.weight", (s + "o_proj.weight",)
-    if arch.qkv_bias:
-        yield a + "linear_qkv.bias", tuple(f"{s}{x}_proj.bias" for x in "qkv")
-    if arch.o_bias:
-        yield a + "linear_proj.bias", (s + "o_proj.bias",)
-    if arch.mlp_bias:
-        yield m + "mlp.linear_fc1.bias", (h + "mlp.gate_proj.bias", h + "mlp.up_proj.bias")
-        yield m + "mlp.linear_fc2.bias", (h + "mlp.down_proj.bias",)
-    if arch.qk_norm:
-        yield a + "q_layernorm.weight", (s + "q_norm.weight",)
-        yield a + "k_layernorm.weight", (s + "k_norm.weight",)
+# one decoder layer's rows: (megatron name, the HF names it holds, the ArchConfig switch it needs)
+LAYER_ROWS = (
+    ("input_layernorm.weight", ("input_layernorm.weight",), None),
+    ("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",), None),
+    ("mlp.linear_fc2.weight", ("mlp.down_proj.weight",), None),
+    ("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), None),
+    ("self_attention.linear_qkv.weight", tuple(f"self_attn.{x}_proj.weight" for x in "qkv"), None),
+    ("self_attention.linear_proj.weight", ("self_attn.o_proj.weight",), None),
+    ("self_attention.linear_qkv.bias", tuple(f"self_attn.{x}_proj.bias" for x in "qkv"), "qkv_bias"),
+    ("self_attention.linear_proj.bias", ("self_attn.o_proj.bias",), "o_bias"),
+    ("mlp.linear_fc1.bias", ("mlp.gate_proj.bias", "mlp.up_proj.bias"), "mlp_bias"),
+    ("mlp.linear_fc2.bias", ("mlp.down_proj.bias",), "mlp_bias"),
+    ("self_attention.q_layernorm.weight", ("self_attn.q_norm.weight",), "qk_norm"),
+    ("self_attention.k_layernorm.weight", ("self_attn.k_norm.weight",), "qk_norm"),
+)
 
 
 def param_rows(arch: ArchConfig) -> list[tuple[str, tuple[str, ...]]]:
@@ -152,15 +148,11 @@ def param_rows(arch: ArchConfig) -> list[tuple[str, tuple[str, ...]]]:
     rows = [("embedding.word_embeddings.weight", ("model.embed_tokens.weight",)),
             ("decoder.final_layernorm.weight", ("model.norm.weight",))]
     for i in range(arch.num_hidden_layers):
-        rows.extend(_layer_rows(arch, i))
+        rows += [(f"decoder.layers.{i}.{name}", tuple(f"model.layers.{i}.{h}" for h in hf))
+                 for name, hf, switch in LAYER_ROWS if switch is None or getattr(arch, switch)]
     if not arch.tie_word_embeddings:
         rows.append(("output_layer.weight", ("lm_head.weight",)))
     return rows
-
-
-def _groups(arch: ArchConfig) -> tuple[int, int, int]:
-    g = arch.num_key_value_heads
-    return g, arch.num_attention_heads // g * arch.head_dim, arch.head_dim
 
 
 def _fuse(arch: ArchConfig, parts: list[torch.Tensor]) -> torch.Tensor:
@@ -170,10 +162,8 @@ def _fuse(arch: ArchConfig, parts: list[torch.Tensor]) -> torch.Tensor:
         return torch.cat(parts)  # [gate; up] rows (mlp.py: chunk(2) -> silu(first) * second)
     # megatron's linear_qkv rows, per query group g: its q heads, then k_g, then v_g
     # (attention.py get_query_key_value_tensors: [ng, (np/ng + 2) * hn])
-    g, qrows, hd = _groups(arch)
-    tail = parts[0].shape[1:]
-    q, k, v = (t.reshape(g, n, *tail) for t, n in zip(parts, (qrows, hd, hd)))
-    return torch.cat((q, k, v), dim=1).reshape(-1, *tail)
+    g, tail = arch.num_key_value_heads, parts[0].shape[1:]
+    return torch.cat([t.reshape(g, -1, *tail) for t in parts], dim=1).reshape(-1, *tail)
 
 
 def _split(arch: ArchConfig, t: torch.Tensor, n: int) -> list[torch.Tensor]:
@@ -181,10 +171,9 @@ def _split(arch: ArchConfig, t: torch.Tensor, n: int) -> list[torch.Tensor]:
         return [t] * n
     if n == 2:
         return list(t.chunk(2))
-    g, qrows, hd = _groups(arch)
-    tail = t.shape[1:]
-    parts = t.reshape(g, qrows + 2 * hd, *tail).split((qrows, hd, hd), dim=1)
-    return [p.reshape(-1, *tail) for p in parts]
+    hd, tail = arch.head_dim, t.shape[1:]
+    grouped = t.reshape(arch.num_key_value_heads, -1, *tail)  # per query group: its q heads, k_g, v_g
+    return [p.reshape(-1, *tail) for p in grouped.split((grouped.shape[1] - 2 * hd, hd, hd), dim=1)]
 
 
 def from_hf(arch: ArchConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

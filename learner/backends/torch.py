@@ -82,16 +82,11 @@ class TorchBackend(Backend):
                                  with_entropy=with_entropy, top_k=s.top_k, top_p=s.top_p)
         full = torch.zeros(sel.shape, dtype=lp.dtype, device=lp.device).masked_scatter(sel, lp)
         if self.cp is not None:  # each rank scored its own tokens: gathered once, the whole batch's on each
-            full, ent = self._gather_cp(full, ent, sel, hidden, batch.mask)
-        return full.to(home), (ent if ent is None else ent.to(home))
-
-    def _gather_cp(self, full, ent, sel, hidden, mask):
-        """Every rank's ``[N, Tc]`` log-probs -> ``[N, L-1]``; entropies -> the scored tokens', in row order."""
-        logp = self.cp.gather(full, mask.shape[1], hidden)
-        if ent is not None:
+            full = self.cp.gather(full, batch.mask.shape[1], hidden)  # every rank's [N, Tc] -> [N, L-1]
+        if self.cp is not None and ent is not None:  # the scored tokens' entropies, in row order
             ent = torch.zeros(sel.shape, dtype=ent.dtype, device=ent.device).masked_scatter(sel, ent.detach())
-            ent = self.cp.gather(ent, mask.shape[1], hidden.detach())[mask > 0]
-        return logp, ent
+            ent = self.cp.gather(ent, batch.mask.shape[1], hidden.detach())[batch.mask > 0]
+        return full.to(home), (ent if ent is None else ent.to(home))
 
     def _all_reduce_grads(self) -> None:
         """Each CP rank holds its tokens' share of every gradient: summed, so all ranks step alike. A
