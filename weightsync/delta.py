@@ -10,6 +10,8 @@ import torch
 
 from core.messages import DeltaHeader
 
+EPOCH_CHARS = 16  # an epoch: a publisher's random hex name
+
 INDEX = torch.int32  # element index inside its tensor: layouts are checked below 2**31 elements a tensor
 _AS_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _PAD = 8  # every segment starts at a multiple of 8 bytes, so each is a plain typed view
@@ -57,7 +59,7 @@ class Encoder:
     ``encode`` proposes; ``commit`` records what was actually published (a skipped publish changes nothing)."""
 
     def __init__(self, full_every: int):
-        self.full_every, self.epoch = full_every, secrets.token_hex(8)
+        self.full_every, self.epoch = full_every, secrets.token_hex(EPOCH_CHARS // 2)
         self.prev: list[torch.Tensor] | None = None
         self.version = self.full = -1
         self.changed_frac = 1.0  # of the last version's elements, against the one before it

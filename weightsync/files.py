@@ -33,8 +33,7 @@ log = logging.getLogger(__name__)
 
 PAGE = 4096
 MAGIC, DELTA_MAGIC = b"DRFTWV01", b"DRFTWD01"  # a full version ``v<N>``, a delta ``d<N>`` (weightsync/delta.py)
-# magic, version, payload crc32c (-1: none; filesystem computes it), header length, crc32c of
-# the four fields before it and the header
+# magic, version, payload crc32c (-1: none), header length, crc32c of the four fields before it and the header
 _PREFIX = struct.Struct("<8sqqII")
 LATEST = "LATEST"
 RECORD = "weights.shm"  # in run_dir: the path of the shm transport's directory
@@ -127,10 +126,9 @@ def _lock_dir(path: str) -> int:
 def _remove_files(path: str, only_ours: bool = False) -> int:
     """Unlink the files in ``path`` (a reader that maps one keeps its pages); how many went."""
     try:
-        names = os.listdir(path)
+        names = [n for n in os.listdir(path) if not only_ours or _OURS.fullmatch(n)]
     except FileNotFoundError:
         return 0
-    names = [n for n in names if not only_ours or _OURS.fullmatch(n)]
     for name in names:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(path, name))
@@ -159,9 +157,8 @@ def remove_dead_region(run_dir: str, refuse_live: bool = False) -> int:
     if path is None:
         return 0
     try:
-        os.close(_lock_dir(path))  # a probe: a dead publisher holds no lock (closing drops ours)
-    except FileNotFoundError:
-        pass  # only the record is left
+        with contextlib.suppress(FileNotFoundError):  # else only the record is left
+            os.close(_lock_dir(path))  # a probe: a dead publisher holds no lock (closing drops ours)
     except RuntimeError:  # live
         if refuse_live:
             raise
@@ -268,9 +265,8 @@ class FilePublisher(Publisher):
                  max_files: int | None = None):
         super().__init__(layout.header_for(-1, template, bucket_bytes))
         self.max_files = max_files
-        widest = len(_encoder.encode(FileHeader(self.header, 2**62, 2**62)))
+        widest = len(_encoder.encode(FileHeader(self.header, 2**62, 2**62, "0" * delta.EPOCH_CHARS)))
         self.payload_at = (_PREFIX.size + widest + PAGE - 1) // PAGE * PAGE  # the first page after any header
-        self._raw_header = self._file_header()
         self.visible: list[_File] = []  # oldest first
         self.deltas: list[str] = []  # the delta files since the newest full version
         self.spares: list[_File] = []
@@ -281,15 +277,6 @@ class FilePublisher(Publisher):
         # also at exit or GC (a SIGKILLed publisher's directory goes by remove_dead_region)
         self._finalizer = weakref.finalize(self, _close_store, self.dir, self._lock_fd,
                                            run_dir if self.owns_dir else None, self.visible, self.spares)
-
-    def _file_header(self) -> bytes:
-        epoch = self.delta.epoch if self.delta else ""  # every full version names the publisher its deltas build on
-        return _encoder.encode(FileHeader(self.header, self.payload_at,
-                                          self.payload_at + layout.total_nbytes(self.header), epoch))
-
-    def use_delta(self, full_every: int, cast: torch.dtype | None = None) -> None:
-        super().use_delta(full_every, cast)
-        self._raw_header = self._file_header()
 
     def _write_delta(self, header: DeltaHeader, payload: torch.Tensor) -> int:
         """``d<version>``: a prefix, the msgpack header and the checksummed payload, written aside and renamed."""
@@ -307,7 +294,9 @@ class FilePublisher(Publisher):
             return None
         self._fill(f, named)
         crc = crc32c.crc32c(memoryview(f.mm)[self.payload_at:]) if self.checksum else -1
-        head = _head(MAGIC, version, crc, self._raw_header)
+        epoch = self.delta.epoch if self.delta else ""  # every full version names the publisher of its deltas
+        raw = _encoder.encode(FileHeader(self.header, self.payload_at, len(f.mm), epoch))
+        head = _head(MAGIC, version, crc, raw)
         f.mm[: len(head)] = head
         if self.durable:
             f.mm.flush()
@@ -587,8 +576,7 @@ class FileSubscriber(Subscriber):
                               f"({self.where}); is the learner up?", stop=stop)
 
     @classmethod
-    def from_config(cls, cfg, run_dir: str, timeout_s: float = 60, *, stop=None, device=None,
-                    actor_id: str = "") -> "FileSubscriber":
+    def from_config(cls, cfg, run_dir: str, timeout_s: float, *, stop, device, actor_id: str) -> Subscriber:
         return cls(run_dir, timeout_s, stop=stop, zero_copy=False if delta_plan(cfg)[0] else None)
 
     def _moved(self) -> bool:

@@ -183,3 +183,27 @@ def test_nccl_protocol_sends_deltas_every_rank_applies_in_order(tmp_path):
     finally:
         if proc.is_alive():
             proc.kill()
+
+
+def _header_end(w) -> int:
+    """Where a full version's header ends without an epoch, at its widest numbers."""
+    head = files.FileHeader(files.layout.header_for(-1, w, 64 << 20), 2**62, 2**62)
+    return files._PREFIX.size + len(files._encoder.encode(head))
+
+
+def test_a_header_that_ends_at_a_page_edge_leaves_room_for_the_epoch(tmp_path):
+    """A full version's header names the publisher's epoch once deltas are on: the payload starts after the
+    widest header, epoch included, even where the header without it ends just below a page boundary."""
+    def weights(n):  # the name's length moves the header's end
+        return {"x" * n: torch.arange(4, dtype=torch.float32).bfloat16()}
+    edge = [n for n in range(3000, 3000 + files.PAGE) if _header_end(weights(n)) % files.PAGE > files.PAGE - 24]
+    assert edge
+    for n in edge:
+        w, run_dir = weights(n), str(tmp_path / str(n))
+        pub, sub = FsPublisher(run_dir, w), FsSubscriber(run_dir, 5, poll_s=0)
+        pub.use_delta(8, torch.bfloat16)
+        pub.publish(0, w)
+        held = {k: torch.zeros_like(v) for k, v in w.items()}
+        assert sub.apply(held) == 0 and all(torch.equal(held[k], w[k]) for k in w), n
+        pub.close()
+        sub.close()
