@@ -18,7 +18,6 @@ from core.files import atomic_write
 from core.messages import staleness
 
 log = logging.getLogger(__name__)
-SavedSample = Sample  # saved as it is generated: finish_reason "" for a prefix still being generated
 
 
 class SavedGroup(msgspec.Struct, array_like=True, frozen=True):
@@ -28,7 +27,7 @@ class SavedGroup(msgspec.Struct, array_like=True, frozen=True):
     difficulty: float
     answer: str
     limit: int  # its samples' max_new_tokens
-    samples: list[Sample | None]  # None: not started
+    samples: list[Sample | None]  # None: not started; finish_reason "": a prefix still being generated
     seq: int = -1  # >= 0: complete, and handed to the client with this seq
 
 

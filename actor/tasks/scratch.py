@@ -20,8 +20,11 @@ FORMAT_VERSION = 1  # bump when the corpus format changes: it keys the cached ba
 
 
 def remainders(a: int, k: int) -> str:
-    """The running remainder after each dividend digit: that of the number its digits so far make."""
-    return "".join(str(int(str(a)[:n]) % k) for n in range(1, len(str(a)) + 1))
+    r, out = 0, []
+    for c in str(a):
+        r = (10 * r + int(c)) % k
+        out.append(str(r))
+    return "".join(out)
 
 
 def worked_text(a: int, k: int) -> str:

@@ -216,7 +216,7 @@ def test_a_paused_episode_resumes_from_its_saved_prefix(tmp_path):
     engine.max_new_tokens, engine.env = 12, Scripted()
     prefix = Sample([DIGITS[3]], [-0.7], [0], "", [1])
     batch = partial.SavedBatch("a", 0, [partial.SavedGroup("p", [1, 2], "default", 0.0, "", 12, [
-        partial.SavedSample(prefix.tokens, prefix.logprobs, prefix.versions, "", prefix.mask), None])])
+        partial.Sample(prefix.tokens, prefix.logprobs, prefix.versions, "", prefix.mask), None])])
     partial.save(str(tmp_path / "p"), batch)
     saved = partial.load(str(tmp_path / "p"), "a", 2).groups[0].samples[0]
     assert saved.mask == [1]

@@ -55,7 +55,7 @@ def test_a_prefix_that_cannot_be_continued_is_refused():
 
 
 def _group(versions, seq=-1, finished=False):
-    sample = partial.SavedSample([5] * len(versions), [-0.5] * len(versions), versions, "stop" if finished else "")
+    sample = partial.Sample([5] * len(versions), [-0.5] * len(versions), versions, "stop" if finished else "")
     return partial.SavedGroup("p1", [1, 2, 3], "default", 0.0, "7", 8, [sample, None], seq)
 
 
@@ -69,7 +69,7 @@ def test_a_saved_batch_round_trips_and_a_bad_one_is_set_aside(tmp_path):
     assert partial.load(where, "actor1", 2) is None and os.path.exists(where + ".bad")  # another actor's
     for bad in (b"\x93garbage", msgspec.msgpack.encode(partial.SavedBatch("actor0", 4, [_group([4, 5])]))[:-3],
                 msgspec.msgpack.encode(partial.SavedBatch("actor0", 4, [partial.SavedGroup(
-                    "p", [1], "default", 0.0, "", 8, [partial.SavedSample([1, 2], [0.0], [0, 0]), None])])),
+                    "p", [1], "default", 0.0, "", 8, [partial.Sample([1, 2], [0.0], [0, 0]), None])])),
                 msgspec.msgpack.encode(partial.SavedBatch("actor0", 4, [_group([4, 5], seq=3)]))):  # unfinished
         with open(where, "wb") as f:
             f.write(bad)
