@@ -24,8 +24,13 @@ the raw disk, both measured in one run.
     target: SQLite writes each page twice (WAL, then checkpoint) and pays per row where raw
     writes pay one call; the store was chosen for its integrity checks and recovery, not speed.
 
-The last stdout line is one JSON object: {"bench": "buffer", "cpu_frac_of_step": ..., "store_headroom":
-..., "store_vs_disk": ..., ...raw figures}.
+(c) The floor. The same three processes exchanging the same messages (frames of the same sizes, the
+    same pacing) over bare ZeroMQ sockets, doing nothing else: ``floor_frac_of_step`` is what the
+    transport alone costs (the processes' wake-ups, ZeroMQ's I/O threads, the kernel's TCP), the part
+    of ``cpu_frac_of_step`` no change to the buffer's own code can remove.
+
+The last stdout line is one JSON object: {"bench": "buffer", "cpu_frac_of_step": ..., "floor_frac_of_step":
+..., "store_headroom": ..., "store_vs_disk": ..., ...raw figures}.
 
     python bench/buffer.py [--steps 40] [--learner-step-ms MS] [--dir DIR]
 """
@@ -36,7 +41,6 @@ import argparse
 import json
 import os
 import resource
-import select
 import statistics
 import subprocess
 import sys
@@ -48,6 +52,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import msgspec  # noqa: E402
+import zmq  # noqa: E402
 
 from bench.common import format_table, load_avg  # noqa: E402
 from buffer.client import ActorClient, LearnerClient  # noqa: E402
@@ -55,7 +60,7 @@ from buffer.durable import DurableStore  # noqa: E402
 from buffer.server import MAX_BATCH_MSGS  # noqa: E402
 from core import config as C  # noqa: E402
 from core import net  # noqa: E402
-from core.messages import encode  # noqa: E402
+from core.messages import Ack, Acks, Consumed, SampleBatch, SampleRequest, encode  # noqa: E402
 from tests.support.synth import make_group  # noqa: E402
 
 TEMPLATES = 32
@@ -210,6 +215,90 @@ def cpu_figures(run: dict, steps: int, step_s: float, group_bytes: int) -> dict:
             "cpu_ms_per_step": round(per_step_ms, 3), "cpu_frac_of_step": round(per_step_ms / 1e3 / step_s, 4)}
 
 
+# ---- (c) the floor: the same messages over bare sockets ------------------------------------------
+
+
+def _floor_sizes(per_step: int) -> dict:
+    """The encoded sizes of the small messages of one step, as the buffer's path makes them."""
+    keys = [("bench", i) for i in range(per_step)]
+    return {"acks": len(encode(Acks([Ack(*k, "ok") for k in keys]))), "consumed": len(encode(Consumed(keys, 0, 0))),
+            "request": len(encode(SampleRequest(1, per_step, 0))), "head": len(encode(SampleBatch(1, [], 0)))}
+
+
+def floor_server(spec: dict) -> None:
+    """A ROUTER for the actor and one for the learner: each actor message acked, each request answered
+    with ``per_step`` frames once they have arrived. Nothing decoded, validated or stored."""
+    ctx, sizes, per_step = zmq.Context(), spec["sizes"], spec["per_step"]
+    actor, learner = ctx.socket(zmq.ROUTER), ctx.socket(zmq.ROUTER)
+    print(json.dumps([s.bind_to_random_port("tcp://127.0.0.1") for s in (actor, learner)]), flush=True)
+    poller, frames, asker, served, cpu0 = zmq.Poller(), [], None, 0, None
+    for s in (actor, learner):
+        poller.register(s, zmq.POLLIN)
+    while served < spec["steps"]:
+        ready = dict(poller.poll(1000))
+        for sock in (s for s in (learner, actor) if s in ready):
+            for msg in _floor_drain(sock):
+                cpu0 = _self_cpu() if cpu0 is None else cpu0
+                if sock is actor:
+                    frames += msg[1:]
+                    actor.send_multipart([msg[0], bytes(sizes["acks"])])
+                elif len(msg[1]) == sizes["request"]:
+                    asker = msg[0]
+        if asker is not None and len(frames) >= per_step:
+            learner.send_multipart([asker, bytes(sizes["head"]), *frames[:per_step]], copy=False)
+            frames, asker, served = frames[per_step:], None, served + 1
+    cpu = _self_cpu() - cpu0
+    ctx.destroy(linger=5000)  # the last batch leaves before the process does
+    print(json.dumps({"cpu_s": cpu}), flush=True)
+
+
+def _floor_drain(sock):
+    while True:
+        try:
+            yield sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return
+
+
+def floor_learner(spec: dict) -> None:
+    """A DEALER asking for each step's frames, then a step later saying they were consumed."""
+    sock, sizes = zmq.Context().socket(zmq.DEALER), spec["sizes"]
+    sock.linger = 0  # its last request is never answered
+    sock.connect(f"tcp://127.0.0.1:{spec['port']}")
+    sock.send(bytes(sizes["request"]))
+    sock.recv_multipart(copy=False)
+    cpu0 = _self_cpu()
+    for _ in range(spec["steps"] - 1):
+        sock.send(bytes(sizes["request"]))
+        time.sleep(spec["step_s"])  # training the batch it just got
+        sock.send(bytes(sizes["consumed"]))
+        sock.recv_multipart(copy=False)
+    print(json.dumps({"cpu_s": _self_cpu() - cpu0}), flush=True)
+
+
+def floor_run(frame: bytes, steps: int, step_s: float) -> dict:
+    """(c), with this process the actor: each step's groups sent as one message, its acks read."""
+    per_step = C.Config().learner.groups_per_step
+    spec = {"steps": steps + 1, "per_step": per_step, "step_s": step_s, "sizes": _floor_sizes(per_step)}
+    server = _spawn(__file__, "--role", "floor-server", "--config", json.dumps(spec))
+    ports = json.loads(server.stdout.readline())
+    learner = _spawn(__file__, "--role", "floor-learner", "--config", json.dumps({**spec, "port": ports[1]}))
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(f"tcp://127.0.0.1:{ports[0]}")
+    sock.send_multipart([frame] * per_step)  # the first step: connections made, off the clock
+    sock.recv()
+    cpu0, t0 = _self_cpu(), time.monotonic()
+    for s in range(steps):
+        time.sleep(max(0.0, t0 + s * step_s - time.monotonic()))
+        sock.send_multipart([frame] * per_step)
+        sock.recv()
+    cpu = {"actor": _self_cpu() - cpu0}
+    for name, p in (("server", server), ("learner", learner)):
+        cpu[name] = json.loads(p.communicate(timeout=60)[0].strip().splitlines()[-1])["cpu_s"]
+    sock.close(linger=0)
+    return {"cpu_s": cpu, "groups": steps * per_step, "wall_s": time.monotonic() - t0}
+
+
 # ---- (b) the durable store against the raw disk ----------------------------------------------------
 
 
@@ -275,8 +364,8 @@ def store_vs_disk(frame: bytes, work: str, mb: float, repeats: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--role", default="main", choices=["main", "learner"])
-    ap.add_argument("--steps", type=int, help="paced learner steps per load (default: ~15 s worth, 10..100)")
+    ap.add_argument("--role", default="main", choices=["main", "learner", "floor-server", "floor-learner"])
+    ap.add_argument("--steps", type=int, help="paced learner steps per load (default: ~15 s worth, 10..300)")
     ap.add_argument("--learner-step-ms", type=float, help="skip measuring learner_step_s(): use this")
     ap.add_argument("--store-mb", type=float, default=200.0, help="MB per timed pass of the store / disk check")
     ap.add_argument("--repeats", type=int, default=5)
@@ -287,15 +376,18 @@ def main() -> None:
     args = ap.parse_args()
     if args.role == "learner":
         return learner_role(args.config, args.steps, args.step_s)
+    if args.role.startswith("floor-"):
+        return (floor_server if args.role == "floor-server" else floor_learner)(json.loads(args.config))
     os.makedirs(args.dir, exist_ok=True)
     load_before = load_avg()[0]
     step_s = args.learner_step_ms / 1e3 if args.learner_step_ms else learner_step_s()
-    steps = args.steps or max(10, min(100, round(15 / step_s)))
+    steps = args.steps or max(10, min(300, round(15 / step_s)))
     cpu, disk = {}, {}
     for name, kw in LOADS.items():
         templates = [make_group("bench", i, **kw) for i in range(TEMPLATES)]
         size = len(encode(templates[0]))
         cpu[name] = cpu_figures(paced_run(templates, steps, step_s, args.dir), steps, step_s, size)
+        cpu[name]["floor"] = cpu_figures(floor_run(encode(templates[0]), steps, step_s), steps, step_s, size)
         disk[name] = store_vs_disk(encode(templates[0]), args.dir, args.store_mb, args.repeats)
     _report(args, step_s, steps, cpu, disk, load_before)
 
@@ -309,15 +401,17 @@ def _report(args, step_s: float, steps: int, cpu: dict, disk: dict, load_before:
     for name in LOADS:
         c, d, u = cpu[name], disk[name], cpu[name]["cpu_us_per_group"]
         rows.append([name, c["group_bytes"], round(u["actor"]), round(u["server"]), round(u["learner"]),
-                     round(u["total"]), c["cpu_ms_per_step"], c["cpu_frac_of_step"], round(d["store_mb_s"]),
+                     round(u["total"]), c["cpu_ms_per_step"], c["cpu_frac_of_step"], c["floor"]["cpu_ms_per_step"],
+                     round(d["store_mb_s"]),
                      round(d["disk_mb_s"]), d["store_vs_disk"]])
     print(format_table(["load", "bytes", "actor us", "server us", "learner us", "us/group", "ms/step",
-                        "of step", "store MB/s", "disk MB/s", "store/disk"], rows))
+                        "of step", "floor ms", "store MB/s", "disk MB/s", "store/disk"], rows))
     d = disk["default"]
     headroom = d["store_mb_s"] * 1e6 / cpu["default"]["group_bytes"] / (per_step / step_s)
     print(f"store headroom at the default job: {headroom:.0f}x the groups the learner consumes")
     print(json.dumps({
         "bench": "buffer", "cpu_frac_of_step": cpu["default"]["cpu_frac_of_step"],
+        "floor_frac_of_step": cpu["default"]["floor"]["cpu_frac_of_step"],
         "store_headroom": round(headroom, 1),
         "store_vs_disk": disk["long"]["store_vs_disk"], "learner_step_ms": round(step_s * 1e3, 2),
         "learner_step_measured": not args.learner_step_ms, "groups_per_step": per_step, "steps": steps,

@@ -39,7 +39,7 @@ from core.funnel import length_bucket
 from core.proc import EXIT_CORRUPT_LOG, EXIT_WRITE_FAILED
 from core.messages import (LEARNER_TO_BUFFER, MAX_GROUPS_PER_MSG, SCHEMA_VERSION, Ack, Acks, Consumed,
                            Control, Hello, InFlight, InvalidMessage, Limits, RolloutGroup, SampleBatch,
-                           SampleRequest, decode_reason, decoder, encode, group_decoder, group_key, validate_group)
+                           SampleRequest, decode_reason, decoder, encode, group_decoder, group_key, validate_groups)
 
 log = logging.getLogger("driftrl.buffer")
 
@@ -60,7 +60,6 @@ MAX_VERSION = 2**31 - 1  # a token's version is an int32: a learner claiming mor
 # have been committed (LAZY_COMMIT_S): that far above the record a claim is still believed
 MAX_VERSION_LEAD = 16
 MAX_ACTORS = 4096  # authenticated actor connections remembered (each actor id keeps only its latest)
-ZERO_COPY_BYTES = 64 << 10  # below this, pyzmq's zero-copy bookkeeping costs more than a copy
 METRICS_EVERY_S = 1.0
 # an idle turn's period: arrivals and a signal (its wakeup fd) end the poll at once; on a 2-core VM a
 # wake-up costs ~0.1 ms of CPU, and ten a second were a tenth of the buffer's CPU per learner step
@@ -112,6 +111,7 @@ class BufferServer:
         self._record = -1  # the newest version a learner showed (durable; -1: none yet)
         self._incarnations = 0
         self._outbox: dict[str, deque[list]] = {"actor": deque(), "learner": deque()}  # sent after the commit
+        self._arrived: list[tuple] = []  # (ident, actor, group, frame) of the message being read
         self._covered = -1  # the learner's covered_step (SampleRequest)
         self._next_metrics = 0.0
         self._invariant_reported = False
@@ -192,7 +192,7 @@ class BufferServer:
             with contextlib.suppress(BlockingIOError):
                 os.read(self._wake_r, 4096)
         if self.actor_sock in ready:
-            self._drain(self.actor_sock, self._on_actor, max_parts=MAX_GROUPS_PER_MSG)
+            self._drain(self.actor_sock, self._on_actor, max_parts=MAX_GROUPS_PER_MSG, after=self._admit)
             self._serve_requests()
         if self.stale_wait is not None and not ready:  # an idle turn: a wait may have timed out
             self._serve_requests()
@@ -203,8 +203,9 @@ class BufferServer:
             self._report()
         heartbeat.beat(self.run_dir, "buffer")  # every turn (<= POLL_MS): the launcher's hung-role check
 
-    def _drain(self, sock: zmq.Socket, handle, max_msgs: int = MAX_BATCH_MSGS, max_parts: int = 1) -> None:
-        """Up to ``max_msgs`` messages, each of 1..``max_parts`` payload frames handled in order."""
+    def _drain(self, sock: zmq.Socket, handle, max_msgs: int = MAX_BATCH_MSGS, max_parts: int = 1,
+               after=None) -> None:
+        """Up to ``max_msgs`` messages, each of 1..``max_parts`` payload frames handled in order, then ``after()``."""
         nbytes = 0
         for _ in range(max_msgs):
             try:
@@ -226,6 +227,8 @@ class BufferServer:
                     self.invalid["oversize"] += 1
                     continue
                 handle(ident, fd, payload)
+            if after is not None:
+                after()
             if nbytes >= MAX_BATCH_BYTES:
                 return
 
@@ -256,14 +259,19 @@ class BufferServer:
     # ---- actors ------------------------------------------------------------------------------
 
     def _on_actor(self, ident: bytes, fd: int, data) -> None:
+        """A group waits for the rest of its message (:meth:`_admit`); anything else is handled once
+        the groups before it are, so every answer reflects what arrived before it."""
         peer = self._actor_of.get(ident)
         if peer is None or peer[1] != fd:
+            self._admit()
             self._on_actor_stranger(ident, fd, data)
             return
         msg = self._decode(self._actor_dec, data, ident, actor=True)
         if isinstance(msg, RolloutGroup):
-            self._on_group(ident, peer[0], msg, data)
-        elif isinstance(msg, InFlight):
+            self._arrived.append((ident, peer[0], msg, data))
+            return
+        self._admit()
+        if isinstance(msg, InFlight):
             self._on_in_flight(peer[0], msg.oldest)
         elif isinstance(msg, Hello):
             self._on_actor_hello(ident, fd, msg)
@@ -300,11 +308,19 @@ class BufferServer:
         if self._control is not None:
             self._ack(ident, self._control)
 
-    def _on_group(self, ident: bytes, actor: str, g: RolloutGroup, raw) -> None:
+    def _admit(self) -> None:
+        """The groups that arrived together, validated together (one numpy pass), each judged alone."""
+        arrived, self._arrived = self._arrived, []
+        for group, verdict in zip(arrived, validate_groups([g for _, _, g, _ in arrived], self.limits)):
+            self._on_group(*group, verdict)
+
+    def _on_group(self, ident: bytes, actor: str, g: RolloutGroup, raw, verdict) -> None:
         try:
             if len(g.actor_id) > MAX_ID_CHARS:
                 raise InvalidMessage("bad_actor_id")
-            min_version, newest = validate_group(g, self.limits)
+            if isinstance(verdict, InvalidMessage):
+                raise verdict
+            min_version, newest = verdict
             if g.actor_id != actor:
                 raise InvalidMessage("wrong_peer", f"{g.actor_id!r} from the connection of {actor!r}")
             defer = self._too_new(newest)
@@ -542,9 +558,7 @@ class BufferServer:
     def _send(self, sock: zmq.Socket, frames: list) -> None:
         """One multipart message; big frames (groups) go zero-copy, small ones are copied (cheaper)."""
         try:
-            for i, f in enumerate(frames):
-                more = zmq.SNDMORE if i < len(frames) - 1 else 0
-                sock.send(f, zmq.NOBLOCK | more, copy=len(f) < ZERO_COPY_BYTES)
+            net.send_frames(sock, frames)
         except zmq.ZMQError:  # peer gone or its queue full: it resends / re-requests
             self.send_failed += 1
 

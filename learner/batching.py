@@ -82,8 +82,9 @@ def collate(groups: list[M.RolloutGroup], learner_version: int, pad_id: int = 0,
         raise ValueError("empty batch")
     G = len(groups[0].completions)
     rows, stale = [], []  # (prompt + completion, prompt length, completion) per row
-    for g in groups:
-        M.validate_group(g)
+    for g, verdict in zip(groups, M.validate_groups(groups)):
+        if isinstance(verdict, M.InvalidMessage):
+            raise verdict
         if len(g.completions) != G:
             raise ValueError("all groups in a batch must have the same number of completions "
                              f"({g.key}: {len(g.completions)}, first group: {G})")

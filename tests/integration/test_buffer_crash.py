@@ -12,12 +12,10 @@ import signal
 import subprocess
 import sys
 
-import msgspec
 import pytest
 
-from buffer.client import WINDOW, ActorClient, LearnerClient, spool_path
+from buffer.client import WINDOW, ActorClient, LearnerClient, Spool, spool_path
 from core import config as C
-from core.messages import RolloutGroup, decoder
 from tests.support.buffer import ROOT, ServerProcess, ServerThread, make_config, wait_for
 from tests.support.synth import make_group
 
@@ -110,8 +108,6 @@ def test_server_process_stops_cleanly_on_signal(tmp_path, sig):
         srv.kill()
 
 
-GROUP = decoder(RolloutGroup)
-
 ACTOR_SCRIPT = r"""
 import sys
 from core import config as C
@@ -166,13 +162,12 @@ def start_actor(tmp_path, cfg_path, incarnation, count, log, run_dir):
 
 
 def spooled_seqs(run):
-    """Seqs the actor's spool holds, read without touching it. A file still being written (or cut short by
+    """Seqs the actor's spool holds, read without touching it. A record still being written (or cut short by
     a kill) fails to decode and is left out, as ``Spool.pending`` discards it: its groups were never sent."""
     d, seqs = spool_path(run, "a0"), []
     for name in os.listdir(d) if os.path.isdir(d) else []:
-        if name.endswith(".groups"):
-            with contextlib.suppress(FileNotFoundError, msgspec.DecodeError), open(os.path.join(d, name), "rb") as f:
-                seqs += [GROUP.decode(p).seq for p in msgspec.msgpack.decode(f.read(), type=list[bytes])]
+        with contextlib.suppress(FileNotFoundError):
+            seqs += [seq for seq, _ in Spool(d, "a0")._read(name) or []]
     return sorted(seqs)
 
 

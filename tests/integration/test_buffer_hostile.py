@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import zmq
 
-from buffer.client import ActorClient, BufferUnavailable, LearnerClient, Stopped, spool_path
+from buffer.client import ActorClient, BufferUnavailable, LearnerClient, Spool, Stopped, spool_path
 from buffer.server import MAX_VERSION_LEAD
 from core import config as C
 from core import net
@@ -397,8 +397,8 @@ def test_a_blocked_send_returns_when_stopped_and_leaves_the_rest_in_the_spool(tm
         stop.set()
         t.join(10)
         assert done.is_set(), "send_many ignored the stop flag"
-        spooled = sorted(int(n.split(".")[0]) for n in os.listdir(spool_path(str(tmp_path), "a0")))
-        assert spooled == [0, 1]  # seq 0 sent in one chunk; 1 and 2 spooled together, for the next life
+        spooled = Spool(spool_path(str(tmp_path), "a0"), "a0").pending()
+        assert [s for s, _ in spooled] == [0, 1, 2]  # seq 0 sent; 1 and 2 spooled, for the next life
         assert not actor.flush(5)  # returns at once: stopped
     finally:
         actor.close()

@@ -195,6 +195,23 @@ def test_full_buffer_serves_a_partial_batch_instead_of_deadlocking(tmp_path):
         learner.close()
 
 
+def test_the_groups_of_one_message_are_judged_each_alone_and_before_what_follows_them(tmp_path):
+    """An actor message's groups are validated together (one pass), yet each gets its own answer, in
+    order, and a Hello after them in the same message is answered as if they had come alone."""
+    cfg = make_config(run_dir=tmp_path)
+    with ServerThread(cfg, str(tmp_path)) as srv:
+        raw = RawActor(cfg, "a0")
+        bad = small("a0", 1)
+        bad = msgspec.structs.replace(bad, completions=bad.completions[:1])  # the group size is 2
+        frames = [encode(g) for g in (small("a0", 0), bad, small("a0", 2))]
+        raw.sock.send_multipart(frames + [encode(Hello("actor", "a0", token=token(cfg)))])
+        acks = [raw.recv() for _ in range(4)]
+        assert [(a.seq, a.status, a.reason) for a in acks] == [(0, "ok", ""), (1, "rejected", "group_size"),
+                                                                (2, "ok", ""), (3, "hello", "")]
+        assert srv.store.counters.accepted == 2 and srv.invalid["group_size"] == 1
+        raw.close()
+
+
 def test_restarted_learner_gets_back_what_it_held_but_never_consumed(tmp_path):
     cfg = make_config(run_dir=tmp_path)
     with ServerThread(cfg, str(tmp_path)):
@@ -461,7 +478,7 @@ def test_unacked_groups_survive_the_actor_and_are_resent_by_its_next_incarnation
         actor.close()  # the actor dies with its window unacked
         first.stop()
     assert [s for s, _ in Spool(spool_path(run, "a0"), "a0").pending()] == [1, 2, 3, 4, 5]
-    assert len(os.listdir(spool_path(run, "a0"))) == 2  # one file per send_many
+    assert len(os.listdir(spool_path(run, "a0"))) == 1  # one file, a record per send_many
 
     with ServerThread(cfg, run) as srv:
         again = ActorClient(cfg, "a0", run_dir=run, window=8, resend_s=0.5)
@@ -470,7 +487,7 @@ def test_unacked_groups_survive_the_actor_and_are_resent_by_its_next_incarnation
             assert again.outstanding == 5  # picked up from the spool
             assert again.next_seq() == 6  # and numbering resumes above it
             assert again.flush(10)
-            assert os.listdir(spool_path(run, "a0")) == []  # every file deleted by its ack
+            assert os.listdir(spool_path(run, "a0")) == []  # the earlier life's file deleted by its last ack
             assert drain(learner, 6) == acked + spooled
             assert learner.sample(1, 0, timeout_s=0.3) is None  # each exactly once
             assert srv.store.counters.accepted == 6 and srv.store.invariant_ok()
@@ -479,23 +496,78 @@ def test_unacked_groups_survive_the_actor_and_are_resent_by_its_next_incarnation
             learner.close()
 
 
-def test_spool_keeps_a_chunk_until_its_last_group_settles_and_drops_what_was_never_sent(tmp_path):
+def record(*payloads) -> bytes:
+    """A spool record as Spool.put writes it: its size, then a msgpack list of encoded groups."""
+    body = msgspec.msgpack.encode(list(payloads))
+    return len(body).to_bytes(8, "little") + body
+
+
+def test_spool_keeps_a_file_until_its_last_group_settles_and_drops_what_was_never_sent(tmp_path):
     d = str(tmp_path / "spool")
     sp = Spool(d, "a0")
     chunk = [small("a0", 3), small("a0", 4)]
     sp.put([3, 4], [encode(g) for g in chunk])
-    junk = {"9.groups.tmp123": msgspec.msgpack.encode([encode(small("a0", 9))]),  # a write cut short
-            "10.groups": msgspec.msgpack.encode([encode(small("a0", 10))])[:-7],  # torn
-            "11.groups": msgspec.msgpack.encode([encode(small("a1", 11))]),  # another actor's
-            "12.groups": msgspec.msgpack.encode([b"not a group"])}
-    for name, data in junk.items():
-        with open(os.path.join(d, name), "wb") as f:
+    sp.close()  # the actor dies: its file stays
+    (name,) = os.listdir(d)
+    g13 = encode(small("a0", 13))
+    junk = {"9.groups.tmp123": record(encode(small("a0", 9))),  # not a spool file
+            "10.groups": record(encode(small("a0", 10)))[:-7],  # its only record cut short
+            "11.groups": record(encode(small("a1", 11))),  # another actor's
+            "12.groups": record(b"not a group"),
+            "13.groups": record(g13) + record(encode(small("a0", 14)))[:-3]}
+    for junk_name, data in junk.items():
+        with open(os.path.join(d, junk_name), "wb") as f:
             f.write(data)
     again = Spool(d, "a0")
-    assert again.pending() == [(3, encode(chunk[0])), (4, encode(chunk[1]))]
-    assert os.listdir(d) == ["3.groups"]
+    assert again.pending() == [(3, encode(chunk[0])), (4, encode(chunk[1])), (13, g13)]
+    assert sorted(os.listdir(d)) == sorted([name, "13.groups"])  # 14 was cut short: never sent
     again.settle(4)
-    assert os.listdir(d) == ["3.groups"]  # seq 3 is still unacked
+    again.settle(13)
+    assert os.listdir(d) == [name]  # seq 3 is still unacked
     again.settle(4)  # a second answer to a resend
     again.settle(3)
     assert os.listdir(d) == []
+
+
+def test_spool_empties_its_file_when_every_group_in_it_is_settled_and_starts_another_when_full(tmp_path,
+                                                                                               monkeypatch):
+    d = str(tmp_path / "spool")
+    sp = Spool(d, "a0")
+    sp.put([0, 1], [encode(small("a0", 0)), encode(small("a0", 1))])
+    sp.put([2], [encode(small("a0", 2))])
+    (name,) = os.listdir(d)
+    path = os.path.join(d, name)
+    sp.settle(0)
+    sp.settle(2)
+    assert os.path.getsize(path) == len(record(encode(small("a0", 0)), encode(small("a0", 1)))) + \
+        len(record(encode(small("a0", 2))))
+    sp.settle(1)
+    assert os.listdir(d) == [name] and os.path.getsize(path) == 0  # emptied, written from its start again
+    monkeypatch.setattr(Spool, "FILE_BYTES", 1)
+    sp.put([3], [encode(small("a0", 3))])
+    sp.put([4], [encode(small("a0", 4))])  # the file is full: a new one
+    assert len(os.listdir(d)) == 2 and os.path.getsize(path) == len(record(encode(small("a0", 3))))
+    assert [s for s, _ in Spool(d, "a0").pending()] == [3, 4]
+    sp.settle(3)  # the full file's last group: it goes
+    assert len(os.listdir(d)) == 1 and not os.path.exists(path)
+    sp.close()
+
+
+def test_a_spool_write_that_fails_leaves_no_torn_record_behind(tmp_path, monkeypatch):
+    d = str(tmp_path / "spool")
+    sp = Spool(d, "a0")
+    sp.put([0], [encode(small("a0", 0))])
+    real = os.pwrite
+
+    def half_then_full_disk(fd, data, at):
+        if len(data) > 100:
+            return real(fd, data[:100], at)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", half_then_full_disk)
+    with pytest.raises(OSError):
+        sp.put([1], [encode(small("a0", 1))])
+    monkeypatch.setattr(os, "pwrite", real)
+    sp.put([2], [encode(small("a0", 2))])  # the disk has room again
+    sp.close()
+    assert [s for s, _ in Spool(d, "a0").pending()] == [0, 2]  # the failed chunk was never sent

@@ -8,7 +8,7 @@ import numpy as np
 
 from buffer.store import entry_from_group
 from core.messages import (LOGPROB_DTYPE, NO_LIMITS, SCHEMA_VERSION, TOKEN_DTYPE, VERSION_DTYPE, InvalidMessage,
-                           Limits, make_completion, validate_group)
+                           Limits, make_completion, validate_group, validate_groups)
 from tests.support.synth import make_group
 
 
@@ -169,6 +169,34 @@ def test_with_the_runs_limits_the_vectorised_verdict_is_still_the_reference_one(
         seen.add(want)
     assert {None, "group_size", "empty_prompt", "prompt_too_long", "token_out_of_vocab",
             "completion_too_long", "length_mismatch", "nonfinite_logprob", "over_context"} <= seen
+
+
+def test_groups_validated_together_get_each_its_own_verdict_reason_and_versions():
+    """validate_groups (the buffer's one pass over an actor message) against the reference, one group
+    at a time: batches of 1..16 groups, all valid or with a few broken ones among them, some empty."""
+    rng = np.random.default_rng(3)
+    reasons = set()
+    for n in range(300):
+        batch = []
+        for i in range(int(rng.integers(1, 17))):
+            g = make_group("a", i, completions=3, tokens=int(rng.integers(1, MAX_NEW + 1)),
+                           prompt_tokens=int(rng.integers(1, MAX_PROMPT + 1)), rng=rng, ragged=bool(i % 2),
+                           version=int(rng.integers(0, 5)))
+            if n % 3 and rng.random() < 0.2:
+                g = corrupt(g, rng, limited=True)
+            elif rng.random() < 0.1:
+                g = msgspec.structs.replace(g, completions=[make_completion([], [], [], "stop", 0.0)] * 3)
+            batch.append(g)
+        got = validate_groups(batch, LIMITS)
+        assert len(got) == len(batch)
+        for g, verdict in zip(batch, got):
+            want = reason_of(reference_validate, g, LIMITS)
+            if want is None:
+                assert verdict == validate_group(g, LIMITS) and verdict[0] == g.min_version(), g
+            else:
+                assert isinstance(verdict, InvalidMessage) and verdict.reason == want, g
+            reasons.add(want)
+    assert None in reasons and len(reasons) > 5  # valid groups beside several kinds of broken ones
 
 
 def test_all_empty_completions_are_valid_and_keep_the_start_version():
