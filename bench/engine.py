@@ -67,11 +67,19 @@ compute- nor bandwidth-bound on this core (measured alternatives on prepacked we
 on the fixed workload by construction (every sequence has the same length); on the rollout
 workload it is where the rest of the 1.5x comes from.
 
+A real checkpoint and task (``--config``, e.g. ``configs/smollm2.toml`` after ``python
+bench/smollm2.py``) replace the random ones: the model is the config's ``model.path`` (or
+``--model``), the prompts are ``--waves`` x ``--batch`` train prompts sampled by the config's task
+exactly as the actor samples them (chat template, instruction, system prompt), and a sequence
+stops at the model's own EOS ids (the ``fixed`` workload: never). ``--dtype bfloat16`` runs both
+sides' weights in BF16 (FP32 by default); the engine keeps its FP32 islands (the head, the
+attention softmax), transformers has none.
+
 The last stdout line is one JSON object: {"bench": "engine", "ratio": ..., "engine_tokens_per_s":
 ..., "hf_tokens_per_s": ..., "engine_peak_rss_mb": ..., "hf_peak_rss_mb": ..., "new_tokens": ...,
 "batch": ..., "model_params": ..., ...}.
 
-    python bench/engine.py [--preset 135m|tiny] [--arch llama|qwen3] [--new-tokens 256]
+    python bench/engine.py [--preset 135m|tiny] [--arch llama|qwen3] [--config CFG [--model PATH]] [--new-tokens 256]
                            [--batch 16] [--workload rollout|fixed] [--waves 4] [--threads 1] [--repeats 1]
 """
 
@@ -137,7 +145,8 @@ def stop_ids(workload: str, vocab: int) -> list[int]:
     return [] if workload == "fixed" else list(range(EOS + 1, vocab, STOP_EVERY))
 
 
-def engine_generate(model_dir: str, prompts: list[list[int]], stops: list[int], batch: int):
+def engine_generate(model_dir: str, prompts: list[list[int]], stops: list[int], batch: int, pad: int = PAD,
+                    dtype: str = "float32"):
     """The driftrl side: a TorchEngine on the checkpoint with ``batch`` slots; every prompt is
     handed over at once and continuous batching refills a slot as soon as its sequence stops."""
     from actor.engines.torch import TorchEngine
@@ -145,7 +154,7 @@ def engine_generate(model_dir: str, prompts: list[list[int]], stops: list[int], 
     from model.sampling import SamplingSpec
 
     engine = TorchEngine(load_pretrained(model_dir), SamplingSpec(temperature=1.0, top_k=0, top_p=1.0),
-                         eos_ids=stops, pad_id=PAD, max_batch=batch, dtype="float32", seed=0)
+                         eos_ids=stops, pad_id=pad, max_batch=batch, dtype=dtype, seed=0)
 
     def run(new_tokens: int) -> list[int]:
         return [len(s.tokens) for s in engine.generate(prompts, max_new_tokens=new_tokens)]
@@ -153,11 +162,11 @@ def engine_generate(model_dir: str, prompts: list[list[int]], stops: list[int], 
     return run
 
 
-def _left_padded(prompts: list[list[int]]):
+def _left_padded(prompts: list[list[int]], pad: int):
     import torch
 
     width = max(map(len, prompts))
-    ids = torch.full((len(prompts), width), PAD, dtype=torch.long)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):
         ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
@@ -173,15 +182,16 @@ def _lengths(new, stops: set[int]) -> list[int]:
     return out
 
 
-def hf_generate(model_dir: str, prompts: list[list[int]], stops: list[int], batch: int):
+def hf_generate(model_dir: str, prompts: list[list[int]], stops: list[int], batch: int, pad: int = PAD,
+                dtype: str = "float32"):
     """The transformers side: ``from_pretrained`` + ``generate`` on left-padded prompts, ``batch``
     prompts per call (a call runs until its longest member stops, as ``generate`` does)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     model.generation_config.eos_token_id = stops or None  # the same stopping rule as the engine
-    chunks = [_left_padded(prompts[i:i + batch]) for i in range(0, len(prompts), batch)]
+    chunks = [_left_padded(prompts[i:i + batch], pad) for i in range(0, len(prompts), batch)]
     torch.manual_seed(0)
 
     def run(new_tokens: int) -> list[int]:
@@ -190,7 +200,7 @@ def hf_generate(model_dir: str, prompts: list[list[int]], stops: list[int], batc
             for ids, mask in chunks:
                 out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
                                      top_p=1.0, max_new_tokens=new_tokens, eos_token_id=stops or None,
-                                     pad_token_id=PAD)
+                                     pad_token_id=pad)
                 lengths += _lengths(out[:, ids.shape[1]:], set(stops))
         return lengths
 
@@ -211,10 +221,9 @@ def side_main(args) -> None:
 
     torch.set_num_threads(args.threads)
     with open(args.prompts) as f:
-        prompts = json.load(f)
-    stops = stop_ids(args.workload, PRESETS[args.preset]["vocab_size"])
+        work = json.load(f)  # {"prompts", "stops", "pad"}: see compare()
     side = engine_generate if args.side == "engine" else hf_generate
-    run = side(args.model_dir, prompts, stops, args.batch)
+    run = side(args.model_dir, work["prompts"], work["stops"], args.batch, work["pad"], args.dtype)
     run(WARMUP_TOKENS)
     wall, cpu = time.perf_counter(), time.process_time()
     lengths = run(args.new_tokens)
@@ -232,7 +241,7 @@ def side_main(args) -> None:
 def run_side(side: str, model_dir: str, prompts_path: str, args) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--side", side, "--model-dir", model_dir,
            "--prompts", prompts_path, "--new-tokens", str(args.new_tokens), "--threads", str(args.threads),
-           "--batch", str(args.batch), "--workload", args.workload, "--preset", args.preset]
+           "--batch", str(args.batch), "--workload", args.workload, "--dtype", args.dtype]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     if out.returncode != 0:
@@ -254,28 +263,57 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
             "engine_cpu_s": med["engine"]["cpu_s"], "hf_cpu_s": med["hf"]["cpu_s"]}
 
 
+def real_work(cfg, model_dir: str, n: int, workload: str) -> dict:
+    """``--config``: ``n`` train prompts as the config's task gives the actor, the model's EOS ids."""
+    from actor.tasks import make_task
+    from model.tokenizer import Tokenizer
+
+    tok, rng = Tokenizer.from_dir(model_dir), random.Random(0)
+    task = make_task(cfg.task, tok)
+    prompts = [list(task.sample(rng, "train").tokens) for _ in range(n)]
+    task.close()
+    return {"prompts": prompts, "stops": [] if workload == "fixed" else list(tok.eos_ids), "pad": tok.pad_id}
+
+
+def _params(model_dir: str) -> int:
+    from model.hf import load_pretrained
+
+    return sum(p.numel() for p in load_pretrained(model_dir).parameters())
+
+
 def compare(args) -> dict:
     with tempfile.TemporaryDirectory(prefix="driftrl-bench-engine-") as tmp:
-        model_dir = os.path.join(tmp, "model")
-        params = build_checkpoint(model_dir, args.preset, args.arch)
-        prompts_path = os.path.join(tmp, "prompts.json")
         n = args.batch * (args.waves if args.workload == "rollout" else 1)
-        prompts = make_prompts(n, PRESETS[args.preset]["vocab_size"])
+        if args.config:
+            from core import config as C
+
+            cfg = C.load(args.config, [f"model.path={json.dumps(args.model)}"] if args.model else [])
+            model_dir, work = cfg.model.path, real_work(cfg, cfg.model.path, n, args.workload)
+            params = _params(model_dir)
+        else:
+            model_dir = os.path.join(tmp, "model")
+            params = build_checkpoint(model_dir, args.preset, args.arch)
+            vocab = PRESETS[args.preset]["vocab_size"]
+            work = {"prompts": make_prompts(n, vocab), "stops": stop_ids(args.workload, vocab), "pad": PAD}
+        prompts, prompts_path = work["prompts"], os.path.join(tmp, "prompts.json")
         with open(prompts_path, "w") as f:
-            json.dump(prompts, f)
+            json.dump(work, f)
         runs: dict[str, list[dict]] = {"engine": [], "hf": []}
         for _ in range(args.repeats):
             for side in runs:  # alternate, so load drift hits both sides
                 runs[side].append(run_side(side, model_dir, prompts_path, args))
-    return {"model_params": params, "prompts": len(prompts), "prompt_tokens": sum(map(len, prompts)),
+    what = f"{model_dir} ({args.config})" if args.config else f"preset {args.preset} ({args.arch}, random weights)"
+    return {"model": what, "model_params": params, "prompts": len(prompts), "prompt_tokens": sum(map(len, prompts)),
             **summarize(runs), "runs": runs}
 
 
 def report(args, res: dict, load: tuple) -> None:
     rows = [[name, res[f"{side}_tokens_per_s"], res[f"{side}_wall_s"], res[f"{side}_cpu_s"], res[f"{side}_peak_rss_mb"]]
             for side, name in (("engine", "driftrl engine"), ("hf", "transformers generate"))]
-    print(f"engine vs transformers generate, {args.workload} workload: preset {args.preset} ({args.arch}, "
-          f"{res['model_params'] / 1e6:.1f}M params, fp32), batch {args.batch}, {res['prompts']} prompts, up to "
+    what = res["model"]
+    print(f"engine vs transformers generate, {args.workload} workload: {what} ("
+          f"{res['model_params'] / 1e6:.1f}M params, {args.dtype}), batch {args.batch}, {res['prompts']} prompts, "
+          f"up to "
           f"{args.new_tokens} new tokens (mean {res['engine_mean_length']:.0f} / {res['hf_mean_length']:.0f}), "
           f"{args.threads} thread(s), median of "
           f"{args.repeats}; load average {load[0]:.2f} -> {load_avg()[0]:.2f} on {os.cpu_count()} cpus")
@@ -287,12 +325,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), default="135m")
     ap.add_argument("--arch", choices=sorted(ARCHS), default="llama")
-    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--config", help="a driftrl config: its model and task instead of a random preset")
+    ap.add_argument("--model", help="with --config: this checkpoint directory instead of its model.path")
+    ap.add_argument("--new-tokens", type=int, help="cap per sequence (256; --config: its actor.max_new_tokens)")
     ap.add_argument("--batch", type=int, default=16, help="sequences decoded at once (engine max_batch)")
     ap.add_argument("--workload", choices=("rollout", "fixed"), default="rollout",
                     help="rollout: --waves x --batch prompts, ragged stop lengths; fixed: --batch prompts, no stop")
     ap.add_argument("--waves", type=int, default=4, help="rollout: prompts = waves x batch")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads on each side")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="both sides' weights")
     ap.add_argument("--repeats", type=int, default=1, help="timed runs per side, alternating")
     ap.add_argument("--side", choices=("engine", "hf"), help=argparse.SUPPRESS)  # internal: one side's process
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -300,10 +341,15 @@ def main() -> None:
     args = ap.parse_args()
     if args.side:
         return side_main(args)
+    if args.new_tokens is None:
+        from core import config as C
+
+        args.new_tokens = C.load(args.config, []).actor.max_new_tokens if args.config else 256
     load = load_avg()
     res = compare(args)
     report(args, res, load)
-    print(json.dumps({"bench": "engine", "workload": args.workload, "preset": args.preset, "arch": args.arch,
+    print(json.dumps({"bench": "engine", "workload": args.workload, "config": args.config, "preset": args.preset,
+                      "arch": args.arch, "dtype": args.dtype,
                       "new_tokens": args.new_tokens,
                       "batch": args.batch, "threads": args.threads, "repeats": args.repeats,
                       "load_avg": round(load[0], 2), **{k: v for k, v in res.items() if k != "runs"},

@@ -168,8 +168,9 @@ class Decoder(nn.Module):
             cache.advance(t)
         return self.model.norm(x)
 
-    def logits(self, hidden):
-        return F.linear(hidden.float(), self.head_weight().float())
+    def logits(self, hidden, head: torch.Tensor | None = None):
+        """FP32 logits (the FP32 head); ``head``: its weight already in FP32 (an engine keeps one between tokens)."""
+        return F.linear(hidden.float(), (self.head_weight() if head is None else head).float())
 
 
 Qwen3 = Decoder  # the name most callers know it by

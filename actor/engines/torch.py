@@ -79,6 +79,7 @@ class TorchEngine(Engine):
         self.eos_ids = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=self.device)
         self.gen = torch.Generator(device=self.device).manual_seed(seed)
         self._params = self.params()
+        self._head32: tuple[int, torch.Tensor] | None = None  # (the weight's address, its FP32 copy)
         self._cache: KVCache | None = None
         self._running: list[_Seq | None] = []  # the current stream's slots (progress)
 
@@ -99,7 +100,18 @@ class TorchEngine(Engine):
         return {k: own[k] for k in self.model.state_dict()}
 
     def _apply_weights(self) -> int | None:
-        return self.weights.apply(self._params)
+        applied = self.weights.apply(self._params)
+        if applied is not None:
+            self._head32 = None
+        return applied
+
+    def _fp32_head(self) -> torch.Tensor:
+        """The head's weight in FP32, converted once per weight version, not once per token: for a BF16
+        body that conversion of every vocabulary row was 39 % of SmolLM2's generate (bench/engine.py)."""
+        w = self.model.head_weight()
+        if self._head32 is None or self._head32[0] != w.data_ptr():
+            self._head32 = (w.data_ptr(), w.float())
+        return self._head32[1]
 
     @torch.inference_mode()
     def _stream(self, prompts: list[list[int]], limits: list[int], greedy: bool,
@@ -183,7 +195,7 @@ class TorchEngine(Engine):
 
     def _record(self, seqs: list[_Seq], hidden, version: int, greedy: bool) -> None:
         s = self.spec
-        logp = sampling_logprobs(self.model.logits(hidden), s.temperature, s.top_k, s.top_p)
+        logp = sampling_logprobs(self.model.logits(hidden, self._fp32_head()), s.temperature, s.top_k, s.top_p)
         nxt = logp.argmax(-1) if greedy else self._draw(logp)
         lp = logp.gather(-1, nxt[:, None]).squeeze(-1)
         stops = torch.isin(nxt, self.eos_ids).tolist()

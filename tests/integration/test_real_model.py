@@ -59,3 +59,28 @@ def test_the_engine_answers_as_transformers_does(smol):
     engine = TorchEngine(load_pretrained(smol), SamplingSpec(), eos_ids=tok.eos_ids, pad_id=tok.pad_id, dtype="float32")
     got = engine.generate([ids[0].tolist()], max_new_tokens=24, greedy=True)[0]
     assert got.tokens == want[: len(got.tokens)] and len(got.tokens) >= min(len(want), 8)
+
+
+def test_the_engine_bench_runs_on_the_real_model_and_its_task(smol, tmp_path):
+    """``bench/engine.py --config``: the config's task gives the prompts, the model its EOS ids, both sides load
+    the real checkpoint (BF16 here: the engine's FP32 head kept between tokens)."""
+    import json
+    import subprocess
+
+    import smollm2
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "configs", "smollm2.toml")) as f:
+        text = f.read().replace('".cache/smollm2/sums.jsonl"', json.dumps(smollm2.write_sums(smol)))
+    cfg = tmp_path / "smol.toml"
+    cfg.write_text(text)
+    out = subprocess.run([sys.executable, os.path.join(root, "bench", "engine.py"), "--config", str(cfg),
+                          "--model", smol, "--new-tokens", "4", "--batch", "2", "--waves", "1", "--dtype", "bfloat16"],
+                         capture_output=True, text=True, timeout=600, cwd=root,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["config"] == str(cfg) and res["dtype"] == "bfloat16" and res["prompts"] == 2
+    assert 130e6 < res["model_params"] < 140e6 and res["ratio"] > 0
+    for side in ("engine", "hf"):
+        assert 2 <= res["runs"][side][0]["tokens"] <= 8  # each prompt stops at the model's EOS or at 4 tokens

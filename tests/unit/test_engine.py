@@ -207,6 +207,27 @@ def test_in_flight_update_versions_and_logprobs(task):
     assert long_rows >= 3
 
 
+def test_a_bf16_engine_converts_its_fp32_head_once_per_weight_version(task):
+    """The FP32 head's weight is converted once and kept between tokens (not once per token), and a
+    version applied through the weight source replaces it: sampling sees the new head at once."""
+    class Source:
+        @torch.no_grad()
+        def apply(self, params):
+            for v in params.values():
+                v.mul_(2)
+            return 1
+
+    engine = tiny_engine(dtype="bfloat16", seed=3)
+    head = engine._fp32_head()
+    assert head.dtype == torch.float32 and torch.equal(head, engine.model.head_weight().float())
+    engine.generate(_prompts(task, 3), max_new_tokens=3)
+    assert engine._fp32_head() is head  # kept across the tokens and calls of the same version
+    engine.weights, engine.version = Source(), 0
+    assert engine.refresh_weights() == 1
+    new = engine._fp32_head()
+    assert torch.equal(new, engine.model.head_weight().float()) and torch.equal(new, 2 * head)
+
+
 def test_any_of_several_eos_ids_stops_a_row(task):
     prompts = _prompts(task, 6)
     first = [s.tokens[0] for s in _engine(seed=1).generate(prompts, greedy=True)]
