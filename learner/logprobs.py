@@ -5,7 +5,9 @@ learner's log-prob" means one thing. The LM head matmul and the log-softmax run 
 default (``fp32=True``) whatever the body dtype: in bf16 a logit near 10 is only known to ~0.03,
 and that error lands directly in ``log ρ``. ``fp32=False`` keeps ``hidden.dtype``, to measure it.
 Rows go ``chunk`` at a time under activation checkpointing, so neither forward nor backward ever
-holds more than ``chunk x V`` logits.
+holds more than ``chunk x V`` logits. The entropy (a metric, never differentiated) is computed
+without a graph, after everything backward needs, so backward's recompute of a chunk stops before
+it (checkpoint's early stop): over a 49k vocabulary it cost as much as the log-probs.
 """
 
 from __future__ import annotations
@@ -36,10 +38,11 @@ def _chunk_logprobs(h: Tensor, w: Tensor, targets: Tensor, *, dtype: torch.dtype
     logp = (logits.gather(-1, targets[:, None]).squeeze(-1) - lse).to(out_dtype)
     if not with_entropy:
         return logp, None
-    probs = torch.exp(logits - lse[:, None])
-    # masked logits are -inf with probability 0: count them as 0, not 0 * -inf = NaN
-    finite_logits = logits.masked_fill(torch.isinf(logits), 0.0)
-    return logp, (lse - (probs * finite_logits).sum(dim=-1)).to(out_dtype)
+    with torch.no_grad():
+        probs = torch.exp(logits - lse[:, None])
+        # masked logits are -inf with probability 0: count them as 0, not 0 * -inf = NaN
+        finite_logits = logits.masked_fill(torch.isinf(logits), 0.0)
+        return logp, (lse - (probs * finite_logits).sum(dim=-1)).to(out_dtype)
 
 
 def token_logprobs(hidden: Tensor, head_weight: Tensor, targets: Tensor, temperature: float = 1.0,
@@ -47,7 +50,8 @@ def token_logprobs(hidden: Tensor, head_weight: Tensor, targets: Tensor, tempera
                    top_p: float = 1.0) -> tuple[Tensor, Tensor | None]:
     """``(logp, entropy)`` of each target under ``softmax(hidden @ head_weight.T / temperature)`` (``hidden``: the
     final-normed states), renormalised over the actor's top-k/top-p support when those are on
-    (:func:`truncation_mask`); float32 or wider, ``entropy`` (of that distribution) None unless ``with_entropy``."""
+    (:func:`truncation_mask`); float32 or wider, ``entropy`` (of that distribution, without a graph) None unless
+    ``with_entropy``."""
     if hidden.shape[:-1] != targets.shape:
         raise ValueError(f"hidden {tuple(hidden.shape)} and targets {tuple(targets.shape)} disagree: "
                          "hidden must be targets.shape + (H,)")

@@ -70,7 +70,8 @@ def test_gradient_matches_unchunked_and_reference():
         h = hidden.clone().requires_grad_(True)
         w = weight.clone().requires_grad_(True)
         logp, ent = token_logprobs(h, w, targets, chunk=chunk, with_entropy=True)
-        ((logp + 0.1 * ent) * upstream).sum().backward()
+        assert not ent.requires_grad  # a metric: no graph, and not computed again by backward's recompute
+        (logp * upstream).sum().backward()
         return h.grad, w.grad
 
     h_whole, w_whole = grads(10_000)
@@ -80,10 +81,22 @@ def test_gradient_matches_unchunked_and_reference():
 
     h64 = hidden.double().requires_grad_(True)
     w64 = weight.double().requires_grad_(True)
-    ref_logp, ref_ent = _ref(h64, w64, targets)
-    ((ref_logp + 0.1 * ref_ent) * upstream.double()).sum().backward()
+    ref_logp, _ = _ref(h64, w64, targets)
+    (ref_logp * upstream.double()).sum().backward()
     assert torch.allclose(h_chunk.double(), h64.grad, atol=1e-4, rtol=1e-4)
     assert torch.allclose(w_chunk.double(), w64.grad, atol=1e-4, rtol=1e-4)
+
+
+def test_the_entropy_is_computed_once_per_chunk_and_not_again_by_backwards_recompute(monkeypatch):
+    calls, real = [], torch.isinf  # (only the entropy calls it here)
+    monkeypatch.setattr(torch, "isinf", lambda x: calls.append(x.shape) or real(x))
+    hidden, weight, targets = _setup()
+    h = hidden.clone().requires_grad_(True)
+    logp, ent = token_logprobs(h, weight, targets, chunk=5, with_entropy=True)
+    chunks = -(-targets.numel() // 5)
+    assert len(calls) == chunks and ent.shape == targets.shape
+    logp.sum().backward()  # every chunk recomputed for its gradient...
+    assert len(calls) == chunks and h.grad is not None  # ...up to what backward needs: not the entropy
 
 
 def test_backward_keeps_no_full_logits():

@@ -1,0 +1,135 @@
+"""One learner step, measured: its wall time, the FLOP/s it achieves against this machine's own
+matmul throughput, and its peak resident memory against the state it must hold, in one run.
+
+The batch is real: ``learner.groups_per_step`` prompts x ``actor.group_size`` samples from the
+configured engine (``bench.common.engine_batch``), collated as the learner receives them. The
+backend is the configured one (``learner.backend``, ``learner.body_dtype`` under ``auto``,
+``learner.threads`` torch threads). Timed: ``--steps`` optimiser steps after one warm-up step.
+
+* ``flops_frac_of_matmul``: the matmul FLOPs one step executes (counted by the torch profiler:
+  ``mm``, ``addmm``, ``bmm``, forward, backward and the FP32 head's recompute under activation
+  checkpointing, divided by the median step's wall time) over a plain ``torch.mm`` of the body's
+  widest shape (tokens x hidden @ hidden x intermediate) in the body's dtype, same threads, same
+  process (target >= 0.4: the step's time goes to its matmuls, not to what surrounds them).
+* ``peak_over_state``: the learner's peak resident memory (VmHWM, reset after the batch is made,
+  so the engine's memory is not counted) over its weights + gradients + AdamW's two moments, all
+  FP32 (target <= 1.5).
+
+The last stdout line is one JSON object: {"bench": "learner", "step_s": ..., "flops_frac_of_matmul":
+..., "peak_over_state": ..., ...}.
+
+    python bench/learner.py [--config configs/smollm2.toml] [-o section.key=value ...] [--steps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from bench.common import engine_batch, format_table, load_avg  # noqa: E402
+from core import config as C  # noqa: E402
+from core import precision  # noqa: E402
+from model.attention import DTYPES  # noqa: E402
+
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm")  # the kernels: a linear or matmul reaches one of these
+
+
+def _status_mb(key: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no {key} in /proc/self/status")
+
+
+def reset_peak() -> None:
+    """VmHWM back to the current RSS (Linux >= 4.0: ``echo 5 > /proc/self/clear_refs``)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def step_flops(backend, batch) -> float:
+    """Matmul FLOPs of one optimiser step, as the torch profiler counts them (the kernels only)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
+        backend.step(batch)
+    return float(sum(e.flops for e in prof.events() if e.name in MATMUL_OPS and e.flops))
+
+
+def matmul_flops_per_s(tokens: int, hidden: int, inner: int, dtype: torch.dtype, seconds: float = 2.0) -> float:
+    """Sustained FLOP/s of ``[tokens, hidden] @ [hidden, inner]`` in ``dtype``: the body's widest matmul."""
+    a, b = torch.randn(tokens, hidden).to(dtype), torch.randn(hidden, inner).to(dtype)
+    a @ b  # warm-up: the kernel's one-off packing and allocation
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ b
+        n += 1
+    return n * 2 * tokens * hidden * inner / (time.perf_counter() - t0)
+
+
+def measure(cfg: C.Config, steps: int) -> dict:
+    from learner.backends import make_backend
+
+    torch.manual_seed(0)
+    batch = engine_batch(cfg)
+    gc.collect()
+    torch.set_num_threads(cfg.learner.threads)
+    reset_peak()
+    base_mb = _status_mb("VmRSS")
+    backend = make_backend(cfg, cfg.model.path)
+    times = []
+    for _ in range(steps + 1):  # the first step pays one-off allocations (AdamW's moments among them)
+        t0 = time.perf_counter()
+        backend.step(batch)
+        times.append(time.perf_counter() - t0)
+    peak_mb = _status_mb("VmHWM")
+    flops = step_flops(backend, batch)
+    params = sum(p.numel() for p in backend.model.parameters())
+    body = backend.model.cfg
+    dtype = DTYPES[precision.dtype_name(cfg.learner.body_dtype, "cpu")]
+    tokens = int(batch.ids.numel())
+    peak_mm = matmul_flops_per_s(tokens, body.hidden_size, body.intermediate_size, dtype)
+    step_s = statistics.median(times[1:])
+    state_mb = params * 4 * 4 / 2**20  # FP32 weights, gradients, AdamW's exp_avg and exp_avg_sq
+    return {"step_s": step_s, "steps": steps, "tokens": tokens, "params": params, "body_dtype": str(dtype),
+            "step_flops": flops, "flops_per_s": flops / step_s, "matmul_flops_per_s": peak_mm,
+            "flops_frac_of_matmul": flops / step_s / peak_mm, "peak_rss_mb": peak_mb, "base_rss_mb": base_mb,
+            "state_mb": state_mb, "peak_over_state": peak_mb / state_mb,
+            "peak_above_base_over_state": (peak_mb - base_mb) / state_mb, "threads": cfg.learner.threads}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", help="a driftrl config (default: the default job's)")
+    ap.add_argument("-o", "--override", action="append", default=[], help="section.key=value")
+    ap.add_argument("--steps", type=int, default=3)
+    args = ap.parse_args()
+    from jobs import resolve_model
+
+    load = load_avg()[0]
+    cfg = resolve_model(C.load(args.config, args.override))
+    r = measure(cfg, args.steps)
+    print(f"learner step on {cfg.model.path}: {r['params'] / 1e6:.1f}M params, body {r['body_dtype']}, "
+          f"{r['tokens']} padded tokens, {r['threads']} thread(s); load average {load:.2f} -> {load_avg()[0]:.2f}")
+    print(format_table(["step s", "GFLOP/step", "GFLOP/s", "matmul GFLOP/s", "of matmul", "peak MB", "base MB",
+                        "state MB", "peak/state"],
+                       [[round(r["step_s"], 3), round(r["step_flops"] / 1e9, 1), round(r["flops_per_s"] / 1e9, 1),
+                         round(r["matmul_flops_per_s"] / 1e9, 1), round(r["flops_frac_of_matmul"], 3),
+                         round(r["peak_rss_mb"]), round(r["base_rss_mb"]), round(r["state_mb"]),
+                         round(r["peak_over_state"], 2)]]))
+    print(json.dumps({"bench": "learner", "config": args.config, "overrides": args.override, **r,
+                      "load_before": round(load, 2)}))
+
+
+if __name__ == "__main__":
+    main()
