@@ -353,9 +353,9 @@ def validate_groups(groups: list[RolloutGroup], limits: Limits = NO_LIMITS) -> l
 
 def _explain(g: RolloutGroup, limits: Limits) -> tuple[int, int] | InvalidMessage:
     try:
-        _check_head(g, limits)
         versions = _groups_pass([g], limits)
-        if versions is None:
+        if versions is None:  # the first failing check raises its reason
+            _check_head(g, limits)
             _explain_completions(g, limits)
             raise AssertionError("fast path and reference checks disagree")  # unreachable
         return versions[0]
