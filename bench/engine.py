@@ -23,7 +23,9 @@ What is held equal:
   batching). ``fixed`` disables stopping on both sides (``eos_ids=[]``; ``eos_token_id=None``),
   so every one of ``--batch`` sequences generates exactly ``--new-tokens`` tokens (checked) and
   the comparison is the per-token engine alone; tokens/s counts generated tokens either way;
-* threads: each side runs in its own subprocess with ``torch.set_num_threads(--threads)``.
+* threads and allocator: each side runs in its own subprocess with ``torch.set_num_threads(--threads)``
+  and the glibc settings the launcher gives every role (``core/launchers/local.py``: freed memory
+  stays in the heap; without them each step's fresh [batch, vocab] tensors are page faults).
 
 Timing: every subprocess loads the model, runs a 4-token warm-up ``generate`` on the same
 prompts, then times one full ``generate`` (prefill included): tokens/s = generated tokens /
@@ -70,7 +72,9 @@ workload it is where the rest of the 1.5x comes from.
 A real checkpoint and task (``--config``, e.g. ``configs/smollm2.toml`` after ``python
 bench/smollm2.py``) replace the random ones: the model is the config's ``model.path`` (or
 ``--model``), the prompts are ``--waves`` x ``--batch`` train prompts sampled by the config's task
-exactly as the actor samples them (chat template, instruction, system prompt), and a sequence
+exactly as the actor samples them (chat template, instruction, system prompt), ``actor.group_size``
+consecutive copies of each as in an actor's batch (``--group-size``: transformers runs every copy
+as ``num_return_sequences`` would; the engine prefills each distinct prompt once), and a sequence
 stops at the model's own EOS ids (the ``fixed`` workload: never). ``--dtype bfloat16`` runs both
 sides' weights in BF16 (FP32 by default); the engine keeps its FP32 islands (the head, the
 attention softmax), transformers has none.
@@ -100,6 +104,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from bench.common import format_table, load_avg  # noqa: E402
+from core.launchers.local import ALLOCATOR_ENV  # noqa: E402
 
 PRESETS = {
     "135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -242,7 +247,8 @@ def run_side(side: str, model_dir: str, prompts_path: str, args) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--side", side, "--model-dir", model_dir,
            "--prompts", prompts_path, "--new-tokens", str(args.new_tokens), "--threads", str(args.threads),
            "--batch", str(args.batch), "--workload", args.workload, "--dtype", args.dtype]
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
+    # both sides get the allocator settings the launcher gives every role (an actor runs the engine with them)
+    env = {**ALLOCATOR_ENV, **os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     if out.returncode != 0:
         raise RuntimeError(f"the {side} side exited with {out.returncode}:\n{out.stderr[-3000:]}")
@@ -263,14 +269,21 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
             "engine_cpu_s": med["engine"]["cpu_s"], "hf_cpu_s": med["hf"]["cpu_s"]}
 
 
-def real_work(cfg, model_dir: str, n: int, workload: str) -> dict:
-    """``--config``: ``n`` train prompts as the config's task gives the actor, the model's EOS ids."""
+def grouped(prompts: list[list[int]], size: int, n: int) -> list[list[int]]:
+    """``n`` prompts as an actor's batch holds them: ``size`` consecutive copies of each."""
+    return [p for p in prompts for _ in range(size)][:n]
+
+
+def real_work(cfg, model_dir: str, n: int, workload: str, group_size: int = 1) -> dict:
+    """``--config``: ``n`` train prompts as the config's task gives the actor (``group_size`` copies of
+    each), the model's EOS ids."""
     from actor.tasks import make_task
     from model.tokenizer import Tokenizer
 
     tok, rng = Tokenizer.from_dir(model_dir), random.Random(0)
     task = make_task(cfg.task, tok)
-    prompts = [list(task.sample(rng, "train").tokens) for _ in range(n)]
+    distinct = [list(task.sample(rng, "train").tokens) for _ in range(-(-n // group_size))]
+    prompts = grouped(distinct, group_size, n)
     task.close()
     return {"prompts": prompts, "stops": [] if workload == "fixed" else list(tok.eos_ids), "pad": tok.pad_id}
 
@@ -288,13 +301,16 @@ def compare(args) -> dict:
             from core import config as C
 
             cfg = C.load(args.config, [f"model.path={json.dumps(args.model)}"] if args.model else [])
-            model_dir, work = cfg.model.path, real_work(cfg, cfg.model.path, n, args.workload)
+            size = args.group_size or cfg.actor.group_size
+            model_dir, work = cfg.model.path, real_work(cfg, cfg.model.path, n, args.workload, size)
             params = _params(model_dir)
         else:
             model_dir = os.path.join(tmp, "model")
             params = build_checkpoint(model_dir, args.preset, args.arch)
             vocab = PRESETS[args.preset]["vocab_size"]
-            work = {"prompts": make_prompts(n, vocab), "stops": stop_ids(args.workload, vocab), "pad": PAD}
+            size = args.group_size or 1
+            work = {"prompts": grouped(make_prompts(-(-n // size), vocab), size, n),
+                    "stops": stop_ids(args.workload, vocab), "pad": PAD}
         prompts, prompts_path = work["prompts"], os.path.join(tmp, "prompts.json")
         with open(prompts_path, "w") as f:
             json.dump(work, f)
@@ -303,7 +319,8 @@ def compare(args) -> dict:
             for side in runs:  # alternate, so load drift hits both sides
                 runs[side].append(run_side(side, model_dir, prompts_path, args))
     what = f"{model_dir} ({args.config})" if args.config else f"preset {args.preset} ({args.arch}, random weights)"
-    return {"model": what, "model_params": params, "prompts": len(prompts), "prompt_tokens": sum(map(len, prompts)),
+    return {"model": what, "model_params": params, "prompts": len(prompts), "group_size": size,
+            "prompt_tokens": sum(map(len, prompts)),
             **summarize(runs), "runs": runs}
 
 
@@ -313,7 +330,7 @@ def report(args, res: dict, load: tuple) -> None:
     what = res["model"]
     print(f"engine vs transformers generate, {args.workload} workload: {what} ("
           f"{res['model_params'] / 1e6:.1f}M params, {args.dtype}), batch {args.batch}, {res['prompts']} prompts, "
-          f"up to "
+          f"{res['group_size']} copies of each, up to "
           f"{args.new_tokens} new tokens (mean {res['engine_mean_length']:.0f} / {res['hf_mean_length']:.0f}), "
           f"{args.threads} thread(s), median of "
           f"{args.repeats}; load average {load[0]:.2f} -> {load_avg()[0]:.2f} on {os.cpu_count()} cpus")
@@ -332,6 +349,8 @@ def main() -> None:
     ap.add_argument("--workload", choices=("rollout", "fixed"), default="rollout",
                     help="rollout: --waves x --batch prompts, ragged stop lengths; fixed: --batch prompts, no stop")
     ap.add_argument("--waves", type=int, default=4, help="rollout: prompts = waves x batch")
+    ap.add_argument("--group-size", type=int, default=0,
+                    help="copies of each prompt, as in an RL batch (default: --config's actor.group_size, else 1)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads on each side")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="both sides' weights")
     ap.add_argument("--repeats", type=int, default=1, help="timed runs per side, alternating")

@@ -30,12 +30,14 @@ class KVCache:
         """Empty ``slots`` for new sequences (their stale K/V stay, masked, until overwritten)."""
         self.lengths[slots] = 0
 
-    def move(self, src: int, dst: int) -> None:
-        """Copy slot ``src``'s sequence into slot ``dst``: once, instead of a gather on every later step."""
-        n = int(self.lengths[src])
+    def move(self, src, dst, lengths=None) -> None:
+        """Copy slot ``src``'s sequence into slot ``dst`` (or each of a list into its partner): once, instead of
+        a gather on every later step. ``lengths``: only each one's first positions (a shared prompt's)."""
+        lengths = self.lengths[src] if lengths is None else torch.as_tensor(lengths, device=self.lengths.device)
+        n = int(lengths.max())
         for buf in (*self.k, *self.v):
             buf[dst, :, :n] = buf[src, :, :n]
-        self.lengths[dst] = n
+        self.lengths[dst] = lengths
 
     def _targets(self, b: int, t: int):
         """(slot index [B, 1], positions [B, T]) the new keys go to; computed once per forward."""

@@ -24,6 +24,38 @@ from model.tokenizer import Tokenizer
 # the cache (3 GB at the 135M shape for 64 slots x 1,024 positions)
 POSITIONS_GROWTH = 1.25
 DRAW_CHUNK = 256  # entries per chunk of the sampler's two-level inverse CDF
+PACK_ROWS = 32  # the rows a packed weight's layout is tuned for (it serves any count)
+
+
+class _PackedLinear:
+    """A BF16 ``nn.Linear``'s forward on a oneDNN copy of its weight laid out for the CPU's matmul kernel once,
+    instead of on every call: a decode step's matmuls are small (a row per sequence) and that layout pass was
+    about half of each (1.7-2x at 8-128 rows, same numbers). Laid out again when the weight changes: a new
+    address or an in-place write (its version counter), however a transport applied it."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        self.linear, self.key, self.packed = linear, None, None
+
+    def __call__(self, x):
+        w = self.linear.weight
+        if self.key != (key := (w.data_ptr(), w._version)):
+            self.packed, self.key = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS), key
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.linear.bias, "none", [], "")
+
+
+def _onednn(device: torch.device) -> bool:
+    return device.type == "cpu" and torch.backends.mkldnn.is_available()
+
+
+def _pack_linears(model, dtype: torch.dtype, device: torch.device) -> int:
+    """Packed forwards for the BF16 linears of a CPU model where oneDNN computes BF16 (FP32 ones gain
+    little or lose at decode sizes); how many."""
+    if not (_onednn(device) and dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        return 0
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    for m in linears:
+        m.forward = _PackedLinear(m)
+    return len(linears)
 
 
 @dataclass
@@ -32,6 +64,7 @@ class _Seq:
     prompt: list[int]
     budget: int
     out: Sample  # finish_reason "" while running
+    feed: int = -1  # the token the next decode step reads: the last sampled one, or a shared prompt's last
 
 
 def _grown(need: int, have: int, factor: float, cap: int | None = None) -> int:
@@ -40,12 +73,14 @@ def _grown(need: int, have: int, factor: float, cap: int | None = None) -> int:
 
 def _inverse_cdf(probs, uniform):
     """Row ``b``'s token: the first whose cumulative probability exceeds ``uniform[b]`` x the row's
-    total, found chunk first (FP64 chunk sums), then inside the chunk: 4-8 ms at batch 32 x vocab
-    49152 against 25 for one FP64 cumsum and 41-53 for ``torch.multinomial`` (measured). Clamped
-    to the chunk's last positive entry, so a truncated-away token is never drawn, whatever the rounding."""
+    total, found chunk first, then inside the chunk: ~2 ms at batch 32 x vocab 49152 against 25 for
+    one FP64 cumsum and 41-53 for ``torch.multinomial`` (measured). Each chunk is summed in FP32 (to
+    ~1e-7 of itself; summed in FP64 it took a [B, V] FP64 copy, 34 ms a step in SmolLM2's engine),
+    the sums accumulate in FP64. Clamped to the chunk's last positive entry, so a truncated-away
+    token is never drawn, whatever the rounding."""
     c, vocab = DRAW_CHUNK, probs.shape[-1]
-    full = vocab // c * c  # FP64 sums of each row's c-entry chunks [B, ceil(V / c)], the last: the rest
-    parts = [probs[:, :full].unfold(-1, c, c).sum(-1, dtype=torch.float64)] if full else []
+    full = vocab // c * c  # sums of each row's c-entry chunks [B, ceil(V / c)], the last: the rest
+    parts = [probs[:, :full].unfold(-1, c, c).sum(-1).double()] if full else []
     if full < vocab:
         parts.append(probs[:, full:].sum(-1, keepdim=True, dtype=torch.float64))
     cdf = (torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]).cumsum(-1)
@@ -75,12 +110,14 @@ class TorchEngine(Engine):
         self.dtype = DTYPES[precision.dtype_name(dtype, self.device)]
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.model.fp32_attn_softmax = fp32_attn_softmax
+        self.packed_linears = _pack_linears(self.model, self.dtype, self.device)
         self.spec, self.max_new_tokens, self.max_batch, self.pad_id = spec, max_new_tokens, max_batch, pad_id
         self.eos_ids = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=self.device)
         self.gen = torch.Generator(device=self.device).manual_seed(seed)
         self._params = self.params()
-        self._head32: tuple[int, torch.Tensor] | None = None  # (the weight's address, its FP32 copy)
+        self._head32: tuple | None = None  # (the weight's address, its FP32 copy, that copy packed or None)
         self._cache: KVCache | None = None
+        self._shares: list[tuple[int, int]] = []  # (holder slot, copy slot) of the step being prefilled
         self._running: list[_Seq | None] = []  # the current stream's slots (progress)
 
     @classmethod
@@ -105,13 +142,19 @@ class TorchEngine(Engine):
             self._head32 = None
         return applied
 
-    def _fp32_head(self) -> torch.Tensor:
-        """The head's weight in FP32, converted once per weight version, not once per token: for a BF16
-        body that conversion of every vocabulary row was 39 % of SmolLM2's generate (bench/engine.py)."""
+    def _logits(self, hidden) -> torch.Tensor:
+        """FP32 logits: the head's weight converted to FP32 once per weight version, not once per token (for
+        a BF16 body that conversion was 39 % of SmolLM2's generate), and on a CPU laid out for oneDNN's matmul
+        (1.3-2.4x at 8-32 rows over a 49k vocabulary; the same sums, in another order)."""
         w = self.model.head_weight()
         if self._head32 is None or self._head32[0] != w.data_ptr():
-            self._head32 = (w.data_ptr(), w.float())
-        return self._head32[1]
+            w32 = w.float()
+            packed = torch.ops.mkldnn._reorder_linear_weight(w32, PACK_ROWS) if _onednn(self.device) else None
+            self._head32 = (w.data_ptr(), w32, packed)
+        _, w32, packed = self._head32
+        if packed is None:
+            return self.model.logits(hidden, w32)
+        return torch.ops.mkldnn._linear_pointwise(hidden.float(), packed, None, "none", [], "")
 
     @torch.inference_mode()
     def _stream(self, prompts: list[list[int]], limits: list[int], greedy: bool,
@@ -130,8 +173,9 @@ class TorchEngine(Engine):
             fresh = self._admit(cache, running, waiting)
             if not running:
                 return
-            if fresh:
-                self._prefill(cache, running, fresh, greedy)
+            leads = self._share_prompts(cache, running, fresh) if fresh else []
+            if leads:
+                self._prefill(cache, running, leads, greedy)
             else:
                 self._decode(cache, running, greedy)
             for slot, seq in enumerate(running):
@@ -172,6 +216,35 @@ class TorchEngine(Engine):
             running.pop()
         return fresh
 
+    def _share_prompts(self, cache: KVCache, running: list[_Seq], fresh: list[int]) -> list[int]:
+        """The fresh slots to prefill: one per prompt no running sequence holds. An RL batch is G copies of each
+        prompt: a copy takes the K/V of its prompt but the last token from a slot holding it (a running copy, kept
+        across weight updates like its own, or this step's lead, once prefilled) and joins the next decode step
+        with that last token, where its first token is drawn: no prefill forward of its own."""
+        fresh_slots = set(fresh)
+        holder = {tuple(s.prompt): slot for slot, s in enumerate(running) if slot not in fresh_slots}
+        leads, shares = [], []
+        for slot in fresh:
+            key = tuple(running[slot].prompt)
+            if key in holder:
+                shares.append((holder[key], slot))
+            else:
+                holder[key] = slot
+                leads.append(slot)
+        if leads:
+            self._shares = shares  # copied once the leads are prefilled (_prefill)
+        else:
+            self._take_shares(cache, running, shares)
+        return leads
+
+    def _take_shares(self, cache: KVCache, running: list[_Seq], shares: list[tuple[int, int]]) -> None:
+        if not shares:
+            return
+        src, dst = [a for a, _ in shares], [b for _, b in shares]
+        cache.move(src, dst, [len(running[b].prompt) - 1 for b in dst])
+        for b in dst:
+            running[b].feed = running[b].prompt[-1]
+
     def _prefill(self, cache: KVCache, running: list[_Seq], fresh: list[int], greedy: bool) -> None:
         seqs = [running[i] for i in fresh]
         lens = torch.tensor([len(s.prompt) for s in seqs], device=self.device)
@@ -183,11 +256,12 @@ class TorchEngine(Engine):
         cache.bind(rows, lens)
         version = self.refresh_weights()
         hidden = self.model(ids, cols.expand_as(ids), cols[None] < lens[:, None], cache)
+        self._take_shares(cache, running, self._shares)
         self._record(seqs, hidden[torch.arange(len(seqs), device=self.device), lens - 1], version, greedy)
 
     def _decode(self, cache: KVCache, running: list[_Seq], greedy: bool) -> None:
         pos = cache.lengths[: len(running), None].clone()  # the pending token's position
-        ids = torch.tensor([[s.out.tokens[-1]] for s in running], dtype=torch.long, device=self.device)
+        ids = torch.tensor([[s.feed] for s in running], dtype=torch.long, device=self.device)
         mask = torch.arange(int(pos.max()) + 1, device=self.device)[None] <= pos
         version = self.refresh_weights()
         hidden = self.model(ids, pos, mask, cache)
@@ -195,13 +269,13 @@ class TorchEngine(Engine):
 
     def _record(self, seqs: list[_Seq], hidden, version: int, greedy: bool) -> None:
         s = self.spec
-        logp = sampling_logprobs(self.model.logits(hidden, self._fp32_head()), s.temperature, s.top_k, s.top_p)
+        logp = sampling_logprobs(self._logits(hidden), s.temperature, s.top_k, s.top_p)
         nxt = logp.argmax(-1) if greedy else self._draw(logp)
         lp = logp.gather(-1, nxt[:, None]).squeeze(-1)
         stops = torch.isin(nxt, self.eos_ids).tolist()
         pauses = set(self.env.pause_ids) if self.env is not None else ()
         for seq, tok, tok_lp, stop in zip(seqs, nxt.tolist(), lp.tolist(), stops):
-            out = seq.out
+            out, seq.feed = seq.out, tok
             out.tokens.append(tok)
             out.logprobs.append(tok_lp)
             out.versions.append(version)

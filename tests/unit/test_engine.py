@@ -207,25 +207,52 @@ def test_in_flight_update_versions_and_logprobs(task):
     assert long_rows >= 3
 
 
-def test_a_bf16_engine_converts_its_fp32_head_once_per_weight_version(task):
-    """The FP32 head's weight is converted once and kept between tokens (not once per token), and a
-    version applied through the weight source replaces it: sampling sees the new head at once."""
-    class Source:
-        @torch.no_grad()
-        def apply(self, params):
-            for v in params.values():
-                v.mul_(2)
-            return 1
+class _Scale:
+    """A weight source that scales every parameter in place (address kept: only version counters see it)."""
 
+    def __init__(self, factor: float):
+        self.factor = factor
+
+    @torch.no_grad()
+    def apply(self, params):
+        for v in params.values():
+            v.mul_(self.factor)
+        return 1
+
+
+def test_a_bf16_engine_converts_its_fp32_head_once_per_weight_version(task):
+    """The FP32 head's weight is converted (and laid out) once and kept between tokens, not once per
+    token, and a version applied through the weight source replaces it: sampling sees the new head at once."""
     engine = tiny_engine(dtype="bfloat16", seed=3)
-    head = engine._fp32_head()
-    assert head.dtype == torch.float32 and torch.equal(head, engine.model.head_weight().float())
+    h = torch.randn(4, engine.model.cfg.hidden_size).bfloat16()
+    want = h.float() @ engine.model.head_weight().float().T
+    assert engine._logits(h).dtype == torch.float32
+    assert torch.allclose(engine._logits(h), want, rtol=1e-5, atol=1e-5)
+    kept = engine._head32
     engine.generate(_prompts(task, 3), max_new_tokens=3)
-    assert engine._fp32_head() is head  # kept across the tokens and calls of the same version
-    engine.weights, engine.version = Source(), 0
+    assert engine._head32 is kept  # kept across the tokens and calls of the same version
+    engine.weights, engine.version = _Scale(2.0), 0
     assert engine.refresh_weights() == 1
-    new = engine._fp32_head()
-    assert torch.equal(new, engine.model.head_weight().float()) and torch.equal(new, 2 * head)
+    assert torch.allclose(engine._logits(h), 2 * want, rtol=1e-5, atol=1e-5) and engine._head32 is not kept
+
+
+def test_packed_bf16_linears_compute_what_plain_ones_do_and_follow_an_in_place_update(task, monkeypatch):
+    import actor.engines.torch as engine_module
+
+    prompts = _prompts(task, 4)
+    packed = tiny_engine(dtype="bfloat16", seed=3)
+    if not packed.packed_linears:
+        pytest.skip("oneDNN computes no BF16 on this CPU: the engine keeps plain linears")
+    monkeypatch.setattr(engine_module, "_pack_linears", lambda *a: 0)
+    plain = tiny_engine(dtype="bfloat16", seed=3)
+    for step in range(2):
+        got, want = packed.generate(prompts, greedy=True), plain.generate(prompts, greedy=True)
+        assert [s.tokens for s in got] == [s.tokens for s in want], step
+        for g, w in zip(got, want):
+            assert g.logprobs == pytest.approx(w.logprobs, abs=2e-2), step
+        for engine in (packed, plain):  # the same in-place update: a stale layout would answer differently
+            engine.weights, engine.version = _Scale(1.5), 0
+            engine.refresh_weights()
 
 
 def test_any_of_several_eos_ids_stops_a_row(task):

@@ -92,6 +92,23 @@ def test_freed_slots_are_refilled_and_finished_rows_cost_nothing():
     assert len(fwd.rows("decode")) < sum(max(len(s.tokens) for s in w) - 1 for w in waves)
 
 
+def test_a_groups_copies_of_one_prompt_are_prefilled_once_and_decode_as_if_alone():
+    """An RL batch is G copies of each prompt: one prefill row per distinct prompt, its K/V copied to the
+    copies' slots, and each copy then continues exactly as that prompt decoded alone."""
+    a, b = _prompt(LONG[0]), _prompt(SHORT[2])
+    prompts = [a, a, a, b, b, a]  # copies not adjacent either
+    engine = _engine(max_batch=6)
+    fwd = Forwards(engine)
+    got = engine.generate(prompts, greedy=True)
+    assert fwd.rows("prefill") == [2]
+    alone = _engine(max_batch=1)
+    for p, sample in zip(prompts, got):
+        (want,) = alone.generate([p], greedy=True)
+        assert sample.tokens == want.tokens and sample.logprobs == pytest.approx(want.logprobs, abs=1e-5)
+    sampled = _engine(max_batch=8, temperature=5.0).generate([a] * 8)  # each copy draws its own first token
+    assert len({s.tokens[0] for s in sampled}) > 1
+
+
 def test_stream_yields_every_index_once_as_sequences_finish():
     prompts = _prompts()
     engine = _engine(max_batch=3)
