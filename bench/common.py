@@ -72,8 +72,8 @@ class CpuMeter:
             return math.nan
 
 
-def bench_config(overrides: list[str] | tuple = ()) -> C.Config:
-    return C.load(None, [*BENCH_DEFAULTS, *overrides])
+def bench_config(overrides: list[str] | tuple = (), path: str | None = None) -> C.Config:
+    return C.load(path, [*BENCH_DEFAULTS, *overrides])
 
 
 def read_metrics(run_dir: str) -> list[dict]:
@@ -218,10 +218,10 @@ class HeldOutEval:
     stream, so two weight sets are compared on common random numbers.
     """
 
-    def __init__(self, cfg: C.Config, num_prompts: int):
+    def __init__(self, cfg: C.Config, num_prompts: int, threads: int = 1):
         from model.hf import load_pretrained
 
-        self.cfg = cfg
+        self.cfg, self.threads = cfg, threads
         self.task = make_task(cfg)
         self.prompts = self.task.eval_set(num_prompts)
         self.model = load_pretrained(cfg.model.path)
@@ -237,7 +237,7 @@ class HeldOutEval:
             raise KeyError(f"state dict lacks {sorted(missing)[:3]}...: not a Qwen3 of this shape")
         self.model.load_state_dict({k: v for k, v in state.items() if k in self.names}, strict=True)
         threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # the same numerics for every system's eval
+        torch.set_num_threads(self.threads)  # the same numerics for every system's eval
         try:
             return evaluate(make_engine(self.cfg, self.model), self.task, self.prompts)
         finally:
@@ -288,24 +288,25 @@ def engine_batch(cfg: C.Config, seed: int = 0):
 # ---- running driftrl -------------------------------------------------------------------------------
 
 
-def resolved_config(overrides: list[str] | tuple = ()) -> C.Config:
-    """Bench config with the base model built/located, so every run shares one model dir."""
+def resolved_config(overrides: list[str] | tuple = (), path: str | None = None) -> C.Config:
+    """Bench config (``path``: a config file, else the built-in job) with the base model built or
+    located, so every run shares one model dir."""
     from jobs import resolve_model
 
-    return resolve_model(bench_config(overrides))
+    return resolve_model(bench_config(overrides, path))
 
 
 def make_observer(cfg: C.Config, run_dir: str, every_s: float):
     """A Monitor that also snapshots the learner's published weights every ``every_s`` seconds of
     learner wall time, read through the shared-memory transport (a second reader beside the
-    actors; copying 3 MB a few times a minute costs nothing measurable)."""
+    actors), opened only for each copy so that the learner recycles its files as in any run."""
     from core.monitor import Monitor
 
     class WeightObserver(Monitor):
         def __init__(self):
             super().__init__(cfg, live=False)
             self.snapshots: list[tuple[int, dict]] = []  # (version, state dict)
-            self._next_t, self._sub, self._params = every_s, None, None
+            self._next_t, self._params = every_s, None
 
         def update(self, records):
             super().update(records)
@@ -320,16 +321,15 @@ def make_observer(cfg: C.Config, run_dir: str, every_s: float):
             from model.hf import load_pretrained
             from weightsync.base import make_subscriber
 
-            if self._sub is None:
-                self._sub = make_subscriber(cfg, run_dir, timeout_s=5)
+            if self._params is None:
                 self._params = load_pretrained(cfg.model.path).state_dict()
-            version = self._sub.apply(self._params)
+            sub = make_subscriber(cfg, run_dir, timeout_s=5)  # held only for the copy: the learner then
+            try:  # recycles its files as it does in a run with no observer
+                version = sub.apply(self._params)
+            finally:
+                sub.close()
             if version is not None:
                 self.snapshots.append((version, {k: v.clone() for k, v in self._params.items()}))
-
-        def close(self):
-            if self._sub is not None:
-                self._sub.close()
 
     return WeightObserver()
 
@@ -340,11 +340,7 @@ def run_driftrl(cfg: C.Config, run_dir: str, snapshot_every_s: float = 0.0):
     from jobs import train
 
     monitor = make_observer(cfg, run_dir, snapshot_every_s) if snapshot_every_s else None
-    try:
-        result = train(cfg, run_dir, monitor=monitor)
-    finally:
-        if monitor is not None:
-            monitor.close()
+    result = train(cfg, run_dir, monitor=monitor)
     if result.interrupted:
         raise KeyboardInterrupt
     bad = {k: v for k, v in result.returncodes.items() if v not in (0, -15)}

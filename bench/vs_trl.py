@@ -1,40 +1,44 @@
-"""Bench: driftrl vs TRL's GRPOTrainer, same base model, task, batch, optimiser and CPU budget.
+"""Bench: driftrl vs TRL's GRPOTrainer, same base model, task, batch, optimiser, precision and CPU budget.
 
-Both sides train the cached tiny base model (HF format, ``model.basemodel``) on ArithTask with
-the same recipe, one after the other on the same machine, each for ``--seconds`` of training
-wall time:
+Both sides train one model on one task with one recipe, one after the other on the same machine,
+each for ``--seconds`` of training wall time. By default that is the built-in job (the cached tiny
+base model on ArithTask); ``--config configs/smollm2.toml`` (a real pretrained model on math-verify
+scored sums), ``--model PATH`` and ``--task NAME`` pick another recipe, the same for both sides:
 
-    | setting                 | driftrl (defaults)                  | TRL GRPOTrainer                        |
-    |-------------------------|-------------------------------------|----------------------------------------|
-    | prompts x completions   | 16 groups x 8 per optimiser step    | per_device_train_batch_size=128, G=8   |
-    | sampling                | T=1, no top-k/p, 8 new tokens       | temperature=1, max_completion_length=8 |
-    | optimiser               | AdamW lr 1e-4, betas .9/.99, clip 1 | adamw_torch, same, constant schedule   |
-    | loss                    | Ring-Zero, token-level constant div | dr_grpo (constant divisor), beta=0     |
-    | advantages              | group mean / std                    | scale_rewards="group"                  |
-    | CPU threads (2 cores)   | 1 actor + 1 learner process, 1 each | one process, 1 or 2 torch threads (*)  |
-    | precision               | its defaults (auto: FP32 without    | fp32 (bf16=False), no vLLM             |
-    |                         | native BF16, else BF16 autocast)    |                                        |
+    | setting               | driftrl                                 | TRL GRPOTrainer                          |
+    |-----------------------|-----------------------------------------|------------------------------------------|
+    | prompts x completions | groups_per_step x group_size per step   | per_device_train_batch_size, G=group_size|
+    | sampling              | the config's temperature/top-k/top-p and max_new_tokens, the model's EOS          |
+    | optimiser             | AdamW, the config's lr/betas/clip       | adamw_torch, same, constant schedule     |
+    | loss                  | Ring-Zero, token-level constant divisor | dr_grpo (constant divisor), beta=0       |
+    | advantages            | group mean / std                        | scale_rewards="group"                    |
+    | CPU threads (2 cores) | 1 actor + 1 learner process, 1 each     | one process, 1 or 2 torch threads (*)    |
+    | precision (--precision, default auto: BF16 where this CPU computes it natively, else FP32)        |
+    |                       | learner.body_dtype and actor.dtype      | bf16=True/False (autocast), FP32 weights |
 
 (*) ``--trl-threads auto`` (default) probes 1 and 2 threads for ``--probe-s`` each and gives TRL
-the faster: on this tiny model two OpenMP threads can lose to one, badly so on a loaded machine.
+the faster: on the tiny model two OpenMP threads can lose to one, badly so on a loaded machine.
 
-TRL's dataset holds train-split prompts as strings ``"<s>47+38="``; the bench asserts that
-TRL's tokenizer encodes them to exactly the task's prompt ids, and the reward function
-calls ``ArithTask.reward`` on TRL's completion token ids (EOS included), so both sides optimise
-the identical reward.
+TRL's dataset holds train-split prompts as the text of driftrl's prompt ids (chat template and
+special tokens written out); the bench asserts that TRL's tokenizer encodes them to exactly those
+ids, and the reward function calls the task's own ``rewards`` (its math-verify pool, for pooled
+tasks) on TRL's completion token ids (EOS included), so both sides optimise the identical reward.
 
 Held-out evaluation is identical and off the clock for both: the weights are snapshotted every
-``--eval-every-s`` seconds of training wall time (driftrl: read from the shared-memory weight
-transport by a second reader; TRL: a TrainerCallback copying the state dict), and after both
-runs every snapshot is scored by the same ``bench.common.HeldOutEval`` (driftrl's own
-``evaluate``, same prompts, same seed). Time axes start at each trainer's first step (driftrl:
-the learner's first publish; TRL: ``on_train_begin``), so process start-up is left out of both.
+``--eval-every-s`` seconds of training wall time (driftrl: read from the weight transport by a
+second reader; TRL: a TrainerCallback copying the state dict), and right after each run every
+snapshot is scored by the same ``bench.common.HeldOutEval`` (driftrl's own ``evaluate``, same
+prompts, same seed). Time axes start at each trainer's first step (driftrl: the learner's first
+publish; TRL: ``on_train_begin``), so process start-up is left out of both.
 
-Figures: time to reach the held-out reward threshold (``--threshold``, default base + 0.3),
+Figures: time to reach the held-out reward threshold (``--threshold``, default base + 0.3), the
+time driftrl takes to reach TRL's final held-out reward against TRL's own (``time_to_trl_final_ratio``),
 samples/s (completions trained on / training wall), final held-out reward after the equal wall
 time, and where each side's time went. Needs ``pip install trl``; exits 2 with a message if not.
 
     python bench/vs_trl.py [--seconds 200] [--eval-every-s 2.5] [--threshold 0.5] [--trl-threads auto]
+    python bench/vs_trl.py --config configs/smollm2.toml --seconds 600 --eval-every-s 60 \
+        --eval-prompts 128 --eval-threads 2 --trl-threads 2
 
 Last line: one JSON object with the figures.
 """
@@ -95,20 +99,24 @@ def check_prompt_ids(tokenizer, prompts: list[str], ids: list[list[int]]) -> Non
 
 
 def make_reward(task):
+    """TRL's reward function: the task's own rewards (its reward pool, for pooled tasks) on TRL's
+    completion token ids, EOS included, as driftrl's actors score them."""
     from actor.tasks import Prompt
 
-    def arith_reward(prompts, completions, completion_ids, ids, answer, **_):
-        return [task.reward(Prompt("", tuple(p), answer=a), c) for c, p, a in zip(completion_ids, ids, answer)]
+    def task_reward(prompts, completions, completion_ids, ids, answer, **_):
+        return task.rewards([(Prompt("", tuple(p), answer=a), list(c)) for c, p, a in zip(completion_ids, ids, answer)])
 
-    return arith_reward
+    return task_reward
 
 
 def trl_args(cfg, out_dir: str, seconds: float):
     from trl import GRPOConfig
 
     a, lc = cfg.actor, cfg.learner
+    bf16 = lc.body_dtype == "bfloat16"  # driftrl's precision (resolved by main): FP32 master weights either way
     return GRPOConfig(
-        output_dir=out_dir, use_cpu=True, bf16=False, fp16=False, seed=cfg.run.seed,
+        output_dir=out_dir, use_cpu=True, bf16=bf16, fp16=False, seed=cfg.run.seed,
+        model_init_kwargs={"dtype": "float32"},
         per_device_train_batch_size=lc.groups_per_step * a.group_size,  # completions per step
         gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1,
         num_generations=a.group_size, max_completion_length=a.max_new_tokens,
@@ -178,7 +186,10 @@ def run_trl(cfg, seconds: float, every_s: float, out_dir: str, threads: int = TR
 
     trainer._generate_and_score_completions = timed_generate
     setup_s = time.time() - t_setup
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        task.close()
     steps = trainer.state.global_step
     per_step = cfg.learner.groups_per_step * cfg.actor.group_size
     return {"steps": steps, "samples": steps * per_step, "train_wall_s": cb.last_t,
@@ -224,15 +235,29 @@ def run_drift(cfg, every_s: float, out_dir: str) -> dict:
 # ---- comparison -----------------------------------------------------------------------------------
 
 
-def curve(evaluate, base_reward: float, snapshots) -> list[tuple[float, float]]:
-    return [(0.0, base_reward)] + [(t, evaluate(state)[0]) for t, state in snapshots]
+def score_curve(side: dict, evaluate, base_reward: float) -> None:
+    """Held-out reward of each snapshot, off the clock, right after the side's run (its snapshots,
+    a model's worth of memory each, are then freed)."""
+    t0, snapshots = time.time(), side.pop("snapshots")
+    side["curve"] = [(0.0, base_reward)]
+    while snapshots:
+        t, state = snapshots.pop(0)
+        side["curve"].append((t, evaluate(state)[0]))
+    side["eval_s"] = time.time() - t0
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default=None, help="a driftrl config file as the shared recipe "
+                    "(e.g. configs/smollm2.toml); default: the built-in job")
+    ap.add_argument("--model", default=None, help="an HF model directory for both sides (model.path)")
+    ap.add_argument("--task", default=None, help="the task of both sides (task.name; its keys via -o task.KEY=V)")
+    ap.add_argument("--precision", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="both sides' body precision; auto = what driftrl picks on this CPU")
     ap.add_argument("--seconds", type=float, default=200.0, help="training wall-time budget of each system")
     ap.add_argument("--eval-every-s", type=float, default=2.5, help="snapshot grid (training seconds)")
     ap.add_argument("--eval-prompts", type=int, default=512)
+    ap.add_argument("--eval-threads", type=int, default=1, help="torch threads of the (off-clock) evaluation")
     ap.add_argument("--threshold", type=float, default=None, help="held-out reward to reach (default: base + 0.3)")
     ap.add_argument("-o", "--override", action="append", default=[],
                     help="section.key=value for the shared recipe (both sides) (repeatable)")
@@ -241,43 +266,62 @@ def main(argv=None) -> int:
                     help="torch threads for TRL: a number, or `auto` = the faster of 1 and 2 in a short probe")
     ap.add_argument("--probe-s", type=float, default=12.0, help="length of each `auto` thread probe")
     ap.add_argument("--out", default="", help="directory for both runs (default: a temp dir)")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def shared_overrides(args) -> list[str]:
+    """The recipe both sides share: the budget, model, task and one precision for both."""
+    from core.precision import choose
+
+    dtype = choose(args.precision, "cpu")[0]
+    picked = [f"model.path={args.model}"] * bool(args.model) + [f"task.name={args.task}"] * bool(args.task)
+    return [f"run.max_time_s={args.seconds}", "run.max_steps=0", "run.eval_every=0",
+            f"run.eval_prompts={args.eval_prompts}", *picked, f"learner.body_dtype={dtype}", f"actor.dtype={dtype}",
+            *args.override]
+
+
+def cell_s(t: float | None) -> str:
+    return "not reached" if t is None else f"{t:.0f} s"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     missing = trl_missing()
     if missing:
         print(f"TRL is not installed ({missing}); install it with `pip install trl` "
               "(check that it keeps torch==2.13.0) to run this bench.", file=sys.stderr)
         return 2
     out_dir = args.out or tempfile.mkdtemp(prefix="bench-vs-trl-")
-    budget = [f"run.max_time_s={args.seconds}", "run.max_steps=0", "run.eval_every=0",
-              f"run.eval_prompts={args.eval_prompts}", *args.override]
-    cfg = resolved_config(budget)
-    drift_cfg = resolved_config([*budget, *args.drift_override])
-    evaluate = HeldOutEval(cfg, args.eval_prompts)
+    shared = shared_overrides(args)
+    cfg = resolved_config(shared, args.config)
+    drift_cfg = resolved_config([*shared, *args.drift_override], args.config)
+    evaluate = HeldOutEval(cfg, args.eval_prompts, args.eval_threads)
     base = evaluate(evaluate.model.state_dict())[0]
     threshold = args.threshold if args.threshold is not None else round(base + 0.3, 3)
-    print(f"base model {cfg.model.path}: held-out reward {base:.3f}; threshold {threshold:.3f}; "
-          f"{args.seconds:.0f}s each; out {out_dir}", flush=True)
+    print(f"base model {cfg.model.path}, task {cfg.task.name}, body {cfg.learner.body_dtype}: held-out reward "
+          f"{base:.3f}; threshold {threshold:.3f}; {args.seconds:.0f}s each; out {out_dir}", flush=True)
 
     load = {"load1_start": load_avg()[0]}
     with CpuMeter() as cpu:
         drift = run_drift(drift_cfg, args.eval_every_s, out_dir)
     load["driftrl_foreign_cores"] = cpu.result["foreign_cores"]
+    score_curve(drift, evaluate, base)
     threads, probe = pick_trl_threads(cfg, args.trl_threads, args.probe_s, out_dir)
     with CpuMeter() as cpu:
         trl = run_trl(cfg, args.seconds, args.eval_every_s, os.path.join(out_dir, "trl"), threads)
     load["trl_foreign_cores"] = cpu.result["foreign_cores"]
+    score_curve(trl, evaluate, base)
 
-    t_eval = time.time()
     sides = {"driftrl": drift, "trl": trl}
     for s in sides.values():
-        s["curve"] = curve(evaluate, base, s.pop("snapshots"))
         s["time_to_threshold_s"] = time_to_threshold(s["curve"], threshold)
         s["final_reward"] = reward_at(s["curve"], args.seconds + 1e9)
         s["reward_at_equal_time"] = reward_at(s["curve"], min(drift["train_wall_s"], trl["train_wall_s"]))
         # one eval is +-0.02 noise (512 prompts): also the mean over the last tenth of the budget
         tail = [r for t, r in s["curve"] if t >= 0.9 * args.seconds]
         s["final_reward_last10pct"] = sum(tail) / len(tail) if tail else None
-    print(f"evaluated {sum(len(s['curve']) for s in sides.values())} snapshots in {time.time() - t_eval:.0f}s\n")
+    print(f"evaluated {sum(len(s['curve']) for s in sides.values())} snapshots in "
+          f"{sum(s['eval_s'] for s in sides.values()):.0f}s (off the clock)\n")
 
     print(format_table(
         ["system", "steps", "samples/s", "step ms", f"t->{threshold:.2f} s", "reward@equal t", "final reward",
@@ -300,8 +344,15 @@ def main(argv=None) -> int:
     print("other work on the machine (cores, from /proc/stat minus this bench's own processes): "
           f"driftrl run {load['driftrl_foreign_cores']:.2f}, TRL run {load['trl_foreign_cores']:.2f}")
 
+    # issue-style figure: how long driftrl takes to reach what TRL ends its budget with
+    trl_final = trl["final_reward"]
+    to_trl_final = {n: time_to_threshold(s["curve"], trl_final) for n, s in sides.items()}
+    print(f"\ntime to TRL's final held-out reward {trl_final:.3f}: driftrl {cell_s(to_trl_final['driftrl'])}, "
+          f"TRL {cell_s(to_trl_final['trl'])}")
     figures = {
         "bench": "vs_trl",
+        "time_to_trl_final_ratio": ratio(to_trl_final["driftrl"], to_trl_final["trl"]),
+        "time_to_trl_final_s": to_trl_final,
         "time_to_reward_ratio": ratio(drift["time_to_threshold_s"], trl["time_to_threshold_s"]),
         "samples_per_s_ratio": ratio(drift["samples_per_s"], trl["samples_per_s"]),
         "final_reward_driftrl": drift["final_reward"], "final_reward_trl": trl["final_reward"],
@@ -312,7 +363,8 @@ def main(argv=None) -> int:
         "time_to_threshold_trl_s": trl["time_to_threshold_s"],
         "samples_per_s_driftrl": drift["samples_per_s"], "samples_per_s_trl": trl["samples_per_s"],
         "load": load, "trl_threads": threads, "trl_thread_probe_samples_per_s": probe,
-        "drift_overrides": args.drift_override,
+        "drift_overrides": args.drift_override, "config": args.config, "model": cfg.model.path,
+        "task": cfg.task.name, "precision": cfg.learner.body_dtype,
         "runs": sides,
     }
     print(json.dumps(json_safe(figures)))

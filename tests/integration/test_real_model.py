@@ -84,3 +84,30 @@ def test_the_engine_bench_runs_on_the_real_model_and_its_task(smol, tmp_path):
     assert 130e6 < res["model_params"] < 140e6 and res["ratio"] > 0
     for side in ("engine", "hf"):
         assert 2 <= res["runs"][side][0]["tokens"] <= 8  # each prompt stops at the model's EOS or at 4 tokens
+
+
+def test_trl_sees_the_math_task_as_driftrl_does(smol, tmp_path):
+    """``bench/vs_trl.py --config configs/smollm2.toml``: TRL's tokenizer reads the chat-templated prompt text back
+    to driftrl's ids, and its reward function scores TRL's completion ids through the task's math-verify pool."""
+    import random
+
+    import smollm2
+
+    from bench.common import bench_config, make_task
+    from bench.vs_trl import check_prompt_ids, make_reward, prompt_text
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cfg = bench_config([f"model.path={smol}", f"task.path={smollm2.write_sums(smol)}"],
+                       os.path.join(root, "configs", "smollm2.toml"))
+    task, rng = make_task(cfg), random.Random(0)
+    try:
+        prompts = [task.sample(rng) for _ in range(20)]
+        check_prompt_ids(transformers.AutoTokenizer.from_pretrained(smol), [prompt_text(task, p) for p in prompts],
+                         [list(p.tokens) for p in prompts])
+        p, eos = prompts[0], task.tok.eos_ids[0]
+        right, wrong = task.tok.encode(f"\\boxed{{{p.answer}}}"), task.tok.encode(f"\\boxed{{{int(p.answer) + 1}}}")
+        got = make_reward(task)(prompts=[], completions=[], completion_ids=[right + [eos], wrong + [eos], right],
+                                ids=[list(p.tokens)] * 3, answer=[p.answer] * 3)
+        assert got == [1.0, 0.0, 0.0]  # right, wrong, no EOS (truncated: 0, unchecked)
+    finally:
+        task.close()

@@ -149,3 +149,27 @@ def test_cpu_meter_attributes_own_work_to_own_cores():
     assert r["own_cpu_s"] >= 0.29  # the loop's CPU time is ours, however loaded the machine is
     assert r["own_cores"] == pytest.approx(r["own_cpu_s"] / r["wall_s"])
     assert r["foreign_cores"] >= 0.0 and r["machine_cores"] >= 0.0
+
+
+def test_vs_trl_gives_both_sides_one_recipe_and_one_precision():
+    from bench.vs_trl import parse_args, shared_overrides
+    from core.precision import choose
+
+    got = shared_overrides(parse_args(["--model", "/m", "--task", "math", "--precision", "float32",
+                                       "-o", "actor.group_size=4"]))
+    assert {"model.path=/m", "task.name=math", "learner.body_dtype=float32", "actor.dtype=float32"} <= set(got)
+    assert got[-1] == "actor.group_size=4"  # the user's overrides come last: they win
+    auto = shared_overrides(parse_args([]))
+    assert f"learner.body_dtype={choose('auto', 'cpu')[0]}" in auto  # what driftrl picks here, for both sides
+    assert not any(o.startswith(("model.path=", "task.name=")) for o in auto)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_trl_trains_in_the_precision_driftrl_was_given(dtype, tmp_path):
+    pytest.importorskip("trl")
+    from bench.common import bench_config
+    from bench.vs_trl import trl_args
+
+    args = trl_args(bench_config([f"learner.body_dtype={dtype}"]), str(tmp_path), 10.0)
+    assert args.bf16 is (dtype == "bfloat16") and not args.fp16
+    assert args.model_init_kwargs == {"dtype": "float32"}  # FP32 master weights, as driftrl's learner keeps
