@@ -11,6 +11,8 @@ backend is the configured one (``learner.backend``, ``learner.body_dtype`` under
   checkpointing, divided by the median step's wall time) over a plain ``torch.mm`` of the body's
   widest shape (tokens x hidden @ hidden x intermediate) in the body's dtype, same threads, same
   process (target >= 0.4: the step's time goes to its matmuls, not to what surrounds them).
+  ``flops_frac_of_fp32_matmul``: the same over an FP32 matmul of that shape (the same figure when the
+  body is FP32; with a BF16 body on a CPU with AMX it is the looser one, as BF16 matmuls run ~10x faster).
 * ``peak_over_state``: the learner's peak resident memory (VmHWM, reset after the batch is made,
   so the engine's memory is not counted) over its weights + gradients + AdamW's two moments, all
   FP32 (target <= 1.5).
@@ -99,11 +101,14 @@ def measure(cfg: C.Config, steps: int) -> dict:
     dtype = DTYPES[precision.dtype_name(cfg.learner.body_dtype, "cpu")]
     tokens = int(batch.ids.numel())
     peak_mm = matmul_flops_per_s(tokens, body.hidden_size, body.intermediate_size, dtype)
+    fp32_mm = peak_mm if dtype == torch.float32 else matmul_flops_per_s(
+        tokens, body.hidden_size, body.intermediate_size, torch.float32)
     step_s = statistics.median(times[1:])
     state_mb = params * 4 * 4 / 2**20  # FP32 weights, gradients, AdamW's exp_avg and exp_avg_sq
     return {"step_s": step_s, "steps": steps, "tokens": tokens, "params": params, "body_dtype": str(dtype),
             "step_flops": flops, "flops_per_s": flops / step_s, "matmul_flops_per_s": peak_mm,
-            "flops_frac_of_matmul": flops / step_s / peak_mm, "peak_rss_mb": peak_mb, "base_rss_mb": base_mb,
+            "flops_frac_of_matmul": flops / step_s / peak_mm, "fp32_matmul_flops_per_s": fp32_mm,
+            "flops_frac_of_fp32_matmul": flops / step_s / fp32_mm, "peak_rss_mb": peak_mb, "base_rss_mb": base_mb,
             "state_mb": state_mb, "peak_over_state": peak_mb / state_mb,
             "peak_above_base_over_state": (peak_mb - base_mb) / state_mb, "threads": cfg.learner.threads}
 
@@ -121,10 +126,11 @@ def main() -> None:
     r = measure(cfg, args.steps)
     print(f"learner step on {cfg.model.path}: {r['params'] / 1e6:.1f}M params, body {r['body_dtype']}, "
           f"{r['tokens']} padded tokens, {r['threads']} thread(s); load average {load:.2f} -> {load_avg()[0]:.2f}")
-    print(format_table(["step s", "GFLOP/step", "GFLOP/s", "matmul GFLOP/s", "of matmul", "peak MB", "base MB",
-                        "state MB", "peak/state"],
+    print(format_table(["step s", "GFLOP/step", "GFLOP/s", "matmul GFLOP/s", "of matmul", "of FP32 mm", "peak MB",
+                        "base MB", "state MB", "peak/state"],
                        [[round(r["step_s"], 3), round(r["step_flops"] / 1e9, 1), round(r["flops_per_s"] / 1e9, 1),
                          round(r["matmul_flops_per_s"] / 1e9, 1), round(r["flops_frac_of_matmul"], 3),
+                         round(r["flops_frac_of_fp32_matmul"], 3),
                          round(r["peak_rss_mb"]), round(r["base_rss_mb"]), round(r["state_mb"]),
                          round(r["peak_over_state"], 2)]]))
     print(json.dumps({"bench": "learner", "config": args.config, "overrides": args.override, **r,
