@@ -6,8 +6,8 @@ base model on ArithTask); ``--config configs/smollm2.toml`` (a real pretrained m
 scored sums), ``--model PATH`` and ``--task NAME`` pick another recipe, the same for both sides:
 
     | setting               | driftrl                                 | TRL GRPOTrainer                          |
-    |-----------------------|-----------------------------------------|------------------------------------------|
-    | prompts x completions | groups_per_step x group_size per step   | per_device_train_batch_size, G=group_size|
+    |-----------------------|-----------------------------------------|-------------------------------------------|
+    | prompts x completions | groups_per_step x group_size per step   | per_device_train_batch_size, G=group_size |
     | sampling              | the config's temperature/top-k/top-p and max_new_tokens, the model's EOS          |
     | optimiser             | AdamW, the config's lr/betas/clip       | adamw_torch, same, constant schedule     |
     | loss                  | Ring-Zero, token-level constant divisor | dr_grpo (constant divisor), beta=0       |
