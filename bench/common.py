@@ -323,8 +323,11 @@ def make_observer(cfg: C.Config, run_dir: str, every_s: float):
 
             if self._params is None:
                 self._params = load_pretrained(cfg.model.path).state_dict()
-            sub = make_subscriber(cfg, run_dir, timeout_s=5)  # held only for the copy: the learner then
-            try:  # recycles its files as it does in a run with no observer
+            try:  # held only for the copy: the learner then recycles its files as in a run with no observer
+                sub = make_subscriber(cfg, run_dir, timeout_s=5)
+            except TimeoutError:  # the learner has ended and removed its versions (its final_model closes the curve)
+                return
+            try:
                 version = sub.apply(self._params)
             finally:
                 sub.close()
