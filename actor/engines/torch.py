@@ -117,7 +117,6 @@ class TorchEngine(Engine):
         self._params = self.params()
         self._head32: tuple | None = None  # (the weight's address, its FP32 copy, that copy packed or None)
         self._cache: KVCache | None = None
-        self._shares: list[tuple[int, int]] = []  # (holder slot, copy slot) of the step being prefilled
         self._running: list[_Seq | None] = []  # the current stream's slots (progress)
 
     @classmethod
@@ -173,10 +172,11 @@ class TorchEngine(Engine):
             fresh = self._admit(cache, running, waiting)
             if not running:
                 return
-            leads = self._share_prompts(cache, running, fresh) if fresh else []
-            if leads:
-                self._prefill(cache, running, leads, greedy)
+            leads, shares = self._share_prompts(running, fresh) if fresh else ([], [])
+            if leads:  # the copies take their K/V once the leads are prefilled
+                self._prefill(cache, running, leads, greedy, shares)
             else:
+                self._take_shares(cache, running, shares)
                 self._decode(cache, running, greedy)
             for slot, seq in enumerate(running):
                 if seq.out.finish_reason:
@@ -216,11 +216,12 @@ class TorchEngine(Engine):
             running.pop()
         return fresh
 
-    def _share_prompts(self, cache: KVCache, running: list[_Seq], fresh: list[int]) -> list[int]:
-        """The fresh slots to prefill: one per prompt no running sequence holds. An RL batch is G copies of each
-        prompt: a copy takes the K/V of its prompt but the last token from a slot holding it (a running copy, kept
-        across weight updates like its own, or this step's lead, once prefilled) and joins the next decode step
-        with that last token, where its first token is drawn: no prefill forward of its own."""
+    @staticmethod
+    def _share_prompts(running: list[_Seq], fresh: list[int]) -> tuple[list[int], list[tuple[int, int]]]:
+        """The fresh slots to prefill, one per prompt no running sequence holds, and the (holder, copy) slot pairs
+        of the rest. An RL batch is G copies of each prompt: a copy takes the K/V of its prompt but the last token
+        from a slot holding it (a running copy, kept across weight updates like its own, or this step's lead, once
+        prefilled) and joins the next decode step with that last token, where its first token is drawn."""
         fresh_slots = set(fresh)
         holder = {tuple(s.prompt): slot for slot, s in enumerate(running) if slot not in fresh_slots}
         leads, shares = [], []
@@ -231,11 +232,7 @@ class TorchEngine(Engine):
             else:
                 holder[key] = slot
                 leads.append(slot)
-        if leads:
-            self._shares = shares  # copied once the leads are prefilled (_prefill)
-        else:
-            self._take_shares(cache, running, shares)
-        return leads
+        return leads, shares
 
     def _take_shares(self, cache: KVCache, running: list[_Seq], shares: list[tuple[int, int]]) -> None:
         if not shares:
@@ -245,7 +242,8 @@ class TorchEngine(Engine):
         for b in dst:
             running[b].feed = running[b].prompt[-1]
 
-    def _prefill(self, cache: KVCache, running: list[_Seq], fresh: list[int], greedy: bool) -> None:
+    def _prefill(self, cache: KVCache, running: list[_Seq], fresh: list[int], greedy: bool,
+                 shares: list[tuple[int, int]] = ()) -> None:
         seqs = [running[i] for i in fresh]
         lens = torch.tensor([len(s.prompt) for s in seqs], device=self.device)
         ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(s.prompt, dtype=torch.long) for s in seqs],
@@ -256,7 +254,7 @@ class TorchEngine(Engine):
         cache.bind(rows, lens)
         version = self.refresh_weights()
         hidden = self.model(ids, cols.expand_as(ids), cols[None] < lens[:, None], cache)
-        self._take_shares(cache, running, self._shares)
+        self._take_shares(cache, running, shares)
         self._record(seqs, hidden[torch.arange(len(seqs), device=self.device), lens - 1], version, greedy)
 
     def _decode(self, cache: KVCache, running: list[_Seq], greedy: bool) -> None:
