@@ -43,8 +43,12 @@ class _PackedLinear:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.linear.bias, "none", [], "")
 
 
+# off until tests/integration/test_partial_resume.py[episodes] passes with it (it fails with packing on, cause not found)
+PACK_WEIGHTS = False
+
+
 def _onednn(device: torch.device) -> bool:
-    return device.type == "cpu" and torch.backends.mkldnn.is_available()
+    return PACK_WEIGHTS and device.type == "cpu" and torch.backends.mkldnn.is_available()
 
 
 def _pack_linears(model, dtype: torch.dtype, device: torch.device) -> int:
