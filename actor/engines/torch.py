@@ -43,23 +43,17 @@ class _PackedLinear:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.linear.bias, "none", [], "")
 
 
-# off until tests/integration/test_partial_resume.py[episodes] passes with it (it fails with packing on, cause not found)
-PACK_WEIGHTS = False
-
-
 def _onednn(device: torch.device) -> bool:
-    return PACK_WEIGHTS and device.type == "cpu" and torch.backends.mkldnn.is_available()
+    return device.type == "cpu" and torch.backends.mkldnn.is_available()
 
 
-def _pack_linears(model, dtype: torch.dtype, device: torch.device) -> int:
-    """Packed forwards for the BF16 linears of a CPU model where oneDNN computes BF16 (FP32 ones gain
-    little or lose at decode sizes); how many."""
-    if not (_onednn(device) and dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
-        return 0
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    for m in linears:
-        m.forward = _PackedLinear(m)
-    return len(linears)
+def _pack_linears(model) -> list[_PackedLinear]:
+    """Packed forwards for every linear of ``model``: the engine asks for them for a BF16 body on a CPU where
+    oneDNN computes BF16 (FP32 ones gain little or lose at decode sizes)."""
+    packed = [_PackedLinear(m) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    for p in packed:
+        p.linear.forward = p
+    return packed
 
 
 @dataclass
@@ -114,7 +108,8 @@ class TorchEngine(Engine):
         self.dtype = DTYPES[precision.dtype_name(dtype, self.device)]
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.model.fp32_attn_softmax = fp32_attn_softmax
-        self.packed_linears = _pack_linears(self.model, self.dtype, self.device)
+        bf16 = self.dtype == torch.bfloat16 and _onednn(self.device) and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        self._packed = _pack_linears(self.model) if bf16 else []
         self.spec, self.max_new_tokens, self.max_batch, self.pad_id = spec, max_new_tokens, max_batch, pad_id
         self.eos_ids = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=self.device)
         self.gen = torch.Generator(device=self.device).manual_seed(seed)
@@ -143,6 +138,8 @@ class TorchEngine(Engine):
         applied = self.weights.apply(self._params)
         if applied is not None:
             self._head32 = None
+            for p in self._packed:  # a transport's read may bypass the version counter (preadv into the tensor)
+                p.key = None
         return applied
 
     def _logits(self, hidden) -> torch.Tensor:

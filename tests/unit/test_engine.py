@@ -208,15 +208,19 @@ def test_in_flight_update_versions_and_logprobs(task):
 
 
 class _Scale:
-    """A weight source that scales every parameter in place (address kept: only version counters see it)."""
+    """A weight source that scales every parameter in place (address kept: only version counters see it);
+    ``raw``: writes the bytes as a transport's preadv does, which no version counter sees either."""
 
-    def __init__(self, factor: float):
-        self.factor = factor
+    def __init__(self, factor: float, raw: bool = False):
+        self.factor, self.raw = factor, raw
 
     @torch.no_grad()
     def apply(self, params):
         for v in params.values():
-            v.mul_(self.factor)
+            if self.raw:
+                v.detach().reshape(-1).view(torch.uint8).numpy()[:] = (v * self.factor).reshape(-1).view(torch.uint8)
+            else:
+                v.mul_(self.factor)
         return 1
 
 
@@ -236,22 +240,27 @@ def test_a_bf16_engine_converts_its_fp32_head_once_per_weight_version(task):
     assert torch.allclose(engine._logits(h), 2 * want, rtol=1e-5, atol=1e-5) and engine._head32 is not kept
 
 
-def test_packed_bf16_linears_compute_what_plain_ones_do_and_follow_an_in_place_update(task, monkeypatch):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_packed_linears_compute_what_plain_ones_do_and_follow_every_weight_update(task, dtype, monkeypatch):
+    """The engine packs its linears only for a BF16 body where oneDNN computes BF16; packed by hand here for
+    FP32 too, so the check runs on any CPU. Both engines get the same updates, in place and as raw bytes
+    (a stale layout would answer differently)."""
     import actor.engines.torch as engine_module
 
     prompts = _prompts(task, 4)
-    packed = tiny_engine(dtype="bfloat16", seed=3)
-    if not packed.packed_linears:
+    packed = tiny_engine(dtype=dtype, seed=3)
+    if dtype == "bfloat16" and not packed._packed:
         pytest.skip("oneDNN computes no BF16 on this CPU: the engine keeps plain linears")
-    monkeypatch.setattr(engine_module, "_pack_linears", lambda *a: 0)
-    plain = tiny_engine(dtype="bfloat16", seed=3)
-    for step in range(2):
+    packed._packed = packed._packed or engine_module._pack_linears(packed.model)
+    monkeypatch.setattr(engine_module, "_pack_linears", lambda model: [])
+    plain = tiny_engine(dtype=dtype, seed=3)
+    for update in [_Scale(1.5), _Scale(0.5, raw=True), None]:
         got, want = packed.generate(prompts, greedy=True), plain.generate(prompts, greedy=True)
-        assert [s.tokens for s in got] == [s.tokens for s in want], step
+        assert [s.tokens for s in got] == [s.tokens for s in want]
         for g, w in zip(got, want):
-            assert g.logprobs == pytest.approx(w.logprobs, abs=2e-2), step
-        for engine in (packed, plain):  # the same in-place update: a stale layout would answer differently
-            engine.weights, engine.version = _Scale(1.5), 0
+            assert g.logprobs == pytest.approx(w.logprobs, abs=2e-2 if dtype == "bfloat16" else 1e-4)
+        for engine in (packed, plain) if update else ():
+            engine.weights, engine.version = update, 0
             engine.refresh_weights()
 
 
