@@ -270,19 +270,24 @@ def make_engine(cfg: C.Config, model=None, seed: int | None = None):
 def engine_batch(cfg: C.Config, seed: int = 0):
     """One learner step's worth of real rollouts (``groups_per_step`` prompts x ``group_size``
     samples from the configured engine), collated as the learner receives them."""
+    from learner.batching import collate
+
+    return collate(engine_groups(cfg, seed), learner_version=0)
+
+
+def engine_groups(cfg: C.Config, seed: int = 0) -> list:
+    """:func:`engine_batch`'s groups, as an actor hands them over."""
     import random
 
     from core import messages as M
-    from learner.batching import collate
 
     task, rng = make_task(cfg), random.Random(seed)
     prompts = [task.sample(rng) for _ in range(cfg.learner.groups_per_step)]
     size = cfg.actor.group_size
     flat = make_engine(cfg, seed=seed).generate([list(p.tokens) for p in prompts for _ in range(size)])
-    groups = [M.group_from_samples(flat[i * size:(i + 1) * size], [0.0] * size, actor_id="bench", seq=i,
-                                   group_id=f"b{i}", task=task.name, tier=p.tier, prompt=p.tokens, start_version=0)
-              for i, p in enumerate(prompts)]
-    return collate(groups, learner_version=0)
+    return [M.group_from_samples(flat[i * size:(i + 1) * size], [0.0] * size, actor_id="bench", seq=i,
+                                 group_id=f"b{i}", task=task.name, tier=p.tier, prompt=p.tokens, start_version=0)
+            for i, p in enumerate(prompts)]
 
 
 # ---- running driftrl -------------------------------------------------------------------------------

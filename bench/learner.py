@@ -13,9 +13,10 @@ backend is the configured one (``learner.backend``, ``learner.body_dtype`` under
   process (target >= 0.4: the step's time goes to its matmuls, not to what surrounds them).
   ``flops_frac_of_fp32_matmul``: the same over an FP32 matmul of that shape (the same figure when the
   body is FP32; with a BF16 body on a CPU with AMX it is the looser one, as BF16 matmuls run ~10x faster).
-* ``peak_over_state``: the learner's peak resident memory (VmHWM, reset after the batch is made,
-  so the engine's memory is not counted) over its weights + gradients + AdamW's two moments, all
-  FP32 (target <= 1.5).
+* ``peak_over_state``: the learner's peak resident memory (VmHWM) over its weights + gradients +
+  AdamW's two moments, all FP32 (target <= 1.5). Measured as a learner runs: in a child process with
+  the launcher's allocator settings, on groups another child made with the engine and handed over as
+  msgpack (a learner never hosts an engine, whose weights, cache and free lists are not its own).
 
 The last stdout line is one JSON object: {"bench": "learner", "step_s": ..., "flops_frac_of_matmul":
 ..., "peak_over_state": ..., ...}.
@@ -30,15 +31,20 @@ import gc
 import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import msgspec  # noqa: E402
 import torch  # noqa: E402
 
-from bench.common import engine_batch, format_table, load_avg  # noqa: E402
+from bench.common import engine_groups, format_table, load_avg  # noqa: E402
 from core import config as C  # noqa: E402
+from core import messages as M  # noqa: E402
+from core.launchers.local import ALLOCATOR_ENV  # noqa: E402
 from core import precision  # noqa: E402
 from model.attention import DTYPES  # noqa: E402
 
@@ -79,11 +85,25 @@ def matmul_flops_per_s(tokens: int, hidden: int, inner: int, dtype: torch.dtype,
     return n * 2 * tokens * hidden * inner / (time.perf_counter() - t0)
 
 
-def measure(cfg: C.Config, steps: int) -> dict:
+def in_children(args) -> dict:
+    """:func:`measure` in a child process started as the launcher starts a learner (its allocator settings), on
+    the groups another child made with the engine (:func:`bench.common.engine_groups`), handed over as msgpack."""
+    given = (["--config", args.config] if args.config else []) + [f"-o{o}" for o in args.override]
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "groups.msgpack")
+        subprocess.run([sys.executable, os.path.abspath(__file__), "--groups-to", path, *given], check=True)
+        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--measure", path, "--steps", str(args.steps),
+                              *given], check=True, stdout=subprocess.PIPE, text=True, env={**ALLOCATOR_ENV, **os.environ})
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def measure(cfg: C.Config, steps: int, groups: list[M.RolloutGroup]) -> dict:
     from learner.backends import make_backend
+    from learner.batching import collate
 
     torch.manual_seed(0)
-    batch = engine_batch(cfg)
+    batch = collate(groups, learner_version=0)
+    del groups
     gc.collect()
     torch.set_num_threads(cfg.learner.threads)
     reset_peak()
@@ -118,12 +138,22 @@ def main() -> None:
     ap.add_argument("--config", help="a driftrl config (default: the default job's)")
     ap.add_argument("-o", "--override", action="append", default=[], help="section.key=value")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--groups-to", help=argparse.SUPPRESS)  # the children's parts (in_children)
+    ap.add_argument("--measure", help=argparse.SUPPRESS)
     args = ap.parse_args()
     from jobs import resolve_model
 
     load = load_avg()[0]
     cfg = resolve_model(C.load(args.config, args.override))
-    r = measure(cfg, args.steps)
+    if args.groups_to:
+        with open(args.groups_to, "wb") as f:
+            f.write(M.encode(engine_groups(cfg)))
+        return
+    if args.measure:
+        with open(args.measure, "rb") as f:
+            print(json.dumps(measure(cfg, args.steps, msgspec.msgpack.decode(f.read(), type=list[M.RolloutGroup]))))
+        return
+    r = in_children(args)
     print(f"learner step on {cfg.model.path}: {r['params'] / 1e6:.1f}M params, body {r['body_dtype']}, "
           f"{r['tokens']} padded tokens, {r['threads']} thread(s); load average {load:.2f} -> {load_avg()[0]:.2f}")
     print(format_table(["step s", "GFLOP/step", "GFLOP/s", "matmul GFLOP/s", "of matmul", "of FP32 mm", "peak MB",

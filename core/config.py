@@ -174,6 +174,9 @@ class LearnerSection(_Section):
     fp32_head: bool = True
     logprob_chunk: PosInt = 1024  # tokens per FP32 head chunk
     micro_batch_tokens: NonNegInt = 8192  # gradient accumulation: padded tokens per micro-batch; 0 = one
+    # torch backend: each layer's activations recomputed in backward, only its input kept: the body's
+    # activations no longer scale with micro_batch_tokens x layers, for one more body forward a step
+    checkpoint_layers: bool = False
     threads: PosInt = 1
     device: Device = "auto"
     context_parallel: PosInt = 1  # ranks each sequence is split across (model/context_parallel.py); torch backend

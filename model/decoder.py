@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from model.arch import ArchConfig
 from model.attention import DTYPES, attention_probs, attention_values, body_autocast  # noqa: F401 (re-exports)
@@ -132,6 +133,7 @@ class Decoder(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg)
         self.fp32_attn_softmax = True
+        self.checkpoint_layers = False  # a learner's choice (learner.checkpoint_layers)
 
     @classmethod
     def shapes(cls, cfg: ArchConfig) -> dict[str, tuple[int, ...]]:
@@ -162,8 +164,10 @@ class Decoder(nn.Module):
         bias = torch.zeros(allowed.shape, dtype=torch.float32, device=x.device)
         bias.masked_fill_(~allowed, torch.finfo(torch.float32).min)
         cos, sin = self.rotary(position_ids)
+        again = self.checkpoint_layers and torch.is_grad_enabled()
         for layer in self.model.layers:
-            x = layer(x, cos, sin, bias, cache, self.fp32_attn_softmax, cp)
+            args = (x, cos, sin, bias, cache, self.fp32_attn_softmax, cp)
+            x = checkpoint(layer, *args, use_reentrant=False) if again else layer(*args)
         if cache is not None:
             cache.advance(t)
         return self.model.norm(x)

@@ -196,6 +196,9 @@ class MegatronBackend(TorchBackend):
     name = "megatron"
 
     def _place(self):
+        if self.cfg.learner.checkpoint_layers:
+            raise ConfigError("learner.checkpoint_layers is the torch backend's; learner.backend='megatron' keeps "
+                              "every layer's activations")
         if self.cfg.learner.device not in ("auto", "cpu"):
             raise ConfigError(f"learner.device={self.cfg.learner.device!r}: learner.backend='megatron' runs on the "
                               "CPU here (its CPU shim); use learner.backend=torch for a CUDA learner")

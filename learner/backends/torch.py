@@ -112,6 +112,7 @@ class TorchBackend(Backend):
     def _build_model(self, model_dir: str, model):
         model = (model if model is not None else load_pretrained(model_dir)).float().to(self.device).train()
         model.fp32_attn_softmax = self.cfg.learner.fp32_attn_softmax
+        model.checkpoint_layers = self.cfg.learner.checkpoint_layers
         self.arch = model.cfg  # the checkpoint's config: save_model's config.json
         return model
 

@@ -247,6 +247,11 @@ def test_yarn_attention_factor_megatron_cannot_express_is_refused(ckpt, tmp_path
         MegatronBackend(_cfg(), str(tmp_path / "m"))
 
 
+def test_checkpointed_layers_are_refused_by_name(ckpt):
+    with pytest.raises(ValueError, match=r"learner.checkpoint_layers is the torch backend's"):
+        MegatronBackend(_cfg("learner.checkpoint_layers=true"), ckpt["llama3"])
+
+
 def test_attention_island_is_real_under_megatron(tmp_path):
     """``learner.fp32_attn_softmax`` means the same under both backends: with large attention
     logits (tests/unit/test_attention_island.py's model), a BF16 Megatron body is closer to its

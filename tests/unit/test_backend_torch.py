@@ -208,6 +208,31 @@ def test_micro_batches_accumulate_the_full_batch_gradient(engine_batch, norm):
             assert metrics[other][key] == pytest.approx(metrics[0][key], rel=1e-4, abs=1e-7)
 
 
+def test_checkpointed_layers_keep_fewer_activations_for_the_same_gradient(engine_batch):
+    """learner.checkpoint_layers: the step computes the same gradient and metrics, while what autograd keeps
+    for backward (beyond the weights) is far smaller: each layer's input, not its activations."""
+    grads, metrics, kept = [], [], []
+    rewards = torch.arange(engine_batch.rewards.numel(), dtype=torch.float32).reshape(engine_batch.rewards.shape) % 3
+    for on in (False, True):
+        trainer = Trainer(tiny_cfg("learner.body_dtype=float32", f"learner.checkpoint_layers={str(on).lower()}"), tiny_model())
+        weights = {p.untyped_storage().data_ptr() for p in trainer.model.parameters()}
+        storages = {}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in weights:
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            metrics.append(trainer.forward_backward(dataclasses.replace(engine_batch, rewards=rewards)))
+        grads.append(torch.cat([p.grad.reshape(-1) for p in trainer.model.parameters()]))
+        kept.append(sum(storages.values()))
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-7)
+    for key in ("learner/loss", "ratio/p99", "learner/entropy"):
+        assert metrics[1][key] == pytest.approx(metrics[0][key], rel=1e-5, abs=1e-7)
+    assert kept[1] < 0.5 * kept[0], kept
+
+
 def test_length_buckets_cut_padding_and_keep_every_row_in_place():
     """Rows of mixed lengths: sorted and cut into length buckets, they are padded to far fewer
     tokens than one micro-batch; the order maps every sorted row back to its own."""

@@ -30,6 +30,8 @@ CASES = {  # name: ArchConfig fields (num_attention_heads, num_key_value_heads, 
     "qwen2": dict(model_type="qwen2", num_attention_heads=4, num_key_value_heads=2),
     "qwen3_mqa": dict(model_type="qwen3", num_attention_heads=4, num_key_value_heads=1),
     "heads9_kv3": dict(model_type="llama", num_attention_heads=9, num_key_value_heads=3),
+    # the two ranks recompute each layer in backward (learner.checkpoint_layers), its all-to-alls included
+    "qwen2_checkpointed": dict(model_type="qwen2", num_attention_heads=4, num_key_value_heads=2, checkpoint=True),
 }
 LENGTHS, PROMPT = [4, 4, 9, 13, 18, 7, 16, 11], 3  # rows of 4 (3 prompt tokens) alone in a micro-batch
 
@@ -68,8 +70,11 @@ def _max_diff(a, b) -> float:
 def _case(fields: dict) -> dict:
     from learner.backends.torch import TorchBackend
 
+    fields = dict(fields)
+    again = "true" if fields.pop("checkpoint", False) else "false"
     model, cfgs = _model(fields), [C.load(None, ["learner.body_dtype=float32", "learner.device=cpu",
-                                                  "learner.micro_batch_tokens=8", f"learner.context_parallel={n}"])
+                                                  "learner.micro_batch_tokens=8", f"learner.context_parallel={n}",
+                                                  f"learner.checkpoint_layers={again if n == 2 else 'false'}"])
                                    for n in (1, 2)]
     one, two = (TorchBackend(cfg, "", model=copy.deepcopy(model)) for cfg in cfgs)
     batch = _batch(model.cfg.vocab_size)
