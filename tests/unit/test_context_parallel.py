@@ -124,6 +124,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     results = {name: _case(fields) for name, fields in CASES.items()}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
+    dist.barrier()  # neither rank tears its sockets down while the other still reads from them
     dist.destroy_process_group()
 
 
