@@ -30,8 +30,9 @@ PACK_ROWS = 32  # the rows a packed weight's layout is tuned for (it serves any 
 class _PackedLinear:
     """A BF16 ``nn.Linear``'s forward on a oneDNN copy of its weight laid out for the CPU's matmul kernel once,
     instead of on every call: a decode step's matmuls are small (a row per sequence) and that layout pass was
-    about half of each (1.7-2x at 8-128 rows, same numbers). Laid out again when the weight changes: a new
-    address or an in-place write (its version counter), however a transport applied it."""
+    about half of each (1.7-2x at 8-128 rows, same numbers). Laid out again when the weight changes: on each
+    version the engine applies (``key`` cleared: a transport's preadv writes past the version counter), at
+    a new address, or on an in-place write its version counter sees."""
 
     def __init__(self, linear: torch.nn.Linear):
         self.linear, self.key, self.packed = linear, None, None
