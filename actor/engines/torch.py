@@ -27,6 +27,15 @@ DRAW_CHUNK = 256  # entries per chunk of the sampler's two-level inverse CDF
 PACK_ROWS = 32  # the rows a packed weight's layout is tuned for (it serves any count)
 
 
+def _layout(w: torch.Tensor):
+    """``w`` laid out once for oneDNN's matmul kernel (tuned for PACK_ROWS rows; it serves any count)."""
+    return torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS)
+
+
+def _packed_matmul(x, packed, bias=None):
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 class _PackedLinear:
     """A BF16 ``nn.Linear``'s forward on a oneDNN copy of its weight laid out for the CPU's matmul kernel once,
     instead of on every call: a decode step's matmuls are small (a row per sequence) and that layout pass was
@@ -40,8 +49,8 @@ class _PackedLinear:
     def __call__(self, x):
         w = self.linear.weight
         if self.key != (key := (w.data_ptr(), w._version)):
-            self.packed, self.key = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS), key
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.linear.bias, "none", [], "")
+            self.packed, self.key = _layout(w), key
+        return _packed_matmul(x, self.packed, self.linear.bias)
 
 
 def _onednn(device: torch.device) -> bool:
@@ -150,12 +159,12 @@ class TorchEngine(Engine):
         w = self.model.head_weight()
         if self._head32 is None or self._head32[0] != w.data_ptr():
             w32 = w.float()
-            packed = torch.ops.mkldnn._reorder_linear_weight(w32, PACK_ROWS) if _onednn(self.device) else None
+            packed = _layout(w32) if _onednn(self.device) else None
             self._head32 = (w.data_ptr(), w32, packed)
         _, w32, packed = self._head32
         if packed is None:
             return self.model.logits(hidden, w32)
-        return torch.ops.mkldnn._linear_pointwise(hidden.float(), packed, None, "none", [], "")
+        return _packed_matmul(hidden.float(), packed)
 
     @torch.inference_mode()
     def _stream(self, prompts: list[list[int]], limits: list[int], greedy: bool,
