@@ -27,7 +27,7 @@ from core import funnel, heartbeat, placement
 from core import messages as M
 from core.admission import Admission
 from core.metrics import MetricsWriter
-from core.proc import die_with_parent, setup_logging, stop_event
+from core.proc import die_with_parent, memory_mb, setup_logging, stop_event
 from model.tokenizer import Tokenizer
 from weightsync import check_devices
 from weightsync.base import Stopped
@@ -293,6 +293,7 @@ class RolloutWorker:
             "actor/uniform_frac": float(np.mean([g.seq < 0 for g in groups])),
             "actor/buffer_wait_s": float(self.client.admission_wait_s),
             "actor/version": float(v),
+            **{f"actor/{k}": mb for k, mb in memory_mb().items()},
             "reward/mean": float(np.mean([c.reward for c in done])),
             "length/mean": float(np.mean(lengths)),
             "length/p90": float(np.percentile(lengths, 90)),

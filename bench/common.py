@@ -102,7 +102,8 @@ def summarize_run(records: list[dict], groups_per_step: int, group_size: int) ->
     * learner idle = sum of ``learner/wait_s`` / sum of (wait + step) over every step;
     * actor idle = (sum of ``actor/admission_wait_s`` + final cumulative ``actor/buffer_wait_s``)
       / training wall time, per actor, averaged over actors;
-    * generation = training wall - actor idle (what the actor spent decoding, scoring, sending).
+    * generation = training wall - actor idle (what the actor spent decoding, scoring, sending);
+    * the learner's peak resident memory (its weight files in /dev/shm included) and that shared part.
     """
     lrn = sorted((r for r in records if r.get("role") == "learner" and "learner/step" in r),
                  key=lambda r: r["learner/step"])
@@ -140,6 +141,8 @@ def summarize_run(records: list[dict], groups_per_step: int, group_size: int) ->
         "weightsync_apply_s_est": apply_total,
         "actor_gen_s": wall * (1 - actor_idle) if idle else math.nan,
         "staleness_mean": statistics.fmean(stale) if stale else math.nan,
+        **{f"learner_{k}": max((r[f"learner/{k}"] for r in lrn if f"learner/{k}" in r), default=None)
+           for k in ("peak_rss_mb", "shm_mb")},
     }
 
 

@@ -17,6 +17,10 @@ backend is the configured one (``learner.backend``, ``learner.body_dtype`` under
   AdamW's two moments, all FP32 (target <= 1.5). Measured as a learner runs: in a child process with
   the launcher's allocator settings, on groups another child made with the engine and handed over as
   msgpack (a learner never hosts an engine, whose weights, cache and free lists are not its own).
+  ``live_peak_over_state``: the most the learner's allocations held at once (glibc's ``mallinfo2``,
+  polled every 5 ms during the steps) over the same state: what the learner needs. The difference
+  from ``peak_over_state`` is the heap glibc kept touched around it (fragmentation: the launcher's
+  settings map nothing and return nothing, so a freed block is reused only by what fits in it).
 
 The last stdout line is one JSON object: {"bench": "learner", "step_s": ..., "flops_frac_of_matmul":
 ..., "peak_over_state": ..., ...}.
@@ -27,6 +31,7 @@ The last stdout line is one JSON object: {"bench": "learner", "step_s": ..., "fl
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 import os
@@ -34,6 +39,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -63,6 +69,24 @@ def reset_peak() -> None:
     """VmHWM back to the current RSS (Linux >= 4.0: ``echo 5 > /proc/self/clear_refs``)."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+
+
+def live_heap_peak(stop: threading.Event, out: list) -> None:
+    """Poll glibc's bytes in use (heap and mmapped) until ``stop``; the most, in MB, goes to ``out[0]``
+    (None without glibc >= 2.33)."""
+    try:
+        info = ctypes.CDLL(None).mallinfo2
+    except AttributeError:
+        return
+    info.restype = _MallInfo2
+    while not stop.wait(0.005):
+        m = info()
+        out[0] = max(out[0] or 0.0, (m.uordblks + m.hblkhd) / 2**20)
 
 
 def step_flops(backend, batch) -> float:
@@ -109,11 +133,15 @@ def measure(cfg: C.Config, steps: int, groups: list[M.RolloutGroup]) -> dict:
     reset_peak()
     base_mb = _status_mb("VmRSS")
     backend = make_backend(cfg, cfg.model.path)
-    times = []
+    times, live, stop = [], [None], threading.Event()
+    poller = threading.Thread(target=live_heap_peak, args=(stop, live), daemon=True)
+    poller.start()
     for _ in range(steps + 1):  # the first step pays one-off allocations (AdamW's moments among them)
         t0 = time.perf_counter()
         backend.step(batch)
         times.append(time.perf_counter() - t0)
+    stop.set()
+    poller.join()
     peak_mb = _status_mb("VmHWM")
     flops = step_flops(backend, batch)
     params = sum(p.numel() for p in backend.model.parameters())
@@ -130,7 +158,8 @@ def measure(cfg: C.Config, steps: int, groups: list[M.RolloutGroup]) -> dict:
             "flops_frac_of_matmul": flops / step_s / peak_mm, "fp32_matmul_flops_per_s": fp32_mm,
             "flops_frac_of_fp32_matmul": flops / step_s / fp32_mm, "peak_rss_mb": peak_mb, "base_rss_mb": base_mb,
             "state_mb": state_mb, "peak_over_state": peak_mb / state_mb,
-            "peak_above_base_over_state": (peak_mb - base_mb) / state_mb, "threads": cfg.learner.threads}
+            "peak_above_base_over_state": (peak_mb - base_mb) / state_mb, "live_peak_mb": live[0],
+            "live_peak_over_state": live[0] and live[0] / state_mb, "threads": cfg.learner.threads}
 
 
 def main() -> None:
@@ -157,12 +186,13 @@ def main() -> None:
     print(f"learner step on {cfg.model.path}: {r['params'] / 1e6:.1f}M params, body {r['body_dtype']}, "
           f"{r['tokens']} padded tokens, {r['threads']} thread(s); load average {load:.2f} -> {load_avg()[0]:.2f}")
     print(format_table(["step s", "GFLOP/step", "GFLOP/s", "matmul GFLOP/s", "of matmul", "of FP32 mm", "peak MB",
-                        "base MB", "state MB", "peak/state"],
+                        "base MB", "state MB", "peak/state", "live/state"],
                        [[round(r["step_s"], 3), round(r["step_flops"] / 1e9, 1), round(r["flops_per_s"] / 1e9, 1),
                          round(r["matmul_flops_per_s"] / 1e9, 1), round(r["flops_frac_of_matmul"], 3),
                          round(r["flops_frac_of_fp32_matmul"], 3),
                          round(r["peak_rss_mb"]), round(r["base_rss_mb"]), round(r["state_mb"]),
-                         round(r["peak_over_state"], 2)]]))
+                         round(r["peak_over_state"], 2),
+                         r["live_peak_over_state"] and round(r["live_peak_over_state"], 2)]]))
     print(json.dumps({"bench": "learner", "config": args.config, "overrides": args.override, **r,
                       "load_before": round(load, 2)}))
 

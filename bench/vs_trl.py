@@ -280,6 +280,10 @@ def shared_overrides(args) -> list[str]:
             *args.override]
 
 
+def cell_mb(mb: float | None) -> str:
+    return "–" if mb is None else f"{mb:,.0f} MB"
+
+
 def cell_s(t: float | None) -> str:
     return "not reached" if t is None else f"{t:.0f} s"
 
@@ -349,6 +353,11 @@ def main(argv=None) -> int:
     to_trl_final = {n: time_to_threshold(s["curve"], trl_final) for n, s in sides.items()}
     print(f"\ntime to TRL's final held-out reward {trl_final:.3f}: driftrl {cell_s(to_trl_final['driftrl'])}, "
           f"TRL {cell_s(to_trl_final['trl'])}")
+    # what the learner must hold: FP32 weights, gradients and AdamW's two moments
+    state_mb = sum(p.numel() for p in evaluate.model.parameters()) * 16 / 2**20
+    peak = drift["learner_peak_rss_mb"]
+    print(f"driftrl learner's peak resident memory: {cell_mb(peak)} ({cell_mb(drift['learner_shm_mb'])} of it its "
+          f"weight files in /dev/shm) = {ratio(peak, state_mb) or float('nan'):.2f}x its state ({state_mb:.0f} MB)")
     figures = {
         "bench": "vs_trl",
         "time_to_trl_final_ratio": ratio(to_trl_final["driftrl"], to_trl_final["trl"]),
@@ -362,6 +371,8 @@ def main(argv=None) -> int:
         "time_to_threshold_driftrl_s": drift["time_to_threshold_s"],
         "time_to_threshold_trl_s": trl["time_to_threshold_s"],
         "samples_per_s_driftrl": drift["samples_per_s"], "samples_per_s_trl": trl["samples_per_s"],
+        "learner_peak_over_state": ratio(peak, state_mb), "learner_peak_rss_mb": peak,
+        "learner_shm_mb": drift["learner_shm_mb"], "learner_state_mb": state_mb,
         "load": load, "trl_threads": threads, "trl_thread_probe_samples_per_s": probe,
         "drift_overrides": args.drift_override, "config": args.config, "model": cfg.model.path,
         "task": cfg.task.name, "precision": cfg.learner.body_dtype,

@@ -339,7 +339,9 @@ class Monitor:
             ("learner", Text(fmt(self.get("learner/tokens_per_s"), 0), style="bold"), "tok/s"),
             ("idle", self._scaled("learner/idle_frac", 100, "{}%", 1), "learner"),
             ("groups", fmt(self.get("actor/groups_per_s"), 2), "/s"),
-            ("no signal", self._scaled("actor/uniform_frac", 100, "{}%", 0), "left out"))
+            ("no signal", self._scaled("actor/uniform_frac", 100, "{}%", 0), "left out"),
+            ("memory", self._scaled("learner/rss_mb", 1 / 1024, "{} GB", 1),
+             "learner" + ("" if (p := self.get("learner/peak_rss_mb")) is None else f", peak {fmt(p / 1024, 1)}")))
 
     def _buffer_panel(self):
         drops = ((name, self.get(f"buffer/{key}")) for name, key in _DROPS)

@@ -1,5 +1,5 @@
 """Process plumbing shared by every role: dying with the launcher, a private umask, the
-signal-driven stop flag, logging, and the exit status of a failed write."""
+signal-driven stop flag, logging, the exit status of a failed write, and the memory a role holds."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import resource
 import signal
 import sys
 import threading
@@ -19,6 +20,19 @@ EXIT_WRITE_FAILED = 75
 EXIT_CORRUPT_LOG = 65  # EX_DATAERR: the buffer's store (buffer.durable --drop-damaged) or every checkpoint damaged
 ORPHAN_POLL_S = 0.5
 ORPHAN_GRACE_S = 15.0  # after the launcher is gone: time to stop cleanly before a hard exit
+# /proc/self/status fields -> metric names: resident now, its peak, and the part that is mapped
+# shared memory (a role's weight version files in /dev/shm count there, once per machine)
+_MEMORY = {"VmRSS": "rss_mb", "VmHWM": "peak_rss_mb", "RssShmem": "shm_mb"}
+
+
+def memory_mb() -> dict[str, float]:
+    """This process's resident memory in MB (:data:`_MEMORY`); without /proc only the peak (getrusage)."""
+    try:
+        with open("/proc/self/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+    except OSError:
+        return {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    return {name: int(fields[key].split()[0]) / 1024 for key, name in _MEMORY.items() if key in fields}
 
 
 def die_with_parent() -> None:

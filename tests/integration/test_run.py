@@ -52,9 +52,14 @@ def test_run_end_to_end(tmp_path, cache_dir, staleness, strategy, extra):
     assert max(r["staleness/max"] for r in learner) <= staleness
     for key in ("ratio/p50", "ratio/p99", "ratio/max", "mismatch/kl_k3", "learner/loss"):
         assert all(key in r for r in learner)
+    # each role's memory, and the learner's weight version files in it (in /dev/shm: the shm transport)
+    mem = [r for r in learner if "learner/step_s" in r]
+    assert mem and all(r["learner/peak_rss_mb"] >= r["learner/rss_mb"] > r["learner/shm_mb"] >= 0 for r in mem)
+    assert extra or all(r["learner/shm_mb"] > 0 for r in mem)
     assert all(r["ratio/p50"] is None or 0.5 < r["ratio/p50"] < 2 for r in learner)
     actor = [r for r in recs if r["role"] == "actor" and "reward/mean" in r]
     assert actor and all(0.0 <= r["reward/mean"] <= 1.0 for r in actor)
+    assert all(r["actor/peak_rss_mb"] >= r["actor/rss_mb"] > 0 for r in actor)
     assert all(r["reward/by_tier/default"] == r["reward/mean"] for r in actor)  # arith has one tier
     # actor.skip_uniform_groups (default): this barely trained model gives many groups equal rewards;
     # the actor leaves them out (counted) and the learner reports each step's zero-advantage groups

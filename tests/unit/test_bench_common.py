@@ -47,6 +47,14 @@ def test_summary_counts_samples_idle_and_breakdown():
     assert s["staleness_mean"] == 1.0
 
 
+def test_summary_reports_the_learners_highest_peak_memory_and_none_without_it():
+    recs = [{**_learner(s, 0.1, 0.3), "learner/peak_rss_mb": peak, "learner/shm_mb": shm}
+            for s, peak, shm in ((1, 900.0, 500.0), (2, 1500.0, 1000.0), (3, 1200.0, 1000.0))]
+    s = summarize_run(recs, 4, 2)
+    assert (s["learner_peak_rss_mb"], s["learner_shm_mb"]) == (1500.0, 1000.0)
+    assert summarize_run([_learner(1, 0.1, 0.3)], 4, 2)["learner_peak_rss_mb"] is None  # an older run's metrics
+
+
 def test_summary_averages_actor_idle_over_actors_and_ignores_record_order():
     recs = [_learner(s, 0.0, 0.5) for s in (2, 1)] + [_actor("actor0", 0.5, 0.0), _actor("actor1", 0.0, 0.0)]
     s = summarize_run(recs, 4, 2)

@@ -249,7 +249,7 @@ RENDERED_KEYS = (
     "ratio/p99_by_staleness/0", "ratio/p99_by_staleness/3", "time/elapsed_s", "buffer/depth",
     "buffer/dropped_stale", "buffer/dropped_invalid", "buffer/duplicates",
     "weightsync/publish_s", "weightsync/apply_s", "weightsync/bytes", "weightsync/bytes_per_version",
-    "weightsync/sent_frac", "weightsync/changed_frac",
+    "weightsync/sent_frac", "weightsync/changed_frac", "learner/rss_mb", "learner/peak_rss_mb",
 )
 HOSTILE = (math.inf, -math.inf, math.nan, 1e300, -1e300, 1e308, -1e308, -7.0, 5e-324, 0.0,
            [math.nan], [math.inf, -math.inf, 1.0], [-3.0, 1e300, math.nan], [], [1e308] * 20)

@@ -61,3 +61,14 @@ def test_a_role_that_ignores_sigterm_still_ends_when_its_launcher_dies(tmp_path)
             os.kill(child, signal.SIGKILL)
         if p.poll() is None:
             p.kill()
+
+
+def test_memory_is_reported_and_its_peak_follows_what_the_process_touched():
+    from core.proc import memory_mb
+
+    before = memory_mb()
+    assert before["rss_mb"] > 0 and before["peak_rss_mb"] >= before["rss_mb"] and before["shm_mb"] >= 0
+    block = bytearray(64 << 20)  # zero-filled: every page touched
+    after = memory_mb()
+    assert after["peak_rss_mb"] >= before["rss_mb"] + 60 and after["rss_mb"] >= before["rss_mb"] + 60
+    del block
