@@ -146,6 +146,11 @@ def summarize_run(records: list[dict], groups_per_step: int, group_size: int) ->
     }
 
 
+def learner_state_mb(params: int) -> float:
+    """What a learner must hold for ``params`` parameters: FP32 weights, gradients and AdamW's two moments."""
+    return params * 4 * 4 / 2**20
+
+
 def final_reward(records: list[dict]) -> float | None:
     for r in reversed(records):
         if r.get("eval/final") and isinstance(r.get("eval/reward"), (int, float)):

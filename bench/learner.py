@@ -47,22 +47,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import msgspec  # noqa: E402
 import torch  # noqa: E402
 
-from bench.common import engine_groups, format_table, load_avg  # noqa: E402
+from bench.common import engine_groups, format_table, learner_state_mb, load_avg  # noqa: E402
 from core import config as C  # noqa: E402
 from core import messages as M  # noqa: E402
 from core.launchers.local import ALLOCATOR_ENV  # noqa: E402
+from core.proc import memory_mb  # noqa: E402
 from core import precision  # noqa: E402
 from model.attention import DTYPES  # noqa: E402
 
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm")  # the kernels: a linear or matmul reaches one of these
-
-
-def _status_mb(key: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no {key} in /proc/self/status")
 
 
 def reset_peak() -> None:
@@ -131,7 +124,7 @@ def measure(cfg: C.Config, steps: int, groups: list[M.RolloutGroup]) -> dict:
     gc.collect()
     torch.set_num_threads(cfg.learner.threads)
     reset_peak()
-    base_mb = _status_mb("VmRSS")
+    base_mb = memory_mb()["rss_mb"]
     backend = make_backend(cfg, cfg.model.path)
     times, live, stop = [], [None], threading.Event()
     poller = threading.Thread(target=live_heap_peak, args=(stop, live), daemon=True)
@@ -142,7 +135,7 @@ def measure(cfg: C.Config, steps: int, groups: list[M.RolloutGroup]) -> dict:
         times.append(time.perf_counter() - t0)
     stop.set()
     poller.join()
-    peak_mb = _status_mb("VmHWM")
+    peak_mb = memory_mb()["peak_rss_mb"]
     flops = step_flops(backend, batch)
     params = sum(p.numel() for p in backend.model.parameters())
     body = backend.model.cfg
@@ -152,7 +145,7 @@ def measure(cfg: C.Config, steps: int, groups: list[M.RolloutGroup]) -> dict:
     fp32_mm = peak_mm if dtype == torch.float32 else matmul_flops_per_s(
         tokens, body.hidden_size, body.intermediate_size, torch.float32)
     step_s = statistics.median(times[1:])
-    state_mb = params * 4 * 4 / 2**20  # FP32 weights, gradients, AdamW's exp_avg and exp_avg_sq
+    state_mb = learner_state_mb(params)
     return {"step_s": step_s, "steps": steps, "tokens": tokens, "params": params, "body_dtype": str(dtype),
             "step_flops": flops, "flops_per_s": flops / step_s, "matmul_flops_per_s": peak_mm,
             "flops_frac_of_matmul": flops / step_s / peak_mm, "fp32_matmul_flops_per_s": fp32_mm,

@@ -56,8 +56,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import (  # noqa: E402
-    CpuMeter, HeldOutEval, format_table, json_safe, load_avg, ratio, resolved_config, reward_at, run_driftrl,
-    summarize_run, time_to_threshold, version_times,
+    CpuMeter, HeldOutEval, format_table, json_safe, learner_state_mb, load_avg, ratio, resolved_config, reward_at,
+    run_driftrl, summarize_run, time_to_threshold, version_times,
 )
 
 TRL_THREADS = 2  # default: the same two cores driftrl's actor and learner get, one thread each
@@ -353,8 +353,7 @@ def main(argv=None) -> int:
     to_trl_final = {n: time_to_threshold(s["curve"], trl_final) for n, s in sides.items()}
     print(f"\ntime to TRL's final held-out reward {trl_final:.3f}: driftrl {cell_s(to_trl_final['driftrl'])}, "
           f"TRL {cell_s(to_trl_final['trl'])}")
-    # what the learner must hold: FP32 weights, gradients and AdamW's two moments
-    state_mb = sum(p.numel() for p in evaluate.model.parameters()) * 16 / 2**20
+    state_mb = learner_state_mb(sum(p.numel() for p in evaluate.model.parameters()))
     peak = drift["learner_peak_rss_mb"]
     print(f"driftrl learner's peak resident memory: {cell_mb(peak)} ({cell_mb(drift['learner_shm_mb'])} of it its "
           f"weight files in /dev/shm) = {ratio(peak, state_mb) or float('nan'):.2f}x its state ({state_mb:.0f} MB)")
