@@ -4,8 +4,8 @@ weightsync/files.py) vs. a plain memory copy of the same bytes.
 For two float32 decoder-shaped models (~10M and ~100M parameters) it times, in one process and
 interleaved rep by rep so every figure sees the same machine load:
 
-* ``publish``      learner tensors -> a version file (``ShmPublisher.publish``, the one bulk copy
-                   into a reused file's standing mapping, a rename, a symlink)
+* ``publish``      learner tensors -> a version file (``ShmPublisher.publish``, the one bulk copy:
+                   ``pwrite`` into a reused file, which the learner never maps; a rename, a symlink)
 * ``apply``        what the default fp32 actor does: map the newest file (``ShmSubscriber.apply``
                    rebinding each Parameter's ``.data``; O(tensors), no bytes move)
 * ``apply copy``   copy mode (``zero_copy=False``; what a dtype-converting actor, e.g. bf16, or

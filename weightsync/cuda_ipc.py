@@ -72,11 +72,11 @@ class _Control(ShmPublisher):
         super().__init__(run_dir, {RECORD: owner.records[0]}, max_files=owner.slots)
         self.owner = owner
 
-    def _fill(self, f, named) -> None:
+    def _fill(self, f, named) -> int:
         o = self.owner
         _copy_all(o.views[f.index], [named[n] for n in o.header.names])
         _sync(o.device)
-        f.views[0].copy_(o.records[f.index])
+        return super()._fill(f, {RECORD: o.records[f.index]})
 
     def _no_leases(self) -> None:
         # without leases nothing tells when a reader has finished copying out of a device slot

@@ -25,7 +25,7 @@ import msgspec
 import torch
 
 from core.files import atomic_write
-from core.messages import DeltaHeader, FileHeader, WeightUpdateHeader
+from core.messages import DeltaHeader, FileHeader
 from weightsync import delta, delta_plan, layout
 from weightsync.base import Publisher, Subscriber, _Closable, wait_until
 
@@ -215,31 +215,35 @@ def _read_head(fd: int, path: str, magic: bytes, version: int) -> tuple[int, byt
 
 
 class _File:
-    """A file the publisher made: fd, writable mapping, a view per tensor, its name, ``index`` (kept when reused)."""
+    """A file the publisher made: fd, size, name, ``index`` (kept when reused). Written with ``pwrite``, never mapped
+    here: the version's pages stay in /dev/shm (or the page cache), out of the learner's resident memory."""
 
-    def __init__(self, directory: str, index: int, header: WeightUpdateHeader, payload_at: int):
-        self.name, self.index, size = f".new-{index}", index, payload_at + layout.total_nbytes(header)
+    def __init__(self, directory: str, index: int, size: int):
+        self.name, self.index, self.size = f".new-{index}", index, size
         path = os.path.join(directory, self.name)
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            try:  # the blocks now: a full /dev/shm (Docker's 64 MB) is a clear error, not a SIGBUS mid-copy
-                os.posix_fallocate(self.fd, 0, size)
-            except OSError as e:
-                raise OSError(e.errno, f"cannot reserve {size / 2**20:.0f} MiB for a weight version in {directory} "
-                              f"({e.strerror}); enlarge it (Docker: --shm-size) or use weightsync.transport=filesystem"
-                              ) from None
-            # MAP_POPULATE: one pass over the page tables instead of a fault per page
-            self.mm = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-        except BaseException:
+        try:  # the blocks now: a full /dev/shm (Docker's 64 MB) is a clear error, not a failed copy later
+            os.posix_fallocate(self.fd, 0, size)
+        except OSError as e:
             os.close(self.fd)
             os.unlink(path)
-            raise
-        flat = torch.frombuffer(self.mm, dtype=torch.uint8, count=size - payload_at, offset=payload_at)
-        self.views = list(map(layout.views(header, flat).get, header.names))  # in the header's order
+            raise OSError(e.errno, f"cannot reserve {size / 2**20:.0f} MiB for a weight version in {directory} "
+                          f"({e.strerror}); enlarge it (Docker: --shm-size) or use weightsync.transport=filesystem"
+                          ) from None
+
+    def write(self, at: int, data) -> None:
+        view = memoryview(data).cast("B")
+        while view:  # a single write moves at most ~2 GiB
+            n = os.pwrite(self.fd, view, at)
+            view, at = view[n:], at + n
 
     def close(self) -> None:
-        self.views, self.mm = [], None  # the mapping goes with its last view
         os.close(self.fd)
+
+
+def _raw(t: torch.Tensor):
+    """A tensor's bytes as a buffer (a view where it is a contiguous CPU tensor)."""
+    return t.detach().cpu().reshape(-1).view(torch.uint8).numpy()
 
 
 def _close_store(path: str, lock_fd: int, run_dir: str | None, visible: list, spares: list) -> None:
@@ -292,14 +296,11 @@ class FilePublisher(Publisher):
         if f is None:
             log.warning("weight version %d not published: readers hold all %d files", version, self.max_files)
             return None
-        self._fill(f, named)
-        crc = crc32c.crc32c(memoryview(f.mm)[self.payload_at:]) if self.checksum else -1
+        crc = self._fill(f, named)
         epoch = self.delta.epoch if self.delta else ""  # every full version names the publisher of its deltas
-        raw = _encoder.encode(FileHeader(self.header, self.payload_at, len(f.mm), epoch))
-        head = _head(MAGIC, version, crc, raw)
-        f.mm[: len(head)] = head
+        raw = _encoder.encode(FileHeader(self.header, self.payload_at, f.size, epoch))
+        f.write(0, _head(MAGIC, version, crc, raw))
         if self.durable:
-            f.mm.flush()
             os.fsync(f.fd)
         os.rename(os.path.join(self.dir, f.name), os.path.join(self.dir, f"v{version}"))
         f.name = f"v{version}"
@@ -326,7 +327,7 @@ class FilePublisher(Publisher):
         if self.max_files is not None and len(self.visible) + len(self.spares) >= self.max_files:
             return None
         self._made += 1
-        return _File(self.dir, self._made - 1, self.header, self.payload_at)
+        return _File(self.dir, self._made - 1, self.payload_at + layout.total_nbytes(self.header))
 
     def _no_leases(self) -> None:
         log.warning("%s: this file system grants no leases; every version gets a new file", self.dir)
@@ -335,9 +336,18 @@ class FilePublisher(Publisher):
             self._discard(f)
         self.spares.clear()
 
-    def _fill(self, f: _File, named: Mapping[str, torch.Tensor]) -> None:
-        """Copy the update into ``f``, which no reader can reach (cuda_ipc writes its record here)."""
-        _copy_all(f.views, [named[n] for n in self.header.names])
+    def _fill(self, f: _File, named: Mapping[str, torch.Tensor]) -> int:
+        """Write the update into ``f``, which no reader can reach (cuda_ipc writes its record here); the payload's
+        crc32c with ``checksum`` (its padding is zeros: never written), else -1."""
+        crc, end = 0, 0
+        for start, b in zip(layout.bucket_starts(self.header), self.header.buckets):
+            for name, off in zip(b.names, b.offsets):
+                data = _raw(named[name])
+                if self.checksum:
+                    crc = crc32c.crc32c(data, crc32c.crc32c(bytes(start + off - end), crc))
+                f.write(self.payload_at + start + off, data)
+                end = start + off + data.nbytes
+        return crc32c.crc32c(bytes(layout.total_nbytes(self.header) - end), crc) if self.checksum else -1
 
     def _point(self, name: str) -> None:
         """``LATEST`` -> ``name`` (``v<N>`` or ``d<N>``): a symlink made aside and renamed over it (atomic)."""

@@ -261,6 +261,23 @@ def test_a_mapped_version_is_never_reused_and_a_released_one_is(tmp_path):
     pub.close()
 
 
+@pytest.mark.parametrize("transport", ["shm", "filesystem"])
+def test_the_publisher_maps_none_of_its_versions(tmp_path, transport):
+    """Versions are written, not mapped, by the learner: their pages are the transport's (/dev/shm, the page cache),
+    never in the learner's resident memory; a reader still gets every bit (filesystem: its checksum verified)."""
+    pub = make_publisher(_cfg(transport), str(tmp_path), _model(0))
+    for v in range(4):
+        pub.publish(v, _model(v))
+    with open("/proc/self/maps") as f:
+        mapped = [line for line in f if pub.dir in line]
+    assert mapped == [] and len(pub.visible) + len(pub.spares) >= 2
+    held = {k: torch.zeros_like(v) for k, v in _model(0).items()}
+    sub = make_subscriber(_cfg(transport), str(tmp_path), timeout_s=5)
+    assert sub.apply(held) == 3 and all(_same_bits(held[k], _model(3)[k]) for k in held)
+    sub.close()
+    pub.close()
+
+
 def test_a_copying_reader_keeps_its_version_while_the_publisher_moves_on(tmp_path, monkeypatch):
     pub = ShmPublisher(str(tmp_path), _model(0))
     copier = ShmSubscriber(str(tmp_path), timeout_s=5, zero_copy=False)
