@@ -45,6 +45,18 @@ def _as_oserror(path: str):
         raise OSError(code, os.strerror(code), path) from None
 
 
+def _alone(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` as safetensors writes them (each alone in its storage, contiguous), copied only where one is not:
+    the optimiser's moments are written in place, not as a second model-sized copy (megatron's relabelled views and
+    shared step counters are copied)."""
+    seen, out = set(), {}
+    for k, t in tensors.items():
+        whole = t.is_contiguous() and t.untyped_storage().nbytes() == t.nbytes
+        out[k] = t if whole and t.untyped_storage().data_ptr() not in seen else t.contiguous().clone()
+        seen.add(t.untyped_storage().data_ptr())
+    return out
+
+
 class TorchBackend(Backend):
     name = "torch"
 
@@ -208,8 +220,8 @@ class TorchBackend(Backend):
     def save_state(self, path: str) -> dict:
         self.save_model(os.path.join(path, "model"))
         sd = self._optim_state()
-        tensors = {f"{idx}.{k}": torch.as_tensor(v).detach().contiguous().clone()  # no pickle
-                   for idx, state in sd["state"].items() for k, v in state.items()}
+        tensors = _alone({f"{idx}.{k}": torch.as_tensor(v).detach()  # no pickle
+                          for idx, state in sd["state"].items() for k, v in state.items()})
         with _as_oserror(path):
             save_file(tensors, os.path.join(path, "optim.safetensors"))
             save_file({"torch": torch.get_rng_state()}, os.path.join(path, "rng.safetensors"))

@@ -10,7 +10,7 @@ import torch
 
 from actor.tasks import Prompt
 from learner.backends import NonFiniteError
-from learner.backends.torch import TorchBackend
+from learner.backends.torch import TorchBackend, _alone
 from learner.batching import Batch, by_length, collate, micro_batches
 from model.sampling import sampling_logprobs
 from tests.support.tiny import groups_from_samples, make_group, tiny_cfg, tiny_engine, tiny_model, tiny_task
@@ -272,3 +272,16 @@ def test_ppo_clip_fraction_is_logged_beside_the_ratio_tail_not_over_it(engine_ba
     m = trainer.step(batch)
     assert m["loss/clip_frac"] > 0.1  # ratios ~e^0.5 with A > 0: far outside 1 + 0.0001, clipped
     assert m["ratio/clip_frac"] == 0.0  # none above eps_high = 2
+
+
+def test_a_checkpoint_writes_the_optimiser_state_in_place_and_copies_only_shared_or_partial_tensors():
+    """A whole moment tensor goes to safetensors as it is (no second model-sized copy while saving); a view into a
+    larger tensor, a strided one, or a second reference to a storage already written is copied (safetensors refuses
+    tensors that share memory), with its values."""
+    m, fused, step = torch.randn(8, 4), torch.randn(12, 4), torch.tensor(3.0)
+    out = _alone({"m": m, "q": fused[:4], "k": fused[4:], "t": m.t(), "s1": step, "s2": step})
+    assert out["m"] is m and out["s1"] is step
+    assert all(out[k] is not v and torch.equal(out[k], v) for k, v in
+               {"q": fused[:4], "k": fused[4:], "t": m.t(), "s2": step}.items())
+    ptrs = [t.untyped_storage().data_ptr() for t in out.values()]
+    assert len(set(ptrs)) == len(ptrs) and all(t.is_contiguous() for t in out.values())
