@@ -123,6 +123,16 @@ def funnel_of(run_dir: str):
     return funnel.from_records(read_all(FileTail(os.path.join(run_dir, MERGED_FILE))))
 
 
+def learner_memory(run_dir: str) -> dict[str, float] | None:
+    """The learner's highest resident peak and mapped shared memory over the run, and its state (weights, gradients,
+    AdamW moments), in MB; None before its first step record."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        steps = [r for r in map(json.loads, f) if r.get("role") == "learner" and "learner/state_mb" in r]
+    if not steps:
+        return None
+    return {k: max(r.get(f"learner/{k}") or 0.0 for r in steps) for k in ("peak_rss_mb", "shm_mb", "state_mb")}
+
+
 def first_eval(run_dir: str) -> float | None:
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         evals = (r for r in map(json.loads, f) if r.get("eval/reward") is not None and not r.get("eval/final"))

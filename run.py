@@ -29,7 +29,7 @@ import msgspec
 
 from core import config as C
 from core import launchers
-from jobs import check_seams, first_eval, funnel_of, load_config, resolve_checkpoint, train
+from jobs import check_seams, first_eval, funnel_of, learner_memory, load_config, resolve_checkpoint, train
 from learner import checkpoint
 
 # `driftrl` (the installed command) or `run.py`: usage lines name what the user typed
@@ -150,6 +150,10 @@ def train_main(args) -> int:
           f"-> {final['eval/reward']:.3f}; run dir {result.run_dir}")
     books = funnel_of(result.run_dir)
     print("\n".join(line for line in (books.line() and f"funnel: {books.line()}", books.length_line()) if line))
+    if mem := learner_memory(result.run_dir):
+        print(f"learner memory: peak {mem['peak_rss_mb']:,.0f} MB resident ({mem['shm_mb']:,.0f} MB of it mapped shared)"
+              f" = {mem['peak_rss_mb'] / mem['state_mb']:.2f}x its weights + gradients + AdamW state "
+              f"({mem['state_mb']:,.0f} MB)")
     return 0
 
 

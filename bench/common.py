@@ -103,7 +103,7 @@ def summarize_run(records: list[dict], groups_per_step: int, group_size: int) ->
     * actor idle = (sum of ``actor/admission_wait_s`` + final cumulative ``actor/buffer_wait_s``)
       / training wall time, per actor, averaged over actors;
     * generation = training wall - actor idle (what the actor spent decoding, scoring, sending);
-    * the learner's peak resident memory (its weight files in /dev/shm included) and that shared part.
+    * the learner's peak resident memory and the mapped shared memory in it (none: it writes weight versions unmapped).
     """
     lrn = sorted((r for r in records if r.get("role") == "learner" and "learner/step" in r),
                  key=lambda r: r["learner/step"])
@@ -144,11 +144,6 @@ def summarize_run(records: list[dict], groups_per_step: int, group_size: int) ->
         **{f"learner_{k}": max((r[f"learner/{k}"] for r in lrn if f"learner/{k}" in r), default=None)
            for k in ("peak_rss_mb", "shm_mb")},
     }
-
-
-def learner_state_mb(params: int) -> float:
-    """What a learner must hold for ``params`` parameters: FP32 weights, gradients and AdamW's two moments."""
-    return params * 4 * 4 / 2**20
 
 
 def final_reward(records: list[dict]) -> float | None:

@@ -47,11 +47,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import msgspec  # noqa: E402
 import torch  # noqa: E402
 
-from bench.common import engine_groups, format_table, learner_state_mb, load_avg  # noqa: E402
+from bench.common import engine_groups, format_table, load_avg  # noqa: E402
 from core import config as C  # noqa: E402
 from core import messages as M  # noqa: E402
 from core.launchers.local import ALLOCATOR_ENV  # noqa: E402
-from core.proc import memory_mb  # noqa: E402
+from core.proc import learner_state_mb, memory_mb  # noqa: E402
 from core import precision  # noqa: E402
 from model.attention import DTYPES  # noqa: E402
 

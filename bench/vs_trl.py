@@ -56,9 +56,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import (  # noqa: E402
-    CpuMeter, HeldOutEval, format_table, json_safe, learner_state_mb, load_avg, ratio, resolved_config, reward_at,
+    CpuMeter, HeldOutEval, format_table, json_safe, load_avg, ratio, resolved_config, reward_at,
     run_driftrl, summarize_run, time_to_threshold, version_times,
 )
+from core.proc import learner_state_mb  # noqa: E402
 
 TRL_THREADS = 2  # default: the same two cores driftrl's actor and learner get, one thread each
 
@@ -355,8 +356,8 @@ def main(argv=None) -> int:
           f"TRL {cell_s(to_trl_final['trl'])}")
     state_mb = learner_state_mb(sum(p.numel() for p in evaluate.model.parameters()))
     peak = drift["learner_peak_rss_mb"]
-    print(f"driftrl learner's peak resident memory: {cell_mb(peak)} ({cell_mb(drift['learner_shm_mb'])} of it its "
-          f"weight files in /dev/shm) = {ratio(peak, state_mb) or float('nan'):.2f}x its state ({state_mb:.0f} MB)")
+    print(f"driftrl learner's peak resident memory: {cell_mb(peak)} ({cell_mb(drift['learner_shm_mb'])} of it mapped "
+          f"shared memory) = {ratio(peak, state_mb) or float('nan'):.2f}x its state ({state_mb:.0f} MB)")
     figures = {
         "bench": "vs_trl",
         "time_to_trl_final_ratio": ratio(to_trl_final["driftrl"], to_trl_final["trl"]),

@@ -21,7 +21,7 @@ EXIT_CORRUPT_LOG = 65  # EX_DATAERR: the buffer's store (buffer.durable --drop-d
 ORPHAN_POLL_S = 0.5
 ORPHAN_GRACE_S = 15.0  # after the launcher is gone: time to stop cleanly before a hard exit
 # /proc/self/status fields -> metric names: resident now, its peak, and the part that is mapped
-# shared memory (a role's weight version files in /dev/shm count there, once per machine)
+# shared memory (an actor's mapped weight version in /dev/shm counts there, once per machine)
 _MEMORY = {"VmRSS": "rss_mb", "VmHWM": "peak_rss_mb", "RssShmem": "shm_mb"}
 
 
@@ -33,6 +33,12 @@ def memory_mb() -> dict[str, float]:
     except OSError:
         return {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     return {name: int(fields[key].split()[0]) / 1024 for key, name in _MEMORY.items() if key in fields}
+
+
+def learner_state_mb(params: int) -> float:
+    """What a learner must hold for ``params`` parameters, its memory's yardstick: FP32 weights, gradients and
+    AdamW's two moments."""
+    return params * 4 * 4 / 2**20
 
 
 def die_with_parent() -> None:

@@ -25,7 +25,8 @@ from core import heartbeat
 from core import funnel
 from core import messages as M
 from core.metrics import MetricsWriter
-from core.proc import EXIT_CORRUPT_LOG, EXIT_WRITE_FAILED, die_with_parent, memory_mb, setup_logging, stop_event
+from core.proc import (EXIT_CORRUPT_LOG, EXIT_WRITE_FAILED, die_with_parent, learner_state_mb, memory_mb,
+                       setup_logging, stop_event)
 from core.stats import dense_histogram
 from learner import audit, checkpoint, cp_group, tail
 from learner.backends import NonFiniteError, make_backend
@@ -281,6 +282,7 @@ class LearnerLoop:
             "learner/uniform_groups": float((batch.rewards == batch.rewards[:, :1]).all(dim=1).sum()),
             "learner/skipped_nonfinite": float(self.backend.skipped_nonfinite),
             **{f"learner/{k}": mb for k, mb in memory_mb().items()},
+            "learner/state_mb": learner_state_mb(sum(p.numel() for p in self.backend.model.parameters())),
             **self.control.metrics(),
             "staleness/mean": sum(st) / len(st),
             "staleness/max": float(max(st)),

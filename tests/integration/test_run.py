@@ -52,10 +52,14 @@ def test_run_end_to_end(tmp_path, cache_dir, staleness, strategy, extra):
     assert max(r["staleness/max"] for r in learner) <= staleness
     for key in ("ratio/p50", "ratio/p99", "ratio/max", "mismatch/kl_k3", "learner/loss"):
         assert all(key in r for r in learner)
-    # each role's memory, and the learner's weight version files in it (in /dev/shm: the shm transport)
+    # each role's memory; the learner writes its weight versions without mapping them (the shm transport's files
+    # are /dev/shm's): none of its resident memory is theirs
     mem = [r for r in learner if "learner/step_s" in r]
     assert mem and all(r["learner/peak_rss_mb"] >= r["learner/rss_mb"] > r["learner/shm_mb"] >= 0 for r in mem)
-    assert extra or all(r["learner/shm_mb"] > 0 for r in mem)
+    version_mb = max(r["weightsync/bytes"] for r in learner if "weightsync/bytes" in r) / 2**20
+    assert version_mb > 0 and all(r["learner/shm_mb"] < version_mb for r in mem)
+    held = jobs.learner_memory(result.run_dir)  # what run.py prints at the end: the peak against the state
+    assert held["peak_rss_mb"] == max(r["learner/peak_rss_mb"] for r in mem) > held["state_mb"] > 0
     assert all(r["ratio/p50"] is None or 0.5 < r["ratio/p50"] < 2 for r in learner)
     actor = [r for r in recs if r["role"] == "actor" and "reward/mean" in r]
     assert actor and all(0.0 <= r["reward/mean"] <= 1.0 for r in actor)
