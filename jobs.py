@@ -14,7 +14,7 @@ import msgspec
 
 from actor.tasks import TASKS, make_task, task_class
 from core import config as C
-from core import funnel, launchers, placement, precision
+from core import funnel, launchers, placement, precision, proc
 from core.files import read_json
 from core.metrics import MERGED_FILE, FileTail, read_all
 from learner import checkpoint
@@ -123,14 +123,10 @@ def funnel_of(run_dir: str):
     return funnel.from_records(read_all(FileTail(os.path.join(run_dir, MERGED_FILE))))
 
 
-def learner_memory(run_dir: str) -> dict[str, float] | None:
-    """The learner's highest resident peak and mapped shared memory over the run, and its state (weights, gradients,
-    AdamW moments), in MB; None before its first step record."""
+def learner_memory(run_dir: str) -> dict[str, float | None] | None:
+    """The run's :func:`core.proc.learner_memory`."""
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        steps = [r for r in map(json.loads, f) if r.get("role") == "learner" and "learner/state_mb" in r]
-    if not steps:
-        return None
-    return {k: max(r.get(f"learner/{k}") or 0.0 for r in steps) for k in ("peak_rss_mb", "shm_mb", "state_mb")}
+        return proc.learner_memory(map(json.loads, f))
 
 
 def first_eval(run_dir: str) -> float | None:

@@ -150,8 +150,8 @@ def train_main(args) -> int:
           f"-> {final['eval/reward']:.3f}; run dir {result.run_dir}")
     books = funnel_of(result.run_dir)
     print("\n".join(line for line in (books.line() and f"funnel: {books.line()}", books.length_line()) if line))
-    if mem := learner_memory(result.run_dir):
-        print(f"learner memory: peak {mem['peak_rss_mb']:,.0f} MB resident ({mem['shm_mb']:,.0f} MB of it mapped "
+    if (mem := learner_memory(result.run_dir)) and mem["state_mb"]:
+        print(f"learner memory: peak {mem['peak_rss_mb']:,.0f} MB resident ({mem['shm_mb'] or 0:,.0f} MB of it mapped "
               f"shared) = {mem['peak_rss_mb'] / mem['state_mb']:.2f}x its weights + gradients + AdamW state "
               f"({mem['state_mb']:,.0f} MB)")
     return 0

@@ -24,6 +24,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from core import config as C  # noqa: E402  (core stays torch-free: the pure helpers need no torch)
+from core.proc import learner_memory  # noqa: E402
 
 # benches print their own table: no live view, no periodic status lines
 BENCH_DEFAULTS = ("monitor.live=off", "monitor.refresh_s=3600")
@@ -127,6 +128,7 @@ def summarize_run(records: list[dict], groups_per_step: int, group_size: int) ->
         apply_total += statistics.median(applies) * steps if applies else 0.0
     stale = [r["staleness/mean"] for r in lrn if isinstance(r.get("staleness/mean"), (int, float))]
     actor_idle = statistics.fmean(idle) if idle else math.nan
+    mem = learner_memory(lrn) or {}
     return {
         "steps": steps,
         "samples": steps * groups_per_step * group_size,
@@ -141,8 +143,8 @@ def summarize_run(records: list[dict], groups_per_step: int, group_size: int) ->
         "weightsync_apply_s_est": apply_total,
         "actor_gen_s": wall * (1 - actor_idle) if idle else math.nan,
         "staleness_mean": statistics.fmean(stale) if stale else math.nan,
-        **{f"learner_{k}": max((r[f"learner/{k}"] for r in lrn if f"learner/{k}" in r), default=None)
-           for k in ("peak_rss_mb", "shm_mb")},
+        "learner_peak_rss_mb": mem.get("peak_rss_mb"),
+        "learner_shm_mb": mem.get("shm_mb"),
     }
 
 

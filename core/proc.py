@@ -41,6 +41,16 @@ def learner_state_mb(params: int) -> float:
     return params * 4 * 4 / 2**20
 
 
+def learner_memory(records) -> dict[str, float | None] | None:
+    """The learner's highest resident peak, mapped shared memory and state (MB) over a run's metrics records (None
+    for a key its records lack); None without a learner record carrying its memory."""
+    steps = [r for r in records if r.get("role") == "learner" and "learner/peak_rss_mb" in r]
+    if not steps:
+        return None
+    return {k: max((r[f"learner/{k}"] for r in steps if f"learner/{k}" in r), default=None)
+            for k in ("peak_rss_mb", "shm_mb", "state_mb")}
+
+
 def die_with_parent() -> None:
     """Every role calls this first: umask 077 (a run directory holds CURVE keys and weights), and it ends when the
     launcher dies, even by SIGKILL: the kernel's parent-death signal, and as a fallback (no prctl, or a wait that

@@ -45,6 +45,7 @@ class LearnerLoop:
         self.cfg, self.run_dir, self.stop = cfg, run_dir, stop
         check_devices(cfg)  # as run.py checks it, so a learner started by hand fails the same way
         self.backend = _backend(cfg)
+        self.state_mb = learner_state_mb(sum(p.numel() for p in self.backend.model.parameters()))
         self.ckpt_root = os.path.join(run_dir, "checkpoints")
         self.counts = collections.Counter()  # dropped_stale, skipped_batches, ... (see _emit)
         self.lost_by_len = collections.Counter()  # groups dropped or skipped, by response length
@@ -282,7 +283,7 @@ class LearnerLoop:
             "learner/uniform_groups": float((batch.rewards == batch.rewards[:, :1]).all(dim=1).sum()),
             "learner/skipped_nonfinite": float(self.backend.skipped_nonfinite),
             **{f"learner/{k}": mb for k, mb in memory_mb().items()},
-            "learner/state_mb": learner_state_mb(sum(p.numel() for p in self.backend.model.parameters())),
+            "learner/state_mb": self.state_mb,
             **self.control.metrics(),
             "staleness/mean": sum(st) / len(st),
             "staleness/max": float(max(st)),

@@ -169,14 +169,6 @@ def remove_dead_region(run_dir: str, refuse_live: bool = False) -> int:
     return _remove_shm_dir(run_dir, path)
 
 
-def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    try:  # one C++ call instead of ~1 us of Python per tensor, a visible share for small models
-        torch._foreach_copy_(dst, src)
-    except RuntimeError:  # a combination it does not take (mixed devices); copies are idempotent
-        for d, s in zip(dst, src):
-            d.copy_(s)
-
-
 def _unshared(fd: int) -> bool | None:
     """Whether no other open file (or mapping), in any process, refers to ``fd``'s file: the kernel
     grants a write lease only then. None where leases are not supported."""
